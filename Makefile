@@ -1,0 +1,24 @@
+PYTHON ?= python3
+STAMP := build/.installed
+
+.PHONY: install protos test lint bench demo
+
+# torch is pinned to 2.13.0, the CPU build; pip never pulls a CUDA torch for it here.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m pip install -q -e '.[dev]'
+	@mkdir -p build && touch $(STAMP)
+
+install: $(STAMP)
+
+# Regenerate kvrs/v1 from protos/ (checked in; CI fails on a diff).
+protos: $(STAMP)
+	$(PYTHON) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. protos/kvrs/v1/*.proto
+
+test: $(STAMP)
+	$(PYTHON) -m pytest
+
+lint: $(STAMP)
+	$(PYTHON) -m ruff check kvrs services libkvxfer tests bench
+
+bench: $(STAMP)
+	$(PYTHON) -m bench.control_plane

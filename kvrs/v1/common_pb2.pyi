@@ -1,0 +1,64 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_PREFILL: _ClassVar[Role]
+    ROLE_DECODE: _ClassVar[Role]
+
+class RecoveryAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RECOVERY_ACTION_UNSPECIFIED: _ClassVar[RecoveryAction]
+    RECOVERY_ACTION_MIGRATE: _ClassVar[RecoveryAction]
+    RECOVERY_ACTION_RECOMPUTE: _ClassVar[RecoveryAction]
+    RECOVERY_ACTION_HYBRID: _ClassVar[RecoveryAction]
+    RECOVERY_ACTION_ABORT: _ClassVar[RecoveryAction]
+ROLE_UNSPECIFIED: Role
+ROLE_PREFILL: Role
+ROLE_DECODE: Role
+RECOVERY_ACTION_UNSPECIFIED: RecoveryAction
+RECOVERY_ACTION_MIGRATE: RecoveryAction
+RECOVERY_ACTION_RECOMPUTE: RecoveryAction
+RECOVERY_ACTION_HYBRID: RecoveryAction
+RECOVERY_ACTION_ABORT: RecoveryAction
+
+class Location(_message.Message):
+    __slots__ = ("node", "rack", "pod", "gpu_index")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RACK_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    rack: str
+    pod: str
+    gpu_index: int
+    def __init__(self, node: _Optional[str] = ..., rack: _Optional[str] = ..., pod: _Optional[str] = ..., gpu_index: _Optional[int] = ...) -> None: ...
+
+class TransferEstimate(_message.Message):
+    __slots__ = ("src_instance_id", "dst_instance_id", "kv_bytes", "transfer_s", "tier", "bottleneck_bandwidth_bps", "rtt_s", "telemetry_age_s", "telemetry_stale", "flows_on_path")
+    SRC_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BOTTLENECK_BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_STALE_FIELD_NUMBER: _ClassVar[int]
+    FLOWS_ON_PATH_FIELD_NUMBER: _ClassVar[int]
+    src_instance_id: str
+    dst_instance_id: str
+    kv_bytes: int
+    transfer_s: float
+    tier: int
+    bottleneck_bandwidth_bps: float
+    rtt_s: float
+    telemetry_age_s: float
+    telemetry_stale: bool
+    flows_on_path: int
+    def __init__(self, src_instance_id: _Optional[str] = ..., dst_instance_id: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., tier: _Optional[int] = ..., bottleneck_bandwidth_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., telemetry_age_s: _Optional[float] = ..., telemetry_stale: _Optional[bool] = ..., flows_on_path: _Optional[int] = ...) -> None: ...

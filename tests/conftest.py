@@ -1,0 +1,42 @@
+"""Fixtures shared by every test: the real Redis, isolated per test by a key prefix."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import redis
+
+REDIS_URL = os.environ.get("KVRS_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The Redis every service test uses; a missing Redis fails the run, it is not skipped."""
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.ConnectionError as exc:
+        pytest.fail(f"Redis is required at {REDIS_URL} (start redis-server): {exc}")
+    finally:
+        client.close()
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str):
+    """A fresh hash-tagged key prefix; every key under it is deleted after the test.
+
+    Tests share one Redis database, so they isolate by prefix rather than FLUSHDB, which
+    would wipe a concurrently running test's keys.
+    """
+    prefix = f"{{kvrs-test-{uuid.uuid4().hex[:12]}}}:"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
