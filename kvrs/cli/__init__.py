@@ -1,8 +1,8 @@
 """The `kvrs` command line: one module per subcommand, imported only when it runs.
 
 Each subcommand module defines `register(parser)` (adds its arguments) and
-`run(args) -> int` (the exit status). Modules import heavy dependencies (torch, grpc)
-inside `run`, so `kvrs cost` answers in milliseconds.
+`run(args) -> int` (the exit status). Only the chosen subcommand's module is imported,
+so `kvrs cost` never loads torch or grpc and answers in milliseconds.
 """
 
 from __future__ import annotations
@@ -14,22 +14,25 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "cost": ("kvrs.cli.cost", "print every recovery option's cost as JSON"),
+    "sim": ("kvrs.cli.sim", "run a simulator experiment"),
+    "calibrate": ("kvrs.cli.calibrate", "measure a worker model's prefill/extend profile"),
+    "up": ("kvrs.cli.cluster", "start a local cluster as processes"),
+    "down": ("kvrs.cli.cluster", "stop the local cluster"),
+    "status": ("kvrs.cli.cluster", "show instances, links and slots of a cluster"),
+    "demo": ("kvrs.cli.demo", "run requests through a local cluster and kill a decode worker"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="kvrs", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module_name, help_text) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text)
-        command.set_defaults(_module=module_name)
-        importlib.import_module(module_name).register(command)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return importlib.import_module(args._module).run(args)
+    commands = {name: sub.add_parser(name, help=text) for name, (_, text) in COMMANDS.items()}
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    if chosen is not None:
+        importlib.import_module(COMMANDS[chosen][0]).register(commands[chosen])
+    args = parser.parse_args(argv)
+    return importlib.import_module(COMMANDS[args.command][0]).run(args)
 
 
 if __name__ == "__main__":
