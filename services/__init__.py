@@ -1,0 +1,1 @@
+"""kvrs gRPC services: thin shells over the pure core in `kvrs`."""

@@ -1,0 +1,53 @@
+"""Bootstrap, errors, telemetry, channels and config shared by every kvrs service."""
+
+from services.common.channels import DEFAULT_RPC_TIMEOUT_S, open_channel
+from services.common.config import (
+    ConfigError,
+    GrpcSettings,
+    TlsConfig,
+    env_bool,
+    env_float,
+    env_int,
+    env_str,
+)
+from services.common.errors import ErrorInterceptor, status_for
+from services.common.redis_store import DEFAULT_KEY_PREFIX, Keys, connect_redis
+from services.common.server import (
+    ServerHandle,
+    configure_logging,
+    run_until_signal,
+    start_server,
+)
+from services.common.telemetry import (
+    client_interceptors,
+    context_from_traceparent,
+    server_interceptors,
+    setup_tracing,
+    traceparent,
+)
+
+__all__ = [
+    "DEFAULT_KEY_PREFIX",
+    "DEFAULT_RPC_TIMEOUT_S",
+    "ConfigError",
+    "ErrorInterceptor",
+    "GrpcSettings",
+    "Keys",
+    "ServerHandle",
+    "TlsConfig",
+    "client_interceptors",
+    "configure_logging",
+    "connect_redis",
+    "context_from_traceparent",
+    "env_bool",
+    "env_float",
+    "env_int",
+    "env_str",
+    "open_channel",
+    "run_until_signal",
+    "server_interceptors",
+    "setup_tracing",
+    "start_server",
+    "status_for",
+    "traceparent",
+]

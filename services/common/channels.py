@@ -1,0 +1,71 @@
+"""Client channels with tracing, TLS, message limits and retries of idempotent calls."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+from opentelemetry.sdk.trace import TracerProvider
+
+from services.common.config import GrpcSettings
+from services.common.telemetry import client_interceptors
+
+DEFAULT_RPC_TIMEOUT_S = 5.0
+
+
+def _retry_service_config(idempotent_services: tuple[str, ...]) -> str:
+    """gRPC's own retry policy: UNAVAILABLE is retried, only on the named services."""
+    if not idempotent_services:
+        return json.dumps({})
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": [{"service": name} for name in idempotent_services],
+                    "retryPolicy": {
+                        "maxAttempts": 4,
+                        "initialBackoff": "0.05s",
+                        "maxBackoff": "1s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"],
+                    },
+                }
+            ]
+        }
+    )
+
+
+def channel_credentials(settings: GrpcSettings) -> grpc.ChannelCredentials | None:
+    tls = settings.tls
+    if not tls.enabled:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.read(tls.ca_file),
+        private_key=tls.read(tls.key_file),
+        certificate_chain=tls.read(tls.cert_file),
+    )
+
+
+def open_channel(
+    address: str,
+    settings: GrpcSettings,
+    provider: TracerProvider | None = None,
+    idempotent_services: tuple[str, ...] = (),
+) -> grpc.aio.Channel:
+    """A grpc.aio channel to `address`; retries UNAVAILABLE only for `idempotent_services`.
+
+    Every kvrs mutating RPC carries a request id and is idempotent on it, so services
+    list their full names (e.g. "kvrs.v1.SlotBrokerService") to enable retries.
+    """
+    options = [
+        *settings.channel_options(),
+        ("grpc.service_config", _retry_service_config(idempotent_services)),
+        ("grpc.enable_retries", 1),
+    ]
+    interceptors = client_interceptors(provider) if provider is not None else None
+    credentials = channel_credentials(settings)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        address, credentials, options=options, interceptors=interceptors
+    )

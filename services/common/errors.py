@@ -1,0 +1,105 @@
+"""One mapping from exceptions to gRPC status codes, shared by every kvrs server.
+
+    KvrsError (kvrs.errors)            -> its own `code` (INVALID_ARGUMENT, NOT_FOUND, ...)
+    redis ConnectionError/TimeoutError -> UNAVAILABLE   ("redis unreachable")
+    grpc.aio.AioRpcError from a peer   -> UNAVAILABLE or DEADLINE_EXCEEDED, else INTERNAL
+    anything else                      -> INTERNAL with a generic message; traceback logged
+
+Servicers raise domain errors; they never build status codes themselves.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import redis.exceptions
+
+from kvrs.errors import KvrsError
+
+log = logging.getLogger(__name__)
+
+_PEER_CODES_PASSED_THROUGH = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status and message an exception maps to; None when it is unexpected."""
+    if isinstance(exc, KvrsError):
+        return grpc.StatusCode[exc.code], str(exc)
+    if isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
+        return grpc.StatusCode.UNAVAILABLE, f"redis unreachable: {exc}"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        if exc.code() in _PEER_CODES_PASSED_THROUGH:
+            return exc.code(), f"peer: {exc.details()}"
+    return None
+
+
+async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
+    mapped = status_for(exc)
+    if mapped is None:
+        log.exception("unexpected error in %s", method)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
+    code, message = mapped
+    log.debug("%s -> %s: %s", method, code.name, message)
+    await context.abort(code, message)
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped or logged with traceback
+            await _abort_for(exc, context, method)
+
+    return wrapped
+
+
+def _wrap_stream(behavior: Callable[..., Any], method: str):
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            result = behavior(request, context)
+            if inspect.isasyncgen(result):
+                async for item in result:
+                    yield item
+            else:
+                await result
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped or logged with traceback
+            await _abort_for(exc, context, method)
+
+    return wrapped
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions escaping a servicer into precise status codes (see module doc)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler

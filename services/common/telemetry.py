@@ -1,0 +1,79 @@
+"""Tracing setup: an OTLP-exporting tracer provider per process, passed explicitly.
+
+Nothing here sets module-level tracers: each service builds one provider at start
+(`setup_tracing`) and hands it to its server, clients and domain code. The gRPC
+interceptors propagate W3C trace context across every hop, and `traceparent()` /
+`context_from_traceparent()` carry it where gRPC metadata cannot (libkvxfer transfers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry.instrumentation.grpc import (
+    aio_client_interceptors,
+    aio_server_interceptor,
+    filters,
+)
+from opentelemetry.propagate import extract, inject
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+
+NOT_HEALTH_CHECK = filters.negate(filters.health_check())
+
+
+def setup_tracing(
+    service_name: str,
+    exporter: SpanExporter | None = None,
+    env: Mapping[str, str] | None = None,
+) -> TracerProvider:
+    """A provider for `service_name` (OTEL_SERVICE_NAME wins when set).
+
+    With `exporter` given (tests: an in-memory exporter) spans go there synchronously;
+    otherwise they are batched to OTEL_EXPORTER_OTLP_ENDPOINT when it is set, and only
+    recorded in-process when it is not.
+    """
+    source = os.environ if env is None else env
+    name = source.get("OTEL_SERVICE_NAME") or service_name
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    elif source.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        endpoint = source["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        insecure = source.get("OTEL_EXPORTER_OTLP_INSECURE", "true").lower() != "false"
+        provider.add_span_processor(
+            BatchSpanProcessor(
+                OTLPSpanExporter(endpoint=endpoint, insecure=insecure),
+                schedule_delay_millis=500,
+            )
+        )
+    return provider
+
+
+def server_interceptors(provider: TracerProvider) -> list:
+    """The tracing interceptor for a grpc.aio server, health checks left out."""
+    return [aio_server_interceptor(tracer_provider=provider, filter_=NOT_HEALTH_CHECK)]
+
+
+def client_interceptors(provider: TracerProvider) -> list:
+    """Tracing interceptors for a grpc.aio channel, health checks left out."""
+    return aio_client_interceptors(tracer_provider=provider, filter_=NOT_HEALTH_CHECK)
+
+
+def traceparent() -> str:
+    """The current span's W3C `traceparent`, or "" outside any span."""
+    carrier: dict[str, str] = {}
+    inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+def context_from_traceparent(value: str) -> otel_context.Context:
+    """A context whose parent is the span named by `value` (empty: the current context)."""
+    if not value:
+        return otel_context.get_current()
+    return extract({"traceparent": value})

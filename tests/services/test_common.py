@@ -1,0 +1,108 @@
+"""The shared server bootstrap: error mapping, health, reflection, TLS settings."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvrs.errors import InvalidArgument, NotFound
+from services.common import GrpcSettings, open_channel, setup_tracing, start_server
+from services.common.config import ConfigError, TlsConfig
+
+SERVICE = "kvrs.test.Probe"
+Request = health_pb2.HealthCheckRequest
+Response = health_pb2.HealthCheckResponse
+
+
+async def _unary(request, context):
+    if request.service == "invalid":
+        raise InvalidArgument("service", "must not be 'invalid'")
+    if request.service == "missing":
+        raise NotFound("instance 'missing' is not registered")
+    if request.service == "crash":
+        raise RuntimeError("secret internal detail")
+    return Response(status=Response.SERVING)
+
+
+async def _stream(request, context):
+    yield Response(status=Response.SERVING)
+    if request.service == "invalid":
+        raise InvalidArgument("service", "rejected mid-stream")
+
+
+def _register(server: grpc.aio.Server) -> None:
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(
+            _unary, Request.FromString, Response.SerializeToString
+        ),
+        "Stream": grpc.unary_stream_rpc_method_handler(
+            _stream, Request.FromString, Response.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+@pytest.fixture
+async def probe_channel():
+    settings = GrpcSettings()
+    provider = setup_tracing("test", exporter=InMemorySpanExporter())
+    handle = await start_server(_register, [SERVICE], "127.0.0.1:0", settings, provider)
+    channel = open_channel(f"127.0.0.1:{handle.port}", settings)
+    yield channel
+    await channel.close()
+    await handle.stop(0)
+
+
+def _unary_call(channel):
+    return channel.unary_unary(
+        f"/{SERVICE}/Unary", Request.SerializeToString, Response.FromString
+    )
+
+
+async def test_domain_errors_map_to_their_status_and_name_the_field(probe_channel):
+    call = _unary_call(probe_channel)
+    with pytest.raises(grpc.aio.AioRpcError) as invalid:
+        await call(Request(service="invalid"), timeout=5)
+    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert invalid.value.details().startswith("service:")
+    with pytest.raises(grpc.aio.AioRpcError) as missing:
+        await call(Request(service="missing"), timeout=5)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_unexpected_errors_are_internal_without_leaking_details(probe_channel):
+    with pytest.raises(grpc.aio.AioRpcError) as crash:
+        await _unary_call(probe_channel)(Request(service="crash"), timeout=5)
+    assert crash.value.code() == grpc.StatusCode.INTERNAL
+    assert "secret" not in crash.value.details()
+    reply = await _unary_call(probe_channel)(Request(service="ok"), timeout=5)
+    assert reply.status == Response.SERVING
+
+
+async def test_stream_errors_are_mapped_after_items(probe_channel):
+    call = probe_channel.unary_stream(
+        f"/{SERVICE}/Stream", Request.SerializeToString, Response.FromString
+    )
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        async for item in call(Request(service="invalid"), timeout=5):
+            received.append(item)
+    assert len(received) == 1
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_health_reports_serving_for_the_service(probe_channel):
+    stub = health_pb2_grpc.HealthStub(probe_channel)
+    reply = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_tls_config_names_the_bad_variable(tmp_path):
+    with pytest.raises(ConfigError, match="KVRS_TLS_CA_FILE"):
+        TlsConfig.from_env({"KVRS_TLS_CA_FILE": str(tmp_path / "absent.pem")})
+    cert = tmp_path / "cert.pem"
+    cert.write_text("x")
+    with pytest.raises(ConfigError, match="KVRS_TLS_KEY_FILE"):
+        TlsConfig.from_env({"KVRS_TLS_CERT_FILE": str(cert)})
