@@ -11,6 +11,7 @@ from services.common.config import (
     env_str,
 )
 from services.common.errors import ErrorInterceptor, status_for
+from services.common.metrics import Metrics, serve_metrics
 from services.common.redis_store import DEFAULT_KEY_PREFIX, Keys, connect_redis
 from services.common.server import (
     ServerHandle,
@@ -33,6 +34,7 @@ __all__ = [
     "ErrorInterceptor",
     "GrpcSettings",
     "Keys",
+    "Metrics",
     "ServerHandle",
     "TlsConfig",
     "client_interceptors",
@@ -45,6 +47,7 @@ __all__ = [
     "env_str",
     "open_channel",
     "run_until_signal",
+    "serve_metrics",
     "server_interceptors",
     "setup_tracing",
     "start_server",

@@ -1,0 +1,76 @@
+"""Prometheus metrics: one registry per process, every kvrs metric family defined once.
+
+Each service builds a `Metrics` at start (never a module global), passes it to the code
+that records, and exposes it with `serve_metrics` on `KVRS_METRICS_ADDR` (host:port;
+empty disables). Families a service does not use simply stay at zero.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass
+class Metrics:
+    """All kvrs metric families, registered in a private registry."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.decisions = Counter(
+            "kvrs_decisions", "Decisions made, by kind and action.", ["decision", "action"],
+            registry=r,
+        )
+        self.decision_latency_s = Histogram(
+            "kvrs_decision_latency_seconds", "Time to make one decision in-process.",
+            ["decision"], buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+            registry=r,
+        )
+        self.recovery_predicted_s = Histogram(
+            "kvrs_recovery_predicted_seconds", "Predicted recovery time, by action.",
+            ["action"], buckets=_SECONDS_BUCKETS, registry=r,
+        )
+        self.recovery_actual_s = Histogram(
+            "kvrs_recovery_actual_seconds", "Measured recovery time, by action.",
+            ["action"], buckets=_SECONDS_BUCKETS, registry=r,
+        )
+        self.telemetry_age_s = Gauge(
+            "kvrs_telemetry_age_seconds", "Age of the cluster view a decision used.",
+            registry=r,
+        )
+        self.slots_in_use = Gauge(
+            "kvrs_slots_in_use", "Migration slots currently leased.", registry=r,
+        )
+        self.slot_requests = Counter(
+            "kvrs_slot_requests", "Slot reservations, by outcome.", ["outcome"], registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "kvrs_transfer_bytes", "KV bytes moved, by direction.", ["direction"], registry=r,
+        )
+        self.transfer_rate_bps = Histogram(
+            "kvrs_transfer_rate_bps", "Achieved KV transfer rate in bits per second.",
+            buckets=(1e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e11), registry=r,
+        )
+        self.requests = Counter(
+            "kvrs_requests", "Requests served end to end, by outcome.", ["outcome"], registry=r,
+        )
+
+
+def serve_metrics(metrics: Metrics, addr: str) -> int | None:
+    """Expose `metrics` over HTTP at `addr` ("host:port"; port 0 picks one). Returns the port."""
+    if not addr:
+        return None
+    host, _, port = addr.rpartition(":")
+    host = host or "0.0.0.0"
+    server, _thread = start_http_server(int(port), addr=host, registry=metrics.registry)
+    bound = server.server_address[1]
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return bound
