@@ -1,0 +1,109 @@
+"""The snapshot of the cluster a decision sees: per-instance load, memory and cached prefixes."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from kvrs.topology import Role
+
+__all__ = ["ClusterView", "InstanceList", "InstanceState"]
+
+
+@dataclass(frozen=True)
+class InstanceState:
+    """One instance as gossip last reported it."""
+
+    instance_id: str
+    role: Role
+    wait_s: float = 0.0
+    """W(x): seconds of work queued ahead of a new request."""
+    queue_depth: int = 0
+    running_requests: int = 0
+    free_kv_tokens: int = 2**62
+    """Free KV memory, in tokens of the served model."""
+    resident_blocks: frozenset[int] = frozenset()
+    """Hashes of the prefix blocks whose KV the instance holds."""
+    age_s: float = 0.0
+    """How old this report is."""
+    address: str = ""
+    transfer_address: str = ""
+    alive: bool = True
+
+
+class InstanceList(list[InstanceState]):
+    """A read-only list of instances that carries caches derived from it.
+
+    Views hand the same list to every decision, and placement caches per-list columns
+    (waits, free memory, path terms) on it; both are only sound if nobody edits the
+    list, so every mutating method raises. Copy it (`list(x)`, a comprehension) to edit.
+    """
+
+    __slots__ = ("derived",)
+
+    def __init__(self, items: Iterable[InstanceState] = ()) -> None:
+        super().__init__(items)
+        self.derived: dict[Any, Any] = {}
+
+
+def _read_only(name: str) -> Any:
+    def refuse(self: InstanceList, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"InstanceList is read-only ({name}); copy it with list() to edit")
+
+    refuse.__name__ = name
+    return refuse
+
+
+for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
+              "__setitem__", "__delitem__", "__iadd__", "__imul__"):
+    setattr(InstanceList, _name, _read_only(_name))
+
+
+@dataclass
+class ClusterView:
+    """Every instance's state at one moment, as one decision (or a batch of them) sees it.
+
+    `instances` is stored read-only: a view is a snapshot, and the instance lists derived
+    from it are cached. To change an instance, assign a new mapping (or build a new
+    view, which is cheap) — never edit one in place.
+    """
+
+    instances: Mapping[str, InstanceState]
+    now_s: float
+    view_age_s: float = 0.0
+    """Age of the oldest gossip the view is built from."""
+    stale: bool = False
+    """The view is older than the staleness bound (e.g. the gossip store is unreachable)."""
+    _lists: dict[Any, InstanceList] = field(default_factory=dict, init=False, repr=False,
+                                            compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "instances":
+            value = MappingProxyType(dict(value))
+            self.__dict__.get("_lists", {}).clear()
+        super().__setattr__(name, value)
+
+    def decode_instances(self, exclude: Collection[str] = ()) -> InstanceList:
+        """Alive decode instances, sorted by id, minus `exclude`."""
+        return self._alive(Role.DECODE, exclude)
+
+    def prefill_instances(self, exclude: Collection[str] = ()) -> InstanceList:
+        """Alive prefill instances, sorted by id, minus `exclude`."""
+        return self._alive(Role.PREFILL, exclude)
+
+    def _alive(self, role: Role, exclude: Collection[str]) -> InstanceList:
+        if exclude:
+            return InstanceList(s for s in self._alive(role, ()) if s.instance_id not in exclude)
+        cached = self._lists.get(role)
+        if cached is None:
+            cached = self._lists[role] = InstanceList(sorted(
+                (s for s in self.instances.values() if s.alive and s.role is role),
+                key=lambda s: s.instance_id))
+        return cached
+
+    def get(self, instance_id: str) -> InstanceState | None:
+        """The state of `instance_id`, None when the view does not know it."""
+        return self.instances.get(instance_id)
+

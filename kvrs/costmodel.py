@@ -1,0 +1,65 @@
+"""The cost model a decision uses: KV size, transfer time and compute time of one model."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvrs.errors import InvalidArgument
+from kvrs.model import ModelSpec
+from kvrs.network import NetworkModel, TransferEstimate
+from kvrs.profile import ComputeProfile
+from kvrs.topology import LinkId
+from kvrs.units import BITS_PER_BYTE
+
+__all__ = ["CostModel", "prefix_hit_tokens"]
+
+
+class CostModel:
+    """S(L), T_x, T_pf and T_ext for one served model, over one network model."""
+
+    def __init__(self, model: ModelSpec, compute: ComputeProfile, network: NetworkModel):
+        self.model = model
+        self.compute = compute
+        self.network = network
+        self.kv_bytes_per_token = model.kv_bytes_per_token
+        self.kv_bits_per_token = BITS_PER_BYTE * model.kv_bytes_per_token
+
+    def kv_bytes(self, tokens: int) -> int:
+        """S(L)."""
+        return self.model.kv_bytes(tokens)
+
+    def transfer(
+        self, src_id: str, dst_id: str, tokens: int, now_s: float,
+        extra_flows: Mapping[LinkId, int] | None = None,
+    ) -> TransferEstimate:
+        """T_x(src, dst, S(tokens))."""
+        return self.network.transfer(src_id, dst_id, self.model.kv_bytes(tokens), now_s,
+                                     extra_flows)
+
+    def prefill_s(self, tokens: int) -> float:
+        """T_pf(L)."""
+        return self.compute.prefill_s(tokens)
+
+    def extend_s(self, cached_tokens: int, new_tokens: int) -> float:
+        """T_ext(L0, g)."""
+        return self.compute.extend_s(cached_tokens, new_tokens)
+
+
+def prefix_hit_tokens(
+    prefix_hashes: Sequence[int], resident: frozenset[int], block_tokens: int,
+    prompt_tokens: int,
+) -> int:
+    """Tokens of the prompt whose KV `resident` already holds: the leading resident blocks.
+
+    Counting stops at the first missing block, because a block's KV depends on every
+    token before it; the result is capped at the prompt's length (the last block may be
+    partial).
+    """
+    if prompt_tokens < 0:
+        raise InvalidArgument("prompt_tokens", f"must be >= 0, got {prompt_tokens}")
+    blocks = 0
+    for block_hash in prefix_hashes:
+        if block_hash not in resident:
+            break
+        blocks += 1
+    return min(blocks * block_tokens, prompt_tokens)

@@ -1,0 +1,221 @@
+"""T_x(src, dst, bytes): transfer time over the real path, from topology, telemetry and flows.
+
+The effective bandwidth of a transfer is its share of the path's bottleneck. Per link:
+capacity / (flows on the link + 1), the minimum over the path's links. A fresh measured
+estimate of the (src, dst) path replaces the topology's capacity as the base — it already
+contains the background traffic the topology cannot know — and is divided by the flows
+this model knows about on the busiest link of the path, plus one for the new transfer.
+A measurement older than the staleness bound is ignored (and flagged in the estimate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvrs.errors import InvalidArgument
+from kvrs.estimator import LinkEstimate, StalenessPolicy
+from kvrs.topology import LinkId, Tier, Topology
+from kvrs.units import BITS_PER_BYTE
+
+__all__ = ["DEFAULT_STALENESS", "NetworkModel", "TransferEstimate"]
+
+DEFAULT_STALENESS = StalenessPolicy()
+
+
+@dataclass(frozen=True)
+class TransferEstimate:
+    """A predicted transfer and every input that went into it (for traces and tests)."""
+
+    src_id: str
+    dst_id: str
+    kv_bytes: int
+    transfer_s: float
+    tier: Tier
+    bottleneck_bps: float
+    """This transfer's share of the bottleneck link."""
+    rtt_s: float
+    telemetry_age_s: float
+    """Age of the path's bandwidth measurement; -1 when there is none."""
+    telemetry_stale: bool
+    """A measurement existed but was too old, so topology capacity was used."""
+    flows_on_path: int
+    """Other flows on the bottleneck link, counted in the share."""
+
+
+class _Path:
+    """Everything about one (src, dst) path that does not depend on extra flows.
+
+    Valid while the model's inputs are unchanged and `lo_s < now_s <= hi_s` (the
+    interval in which the measurement keeps its fresh/stale status).
+    """
+
+    __slots__ = ("links", "caps", "known", "tier", "rtt_s", "measured_bps", "estimate",
+                 "stale", "lo_s", "hi_s", "bps", "bottleneck", "flows")
+
+    links: tuple[LinkId, ...]
+    caps: tuple[float, ...]
+    known: tuple[int, ...]
+    tier: Tier
+    rtt_s: float
+    measured_bps: float
+    estimate: LinkEstimate | None
+    stale: bool
+    lo_s: float
+    hi_s: float
+    bps: float
+    bottleneck: LinkId | None
+    flows: int
+
+
+class NetworkModel:
+    """Predicts transfer times; holds the telemetry and flow counts a decision sees."""
+
+    def __init__(self, topology: Topology, staleness: StalenessPolicy = DEFAULT_STALENESS):
+        self.topology = topology
+        self.staleness = staleness
+        self._estimates: dict[tuple[str, str], LinkEstimate] = {}
+        self._flows: dict[LinkId, int] = {}
+        self._paths: dict[tuple[str, str], _Path] = {}
+        self._inputs_version = 0
+        self._topology_version = topology.version
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """Changes whenever estimates, flows or the topology change (for derived caches)."""
+        return self._inputs_version, self.topology.version
+
+    @property
+    def flows(self) -> Mapping[LinkId, int]:
+        """The flows now on each link, as last set."""
+        return dict(self._flows)
+
+    def link_estimate(self, src_id: str, dst_id: str) -> LinkEstimate | None:
+        """The measured estimate of the path, fresh or not; None when never measured."""
+        return self._estimates.get((src_id, dst_id))
+
+    def set_link_estimate(self, src_id: str, dst_id: str, estimate: LinkEstimate) -> None:
+        """Record the prober's estimate for the (src, dst) path."""
+        self.topology.instance(src_id)
+        self.topology.instance(dst_id)
+        if not estimate.bandwidth_bps > 0.0:
+            raise InvalidArgument("bandwidth_bps", f"must be > 0, got {estimate.bandwidth_bps}")
+        self._estimates[(src_id, dst_id)] = estimate
+        self._paths.pop((src_id, dst_id), None)
+        self._inputs_version += 1
+
+    def set_flows(self, flows: Mapping[LinkId, int]) -> None:
+        """Replace the flows known to be on each link (transfers in progress)."""
+        for link, count in flows.items():
+            if count < 0:
+                raise InvalidArgument("flows", f"{link}: count must be >= 0, got {count}")
+        self._flows = {link: int(count) for link, count in flows.items() if count}
+        self._paths.clear()
+        self._inputs_version += 1
+
+    def rate_and_rtt(
+        self, src_id: str, dst_id: str, now_s: float,
+        extra_flows: Mapping[LinkId, int] | None = None,
+    ) -> tuple[float, float]:
+        """(bandwidth_bps, rtt_s) of the path: the hot-path form of `transfer`."""
+        path = self._path(src_id, dst_id, now_s)
+        if not extra_flows or not path.links:
+            return path.bps, path.rtt_s
+        return _share(path, extra_flows)[0], path.rtt_s
+
+    def tier(self, src_id: str, dst_id: str) -> Tier:
+        """The topology tier of the path."""
+        return self.topology.tier(src_id, dst_id)
+
+    def bandwidth_bps(
+        self, src_id: str, dst_id: str, now_s: float,
+        extra_flows: Mapping[LinkId, int] | None = None,
+    ) -> tuple[float, LinkId | None]:
+        """B_eff of the path and its bottleneck link (None to itself: infinite bandwidth)."""
+        path = self._path(src_id, dst_id, now_s)
+        if not extra_flows or not path.links:
+            return path.bps, path.bottleneck
+        bps, link, _ = _share(path, extra_flows)
+        return bps, link
+
+    def transfer(
+        self, src_id: str, dst_id: str, kv_bytes: int, now_s: float,
+        extra_flows: Mapping[LinkId, int] | None = None,
+    ) -> TransferEstimate:
+        """T_x: seconds to move `kv_bytes` from `src_id` to `dst_id`; 0 for nothing to move."""
+        if kv_bytes < 0:
+            raise InvalidArgument("kv_bytes", f"must be >= 0, got {kv_bytes}")
+        path = self._path(src_id, dst_id, now_s)
+        if not extra_flows or not path.links:
+            bps, link, flows = path.bps, path.bottleneck, path.flows
+        else:
+            bps, link, flows = _share(path, extra_flows)
+        if kv_bytes == 0 or not path.links:
+            seconds = 0.0
+        else:
+            seconds = path.rtt_s + BITS_PER_BYTE * kv_bytes / bps
+        estimate = path.estimate
+        return TransferEstimate(
+            src_id=src_id, dst_id=dst_id, kv_bytes=kv_bytes, transfer_s=seconds,
+            tier=path.tier, bottleneck_bps=bps, rtt_s=path.rtt_s if path.links else 0.0,
+            telemetry_age_s=-1.0 if estimate is None else estimate.age_s(now_s),
+            telemetry_stale=path.stale, flows_on_path=flows if link is not None else 0,
+        )
+
+    def _path(self, src_id: str, dst_id: str, now_s: float) -> _Path:
+        if self.topology.version != self._topology_version:
+            self._paths.clear()
+            self._topology_version = self.topology.version
+        key = (src_id, dst_id)
+        path = self._paths.get(key)
+        if path is None or not path.lo_s < now_s <= path.hi_s:
+            path = self._paths[key] = self._build_path(src_id, dst_id, now_s)
+        return path
+
+    def _build_path(self, src_id: str, dst_id: str, now_s: float) -> _Path:
+        topology = self.topology
+        path = _Path()
+        path.tier = topology.tier(src_id, dst_id)
+        path.links = topology.path_links(src_id, dst_id)
+        path.caps = tuple(topology.link_capacity_bps(link) for link in path.links)
+        path.known = tuple(self._flows.get(link, 0) for link in path.links)
+        path.estimate = self._estimates.get((src_id, dst_id))
+        fresh = self.staleness.is_fresh(path.estimate, now_s)
+        path.stale = path.estimate is not None and not fresh
+        path.lo_s, path.hi_s = -math.inf, math.inf
+        if path.estimate is not None:
+            turns_stale_s = path.estimate.measured_at_s + self.staleness.stale_after_s
+            if fresh:
+                path.hi_s = turns_stale_s
+            else:
+                path.lo_s = turns_stale_s
+        path.measured_bps = path.estimate.bandwidth_bps if fresh else 0.0
+        path.rtt_s = path.estimate.rtt_s if fresh else topology.base_rtt_s(src_id, dst_id)
+        if path.links:
+            path.bps, path.bottleneck, path.flows = _share(path, None)
+        else:
+            path.bps, path.bottleneck, path.flows = math.inf, None, 0
+        return path
+
+
+def _share(path: _Path, extra_flows: Mapping[LinkId, int] | None) -> tuple[float, LinkId, int]:
+    """(bandwidth share, bottleneck link, flows on it) of a path with `extra_flows` added."""
+    links = path.links
+    if extra_flows:
+        get = extra_flows.get
+        flows = [known + get(link, 0) for link, known in zip(links, path.known, strict=True)]
+    else:
+        flows = list(path.known)
+    if path.measured_bps:
+        busiest = max(range(len(links)), key=flows.__getitem__)
+        if flows[busiest] == 0:
+            busiest = min(range(len(links)), key=path.caps.__getitem__)
+        return path.measured_bps / (flows[busiest] + 1), links[busiest], flows[busiest]
+    best = 0
+    best_bps = path.caps[0] / (flows[0] + 1)
+    for i in range(1, len(links)):
+        bps = path.caps[i] / (flows[i] + 1)
+        if bps < best_bps:
+            best, best_bps = i, bps
+    return best_bps, links[best], flows[best]

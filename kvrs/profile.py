@@ -1,0 +1,248 @@
+"""Compute-time model of a worker: prefill T_pf(L), extend T_ext(L0, g) and one decode step.
+
+A profile is a table measured on the real worker (tokens → prefill seconds) plus a
+least-squares fit `a + b·L + c·L²` (a, b, c ≥ 0). Inside the table the time is
+interpolated piecewise-linearly over a monotone envelope of the measurements, so noise
+can never make a longer prompt look cheaper; beyond it the fitted quadratic continues
+from the last measured point. Never a flat clamp: prompts in real traces reach 100k+
+tokens, where attention's quadratic term dominates.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvrs.errors import InvalidArgument
+
+__all__ = [
+    "DECODE_PRESETS",
+    "PROFILE_PRESETS",
+    "ComputeProfile",
+    "DecodeProfile",
+    "compute_profile",
+    "decode_profile",
+]
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """Prefill and extend time of one model on one kind of hardware."""
+
+    model: str
+    table: tuple[tuple[int, float], ...] = ()
+    """Measured (tokens, prefill seconds), tokens strictly increasing."""
+    a_s: float = 0.0
+    """Fixed cost of a forward pass (launch, weights read once)."""
+    b_s_per_token: float = 0.0
+    """Per-token cost (MLP and projections)."""
+    c_s_per_token2: float = 0.0
+    """Per-token-pair cost (attention)."""
+
+    def __post_init__(self) -> None:
+        table = tuple((int(tokens), float(seconds)) for tokens, seconds in self.table)
+        for i, (tokens, seconds) in enumerate(table):
+            if tokens <= 0 or seconds < 0.0:
+                raise InvalidArgument(f"table[{i}]", "needs tokens > 0 and seconds >= 0")
+            if i and tokens <= table[i - 1][0]:
+                raise InvalidArgument(f"table[{i}]", "tokens must be strictly increasing")
+        for field in ("a_s", "b_s_per_token", "c_s_per_token2"):
+            if not getattr(self, field) >= 0.0:
+                raise InvalidArgument(field, f"must be >= 0, got {getattr(self, field)!r}")
+        object.__setattr__(self, "table", table)
+        # The monotone envelope used for interpolation (the measured table stays as is).
+        object.__setattr__(self, "_xs", [tokens for tokens, _ in table])
+        object.__setattr__(self, "_ys", list(itertools.accumulate(
+            (seconds for _, seconds in table), max)))
+
+    def fit_s(self, tokens: float) -> float:
+        """The fitted quadratic alone, a + b·L + c·L² (no table)."""
+        return self.a_s + tokens * (self.b_s_per_token + tokens * self.c_s_per_token2)
+
+    def prefill_s(self, tokens: int) -> float:
+        """T_pf(L): seconds to prefill `tokens` tokens from scratch; 0 for 0 tokens."""
+        if tokens <= 0:
+            if tokens < 0:
+                raise InvalidArgument("tokens", f"must be >= 0, got {tokens}")
+            return 0.0
+        xs: list[int] = self._xs  # type: ignore[attr-defined]
+        if not xs:
+            return self.a_s + tokens * (self.b_s_per_token + tokens * self.c_s_per_token2)
+        ys: list[float] = self._ys  # type: ignore[attr-defined]
+        if tokens >= xs[-1]:
+            return ys[-1] + self.fit_s(tokens) - self.fit_s(xs[-1])
+        if tokens <= xs[0]:
+            # Shrink towards (0, 0) along the fit's shape: monotone and never negative.
+            first_fit = self.fit_s(xs[0])
+            if first_fit > 0.0:
+                return ys[0] * self.fit_s(tokens) / first_fit
+            return ys[0] * tokens / xs[0]
+        i = bisect.bisect_right(xs, tokens)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def extend_s(self, cached_tokens: int, new_tokens: int) -> float:
+        """T_ext(L0, g): KV for `new_tokens` computed on top of `cached_tokens` cached ones.
+
+        The work is the prefill of L0 + g minus the prefill of L0 that is already done,
+        plus the fixed cost of the extra forward pass; `extend_s(0, L) == prefill_s(L)`.
+        """
+        if cached_tokens < 0:
+            raise InvalidArgument("cached_tokens", f"must be >= 0, got {cached_tokens}")
+        if new_tokens <= 0:
+            if new_tokens < 0:
+                raise InvalidArgument("new_tokens", f"must be >= 0, got {new_tokens}")
+            return 0.0
+        if cached_tokens == 0:
+            return self.prefill_s(new_tokens)
+        return (self.prefill_s(cached_tokens + new_tokens) - self.prefill_s(cached_tokens)
+                + self.a_s)
+
+    @classmethod
+    def fit(cls, model: str, table: Iterable[tuple[int, float]]) -> ComputeProfile:
+        """Fit a, b, c ≥ 0 to a measured table, minimising the *relative* squared error.
+
+        Relative, because a table spans 16 to 16k tokens and an absolute fit would ignore
+        the short prompts that dominate real traffic. The non-negativity constraint is
+        solved exactly by trying every subset of the three terms (2³ − 1 least squares).
+        """
+        rows = tuple((int(tokens), float(seconds)) for tokens, seconds in table)
+        if not rows:
+            raise InvalidArgument("table", "needs at least one (tokens, seconds) row")
+        tokens = np.array([r[0] for r in rows], dtype=float)
+        seconds = np.array([r[1] for r in rows], dtype=float)
+        if np.any(tokens <= 0) or np.any(seconds <= 0):
+            raise InvalidArgument("table", "needs tokens > 0 and seconds > 0 in every row")
+        scale = np.array([1.0, tokens.max(), tokens.max() ** 2])
+        design = np.stack([np.ones_like(tokens), tokens, tokens**2], axis=1) / scale
+        weight = 1.0 / seconds
+        wd, wy = design * weight[:, None], seconds * weight
+        best, best_residual = np.zeros(3), float(np.sum(wy**2))
+        for size in (1, 2, 3):
+            for cols in itertools.combinations(range(3), size):
+                coef, *_ = np.linalg.lstsq(wd[:, cols], wy, rcond=None)
+                if np.any(coef < 0):
+                    continue
+                residual = float(np.sum((wd[:, cols] @ coef - wy) ** 2))
+                if residual < best_residual:
+                    best = np.zeros(3)
+                    best[list(cols)] = coef
+                    best_residual = residual
+        a_s, b_s, c_s = (float(v) for v in best / scale)
+        return cls(model=model, table=rows, a_s=a_s, b_s_per_token=b_s, c_s_per_token2=c_s)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; `from_json(to_json())` gives an equal profile."""
+        return {
+            "model": self.model,
+            "table": [[tokens, seconds] for tokens, seconds in self.table],
+            "a_s": self.a_s,
+            "b_s_per_token": self.b_s_per_token,
+            "c_s_per_token2": self.c_s_per_token2,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ComputeProfile:
+        """Parse `to_json`'s dict; missing or mistyped keys raise InvalidArgument naming them."""
+        if not isinstance(d, Mapping):
+            raise InvalidArgument("profile", "must be a JSON object")
+        try:
+            model = d["model"]
+        except KeyError:
+            raise InvalidArgument("model", "missing") from None
+        if not isinstance(model, str) or not model:
+            raise InvalidArgument("model", "must be a non-empty string")
+        values: dict[str, float] = {}
+        for field in ("a_s", "b_s_per_token", "c_s_per_token2"):
+            try:
+                values[field] = float(d.get(field, 0.0))
+            except (TypeError, ValueError):
+                raise InvalidArgument(field, "must be a number") from None
+        table = d.get("table", [])
+        try:
+            rows = tuple((int(tokens), float(seconds)) for tokens, seconds in table)
+        except (TypeError, ValueError):
+            raise InvalidArgument("table", "must be a list of [tokens, seconds] pairs") from None
+        return cls(model=model, table=rows, **values)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ComputeProfile:
+        """Read a profile saved by `save` (JSON)."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument("profile", f"{path}: not JSON ({exc})") from None
+        return cls.from_json(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON (what `kvrs calibrate` produces)."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class DecodeProfile:
+    """One decode step for a running batch: a + b · (context tokens of the batch) + c · batch."""
+
+    a_s: float
+    b_s_per_context_token: float
+    c_s_per_request: float
+
+    def step_s(self, batch: int, context_tokens: int) -> float:
+        """Seconds for one decode step of `batch` requests holding `context_tokens` in all."""
+        if batch < 0:
+            raise InvalidArgument("batch", f"must be >= 0, got {batch}")
+        if context_tokens < 0:
+            raise InvalidArgument("context_tokens", f"must be >= 0, got {context_tokens}")
+        return (self.a_s + self.b_s_per_context_token * context_tokens
+                + self.c_s_per_request * batch)
+
+
+# opt-13b and llama3-70b: the DistServe fits (A100); opt-125m and tiny: rough CPU figures.
+PROFILE_PRESETS: dict[str, ComputeProfile] = {
+    profile.model: profile
+    for profile in (
+        ComputeProfile("opt-13b", a_s=16.46e-3, b_s_per_token=0.0926e-3, c_s_per_token2=6.47e-9),
+        ComputeProfile("llama3-70b", a_s=20e-3, b_s_per_token=0.0708e-3,
+                       c_s_per_token2=6.63e-10),
+        ComputeProfile("llama3-8b", a_s=8e-3, b_s_per_token=0.0205e-3, c_s_per_token2=1.6e-10),
+        ComputeProfile("opt-125m", a_s=10e-3, b_s_per_token=0.195e-3, c_s_per_token2=2.5e-8),
+        ComputeProfile("tiny", a_s=1e-3, b_s_per_token=2e-6, c_s_per_token2=1e-10),
+    )
+}
+
+DECODE_PRESETS: dict[str, DecodeProfile] = {
+    "opt-13b": DecodeProfile(a_s=17.2e-3, b_s_per_context_token=5.0e-6, c_s_per_request=0.54e-3),
+    "llama3-70b": DecodeProfile(a_s=30e-3, b_s_per_context_token=2.0e-6,
+                                c_s_per_request=0.3e-3),
+    "llama3-8b": DecodeProfile(a_s=8e-3, b_s_per_context_token=0.8e-6,
+                               c_s_per_request=0.1e-3),
+    "opt-125m": DecodeProfile(a_s=20e-3, b_s_per_context_token=2e-6, c_s_per_request=1e-3),
+    "tiny": DecodeProfile(a_s=1e-3, b_s_per_context_token=1e-7, c_s_per_request=1e-4),
+}
+
+
+def compute_profile(model: str) -> ComputeProfile:
+    """The preset compute profile of `model`; InvalidArgument("model") when there is none."""
+    try:
+        return PROFILE_PRESETS[model]
+    except KeyError:
+        known = ", ".join(sorted(PROFILE_PRESETS))
+        raise InvalidArgument("model", f"no compute profile for {model!r} (known: {known})") \
+            from None
+
+
+def decode_profile(model: str) -> DecodeProfile:
+    """The preset decode-step profile of `model`; InvalidArgument("model") when there is none."""
+    try:
+        return DECODE_PRESETS[model]
+    except KeyError:
+        known = ", ".join(sorted(DECODE_PRESETS))
+        raise InvalidArgument("model", f"no decode profile for {model!r} (known: {known})") \
+            from None

@@ -1,0 +1,66 @@
+"""Cluster views and the cost model's glue: prefix hits, alive lists, S(L) through T_x."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrs.cluster import ClusterView, InstanceState
+from kvrs.costmodel import CostModel, prefix_hit_tokens
+from kvrs.errors import InvalidArgument
+from kvrs.model import model_spec
+from kvrs.network import NetworkModel
+from kvrs.profile import compute_profile
+from kvrs.topology import Role, Topology
+
+
+def test_prefix_hits_stop_at_first_miss_and_cap_at_prompt() -> None:
+    resident = frozenset({1, 2, 4})
+    assert prefix_hit_tokens((1, 2, 3, 4), resident, 512, 2000) == 1024
+    assert prefix_hit_tokens((3, 1), resident, 512, 2000) == 0
+    assert prefix_hit_tokens((1, 2), resident, 512, 700) == 700
+    assert prefix_hit_tokens((), resident, 512, 700) == 0
+    with pytest.raises(InvalidArgument):
+        prefix_hit_tokens((), resident, 512, -1)
+
+
+def test_view_lists_alive_instances_by_role_sorted() -> None:
+    view = ClusterView(
+        instances={
+            "d1": InstanceState("d1", Role.DECODE),
+            "d0": InstanceState("d0", Role.DECODE),
+            "dx": InstanceState("dx", Role.DECODE, alive=False),
+            "p0": InstanceState("p0", Role.PREFILL),
+        },
+        now_s=0.0,
+    )
+    assert [s.instance_id for s in view.decode_instances()] == ["d0", "d1"]
+    assert [s.instance_id for s in view.prefill_instances()] == ["p0"]
+    assert [s.instance_id for s in view.decode_instances(exclude={"d0"})] == ["d1"]
+    assert view.decode_instances() is view.decode_instances()
+
+
+def test_view_snapshot_cannot_be_edited_in_place() -> None:
+    states = {"d0": InstanceState("d0", Role.DECODE)}
+    view = ClusterView(instances=states, now_s=0.0)
+    states["d1"] = InstanceState("d1", Role.DECODE)
+    assert len(view.decode_instances()) == 1
+    with pytest.raises(TypeError):
+        view.instances["d2"] = InstanceState("d2", Role.DECODE)  # type: ignore[index]
+    with pytest.raises(TypeError):
+        view.decode_instances().append(InstanceState("d3", Role.DECODE))
+    # Assigning a new mapping is the way to change a view; cached lists follow it.
+    view.instances = states
+    assert len(view.decode_instances()) == 2
+
+
+def test_cost_model_glues_model_profile_and_network() -> None:
+    topology = Topology.fat_tree(nodes=2, gpus_per_node=2, nodes_per_rack=2, racks_per_pod=1)
+    cost = CostModel(model_spec("opt-13b"), compute_profile("opt-13b"), NetworkModel(topology))
+    assert cost.kv_bytes(10) == 8_192_000
+    assert cost.kv_bits_per_token == 8 * 819_200
+    estimate = cost.transfer("prefill-0", "decode-1", 1477, 0.0)
+    assert estimate.kv_bytes == cost.kv_bytes(1477)
+    assert estimate.transfer_s == pytest.approx(
+        estimate.rtt_s + 8 * cost.kv_bytes(1477) / 400e9)
+    assert cost.prefill_s(512) == compute_profile("opt-13b").prefill_s(512)
+    assert cost.extend_s(512, 8) == compute_profile("opt-13b").extend_s(512, 8)

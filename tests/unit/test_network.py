@@ -1,0 +1,133 @@
+"""Transfer estimates: bottleneck share, EWMA telemetry, staleness and flows on the path."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrs.errors import InvalidArgument, NotFound
+from kvrs.estimator import EwmaEstimator, LinkEstimate, StalenessPolicy
+from kvrs.model import model_spec
+from kvrs.network import NetworkModel
+from kvrs.topology import DEFAULT_TIERS, InstanceSpec, Location, Role, Tier, TierSpec, Topology
+
+RTT_S = 1e-3
+
+
+def rack_topology(rack_gbps: float = 25.0) -> Topology:
+    tiers = dict(DEFAULT_TIERS)
+    tiers[Tier.RACK] = TierSpec(capacity_bps=rack_gbps * 1e9, hop_latency_s=0.0)
+    topology = Topology(tiers, setup_latency_s=RTT_S)
+    topology.add_instance(InstanceSpec("p", Role.PREFILL, Location("n0", "r0", "p0")))
+    topology.add_instance(InstanceSpec("d", Role.DECODE, Location("n1", "r0", "p0")))
+    topology.add_instance(InstanceSpec("d2", Role.DECODE, Location("n0", "r0", "p0", 1)))
+    return topology
+
+
+def test_opt13b_1477_tokens_over_25_gbps() -> None:
+    network = NetworkModel(rack_topology(25.0))
+    kv_bytes = model_spec("opt-13b").kv_bytes(1477)
+    estimate = network.transfer("p", "d", kv_bytes, now_s=0.0)
+    assert estimate.rtt_s == pytest.approx(RTT_S)
+    assert estimate.transfer_s - estimate.rtt_s == pytest.approx(0.387, abs=1e-3)
+    assert estimate.tier is Tier.RACK
+    assert estimate.bottleneck_bps == 25e9
+    assert estimate.telemetry_age_s == -1.0
+    assert not estimate.telemetry_stale
+
+
+def test_same_instance_and_zero_bytes_cost_nothing() -> None:
+    network = NetworkModel(rack_topology())
+    assert network.transfer("p", "p", 10**9, 0.0).transfer_s == 0.0
+    assert network.transfer("p", "d", 0, 0.0).transfer_s == 0.0
+
+
+def test_nvlink_is_faster_than_the_rack() -> None:
+    network = NetworkModel(rack_topology())
+    near = network.transfer("p", "d2", 10**9, 0.0)
+    far = network.transfer("p", "d", 10**9, 0.0)
+    assert near.tier is Tier.NODE and near.transfer_s < far.transfer_s
+
+
+def test_ewma_first_sample_as_is_then_smooths() -> None:
+    ewma = EwmaEstimator(alpha=0.2)
+    assert ewma.estimate is None
+    first = ewma.update(10e9, 1e-3, now_s=1.0)
+    assert first.bandwidth_bps == 10e9 and first.samples == 1
+    second = ewma.update(20e9, 3e-3, now_s=2.0)
+    assert second.bandwidth_bps == pytest.approx(0.2 * 20e9 + 0.8 * 10e9)
+    assert second.rtt_s == pytest.approx(0.2 * 3e-3 + 0.8 * 1e-3)
+    assert second.samples == 2 and second.measured_at_s == 2.0
+    assert ewma.estimate == second
+    with pytest.raises(InvalidArgument) as info:
+        ewma.update(-1.0, 0.0, 3.0)
+    assert info.value.field == "sample_bps"
+
+
+def test_staleness_policy() -> None:
+    policy = StalenessPolicy(stale_after_s=5.0)
+    estimate = LinkEstimate(1e9, 1e-3, measured_at_s=100.0, samples=3)
+    assert policy.is_fresh(estimate, 105.0)
+    assert not policy.is_fresh(estimate, 105.1)
+    assert not policy.is_fresh(None, 0.0)
+    assert estimate.age_s(99.0) == 0.0
+
+
+def test_fresh_measurement_replaces_capacity_until_stale() -> None:
+    network = NetworkModel(rack_topology(100.0), StalenessPolicy(stale_after_s=10.0))
+    network.set_link_estimate("p", "d", LinkEstimate(5e9, 2e-3, measured_at_s=0.0, samples=4))
+    fresh = network.transfer("p", "d", 10**9, now_s=4.0)
+    assert fresh.bottleneck_bps == 5e9
+    assert fresh.rtt_s == 2e-3
+    assert fresh.telemetry_age_s == pytest.approx(4.0)
+    assert not fresh.telemetry_stale
+    stale = network.transfer("p", "d", 10**9, now_s=11.0)
+    assert stale.bottleneck_bps == 100e9
+    assert stale.telemetry_stale
+    assert stale.telemetry_age_s == pytest.approx(11.0)
+    # A measurement of one direction says nothing about the other.
+    assert network.transfer("d", "p", 10**9, now_s=4.0).bottleneck_bps == 100e9
+
+
+def test_flows_on_path_halve_bandwidth() -> None:
+    network = NetworkModel(rack_topology(25.0))
+    alone = network.transfer("p", "d", 10**9, 0.0)
+    network.set_flows({("node-up", "n0"): 1})
+    shared = network.transfer("p", "d", 10**9, 0.0)
+    assert shared.bottleneck_bps == pytest.approx(alone.bottleneck_bps / 2)
+    assert shared.flows_on_path == 1
+    assert shared.transfer_s - RTT_S == pytest.approx(2 * (alone.transfer_s - RTT_S))
+    # Extra (planned) flows add to the known ones: 1 known + 1 planned -> a third.
+    planned = network.transfer("p", "d", 10**9, 0.0, extra_flows={("node-down", "n1"): 2})
+    assert planned.bottleneck_bps == pytest.approx(25e9 / 3)
+    assert planned.flows_on_path == 2
+    # A flow elsewhere does not slow this path.
+    network.set_flows({("node-up", "n9"): 5})
+    assert network.transfer("p", "d", 10**9, 0.0).bottleneck_bps == 25e9
+
+
+def test_flows_divide_a_fresh_measurement_too() -> None:
+    network = NetworkModel(rack_topology(100.0))
+    network.set_link_estimate("p", "d", LinkEstimate(8e9, 1e-3, 0.0, 1))
+    network.set_flows({("node-down", "n1"): 1})
+    bps, link = network.bandwidth_bps("p", "d", 1.0)
+    assert bps == pytest.approx(4e9)
+    assert link == ("node-down", "n1")
+
+
+def test_rate_and_rtt_agrees_with_transfer() -> None:
+    network = NetworkModel(rack_topology(25.0))
+    network.set_flows({("node-up", "n0"): 3})
+    bps, rtt_s = network.rate_and_rtt("p", "d", 0.0, {("node-up", "n0"): 1})
+    estimate = network.transfer("p", "d", 10**6, 0.0, {("node-up", "n0"): 1})
+    assert bps == estimate.bottleneck_bps == pytest.approx(25e9 / 5)
+    assert rtt_s == estimate.rtt_s
+
+
+def test_unknown_instances_and_bad_bytes() -> None:
+    network = NetworkModel(rack_topology())
+    with pytest.raises(NotFound) as info:
+        network.transfer("p", "ghost", 1, 0.0)
+    assert info.value.field == "instance_id"
+    with pytest.raises(InvalidArgument) as info:
+        network.transfer("p", "d", -1, 0.0)
+    assert info.value.field == "kv_bytes"

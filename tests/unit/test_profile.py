@@ -1,0 +1,117 @@
+"""Compute profiles: the DistServe fits, monotone interpolation, quadratic extrapolation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvrs.errors import InvalidArgument
+from kvrs.profile import (
+    DECODE_PRESETS,
+    ComputeProfile,
+    compute_profile,
+    decode_profile,
+)
+
+OPT13B = compute_profile("opt-13b")
+# A noisy measured table: the 1024-token point is *below* the 512-token one.
+NOISY_TABLE = ((16, 0.018), (128, 0.029), (512, 0.066), (1024, 0.060), (2048, 0.240),
+               (4096, 0.520), (8192, 1.250))
+
+
+def test_distserve_prefill_512() -> None:
+    assert OPT13B.prefill_s(512) == pytest.approx(65.6e-3, abs=0.1e-3)
+
+
+def test_distserve_decode_step_1_512() -> None:
+    assert DECODE_PRESETS["opt-13b"].step_s(1, 512) == pytest.approx(20.3e-3, abs=0.1e-3)
+    assert decode_profile("opt-13b") is DECODE_PRESETS["opt-13b"]
+
+
+def test_opt125m_cpu_preset() -> None:
+    assert compute_profile("opt-125m").prefill_s(512) == pytest.approx(0.116, rel=0.02)
+
+
+def test_zero_tokens_cost_nothing() -> None:
+    assert OPT13B.prefill_s(0) == 0.0
+    assert OPT13B.extend_s(100, 0) == 0.0
+
+
+def test_fit_recovers_coefficients() -> None:
+    table = [(n, OPT13B.fit_s(n)) for n in (16, 64, 256, 512, 1024, 2048, 4096, 8192)]
+    fitted = ComputeProfile.fit("opt-13b", table)
+    assert fitted.a_s == pytest.approx(OPT13B.a_s, rel=1e-6)
+    assert fitted.b_s_per_token == pytest.approx(OPT13B.b_s_per_token, rel=1e-6)
+    assert fitted.c_s_per_token2 == pytest.approx(OPT13B.c_s_per_token2, rel=1e-6)
+
+
+def test_fit_keeps_coefficients_non_negative() -> None:
+    # Concave data would want c < 0; the constrained fit sets it to 0 instead.
+    fitted = ComputeProfile.fit("x", [(100, 1.0), (1000, 5.0), (10000, 12.0)])
+    assert min(fitted.a_s, fitted.b_s_per_token, fitted.c_s_per_token2) >= 0.0
+
+
+@given(st.integers(1, 20_000), st.integers(1, 20_000))
+def test_interpolation_is_monotone(x: int, y: int) -> None:
+    profile = ComputeProfile.fit("noisy", NOISY_TABLE)
+    lo, hi = min(x, y), max(x, y)
+    assert profile.prefill_s(lo) <= profile.prefill_s(hi)
+
+
+def test_interpolation_goes_through_measured_points() -> None:
+    profile = ComputeProfile.fit("noisy", NOISY_TABLE)
+    assert profile.prefill_s(512) == pytest.approx(0.066)
+    assert profile.prefill_s(4096) == pytest.approx(0.520)
+    # between 2048 and 4096: linear
+    assert profile.prefill_s(3072) == pytest.approx((0.240 + 0.520) / 2)
+
+
+def test_extrapolation_is_quadratic_not_flat_at_100k() -> None:
+    profile = ComputeProfile.fit("noisy", NOISY_TABLE)
+    last = profile.prefill_s(8192)
+    at_50k, at_100k = profile.prefill_s(50_000), profile.prefill_s(100_000)
+    assert at_100k > 10 * last
+    # A quadratic more than doubles when L doubles (a linear model would exactly double).
+    assert at_100k - last > 2.0 * (at_50k - last)
+    fit_only = ComputeProfile("noisy", a_s=profile.a_s, b_s_per_token=profile.b_s_per_token,
+                              c_s_per_token2=profile.c_s_per_token2)
+    assert at_100k == pytest.approx(last + fit_only.fit_s(100_000) - fit_only.fit_s(8192))
+
+
+def test_extend_matches_prefill_from_zero_and_grows() -> None:
+    profile = ComputeProfile.fit("noisy", NOISY_TABLE)
+    for p in (OPT13B, profile):
+        assert p.extend_s(0, 1477) == pytest.approx(p.prefill_s(1477))
+        assert p.extend_s(1477, 10) < p.prefill_s(1487)
+        assert p.extend_s(1477, 20) > p.extend_s(1477, 10) > 0.0
+
+
+def test_extend_fit_formula() -> None:
+    l0, g = 1000, 50
+    expected = (OPT13B.a_s + OPT13B.b_s_per_token * g
+                + OPT13B.c_s_per_token2 * ((l0 + g) ** 2 - l0**2))
+    assert OPT13B.extend_s(l0, g) == pytest.approx(expected)
+
+
+def test_json_round_trip(tmp_path) -> None:
+    profile = ComputeProfile.fit("noisy", NOISY_TABLE)
+    assert ComputeProfile.from_json(profile.to_json()) == profile
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert ComputeProfile.load(path) == profile
+
+
+def test_bad_inputs_name_the_field() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        OPT13B.prefill_s(-5)
+    assert info.value.field == "tokens"
+    with pytest.raises(InvalidArgument) as info:
+        compute_profile("nope")
+    assert info.value.field == "model"
+    with pytest.raises(InvalidArgument) as info:
+        ComputeProfile("x", table=((10, 0.1), (5, 0.2)))
+    assert info.value.field == "table[1]"
+    with pytest.raises(InvalidArgument) as info:
+        ComputeProfile.from_json({"model": "x", "a_s": "fast"})
+    assert info.value.field == "a_s"
