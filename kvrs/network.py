@@ -11,7 +11,7 @@ A measurement older than the staleness bound is ignored (and flagged in the esti
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvrs.errors import InvalidArgument
@@ -19,7 +19,7 @@ from kvrs.estimator import LinkEstimate, StalenessPolicy
 from kvrs.topology import LinkId, Tier, Topology
 from kvrs.units import BITS_PER_BYTE
 
-__all__ = ["DEFAULT_STALENESS", "NetworkModel", "TransferEstimate"]
+__all__ = ["DEFAULT_STALENESS", "NetworkModel", "PathTable", "TransferEstimate"]
 
 DEFAULT_STALENESS = StalenessPolicy()
 
@@ -42,6 +42,28 @@ class TransferEstimate:
     """A measurement existed but was too old, so topology capacity was used."""
     flows_on_path: int
     """Other flows on the bottleneck link, counted in the share."""
+
+
+@dataclass(frozen=True)
+class PathTable:
+    """Bandwidth, RTT and tier from one source to many destinations, for vectorised scoring.
+
+    Reusable while `valid(network, now_s)`: the network's inputs are unchanged and no
+    measurement on these paths has changed between fresh and stale.
+    """
+
+    src_id: str
+    dst_ids: tuple[str, ...]
+    bandwidth_bps: tuple[float, ...]
+    rtt_s: tuple[float, ...]
+    tiers: tuple[Tier, ...]
+    version: tuple[int, int]
+    lo_s: float
+    hi_s: float
+
+    def valid(self, network: NetworkModel, now_s: float) -> bool:
+        """True while the table still says what `network` would say at `now_s`."""
+        return self.version == network.version and self.lo_s < now_s <= self.hi_s
 
 
 class _Path:
@@ -123,6 +145,20 @@ class NetworkModel:
         if not extra_flows or not path.links:
             return path.bps, path.rtt_s
         return _share(path, extra_flows)[0], path.rtt_s
+
+    def fan_out(self, src_id: str, dst_ids: Sequence[str], now_s: float) -> PathTable:
+        """The paths from `src_id` to each of `dst_ids` (known flows, no extra ones)."""
+        paths = [self._path(src_id, dst_id, now_s) for dst_id in dst_ids]
+        return PathTable(
+            src_id=src_id,
+            dst_ids=tuple(dst_ids),
+            bandwidth_bps=tuple(path.bps for path in paths),
+            rtt_s=tuple(path.rtt_s if path.links else 0.0 for path in paths),
+            tiers=tuple(path.tier for path in paths),
+            version=self.version,
+            lo_s=max((path.lo_s for path in paths), default=-math.inf),
+            hi_s=min((path.hi_s for path in paths), default=math.inf),
+        )
 
     def tier(self, src_id: str, dst_id: str) -> Tier:
         """The topology tier of the path."""

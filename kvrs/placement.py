@@ -1,0 +1,486 @@
+"""Where to decode: score the decode candidates of a prefilled request and pick one.
+
+netkv, the network-aware policy, minimises the predicted time to first token,
+
+    T_x(p, d, S(L − hit_d)) + W(d)
+
+over candidates d with enough free KV memory, breaking ties by lower tier, then fewer
+running requests, then instance id. The baselines (round_robin, least_loaded and the
+network-blind cache_load) choose differently but report the same netkv terms for what
+they chose, so traces of every policy are comparable.
+
+Decisions sit on the request path, so scoring is columnar: per candidate list (the
+`InstanceList` a `ClusterView` hands out) the waits and free memory are read once, per
+(list, prefill instance) the path bandwidths and RTTs once, and a decision is then a
+few passes over flat lists — numpy arrays from `NUMPY_MIN_CANDIDATES` candidates on.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvrs.cluster import InstanceList, InstanceState
+from kvrs.costmodel import CostModel, prefix_hit_tokens
+from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvrs.network import NetworkModel, PathTable, TransferEstimate
+from kvrs.topology import Tier
+
+__all__ = [
+    "NUMPY_MIN_CANDIDATES",
+    "PLACEMENT_POLICY_NAMES",
+    "CacheLoad",
+    "CandidateScore",
+    "LeastLoaded",
+    "NetKv",
+    "Placement",
+    "PlacementPolicy",
+    "PlacementRequest",
+    "RoundRobin",
+    "make_placement_policy",
+    "score_candidates",
+]
+
+NUMPY_MIN_CANDIDATES = 32
+"""From this many candidates on, scores are computed with numpy instead of list passes."""
+
+_INF = math.inf
+_HOLDERS_CACHE_MAX = 4096
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """A request whose prompt `prefill_id` has prefilled and that now needs a decode instance."""
+
+    request_id: str
+    prefill_id: str
+    prompt_tokens: int
+    prefix_hashes: tuple[int, ...] = ()
+    """Hashes of the prompt's prefix blocks, in order (for prefix-cache hits)."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 0:
+            raise InvalidArgument("prompt_tokens", f"must be >= 0, got {self.prompt_tokens}")
+        if not self.prefill_id:
+            raise InvalidArgument("prefill_id", "must not be empty")
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    """One candidate's netkv terms: score_s = transfer_s + wait_s (the predicted TTFT)."""
+
+    instance_id: str
+    score_s: float
+    transfer_s: float
+    wait_s: float
+    prefix_hit_tokens: int
+    tier: Tier
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The chosen decode instance and the netkv prediction for it."""
+
+    instance_id: str
+    predicted_ttft_s: float
+    transfer: TransferEstimate
+    wait_s: float
+    prefix_hit_tokens: int
+    kv_bytes: int
+    """Bytes that must cross the network: the prompt's KV minus the resident prefix."""
+    policy: str
+    runner_up: CandidateScore | None
+    """The candidate the policy ranked second (None when it ranks nothing, or alone)."""
+    candidates_considered: int
+
+
+class PlacementPolicy(Protocol):
+    """Chooses a decode instance among candidates."""
+
+    name: str
+
+    def select(
+        self, request: PlacementRequest, candidates: Sequence[InstanceState],
+        cost: CostModel, now_s: float,
+    ) -> Placement: ...
+
+
+# -- columns --------------------------------------------------------------------------
+
+
+class _Fan:
+    """Path terms from one prefill instance to every candidate of a list."""
+
+    __slots__ = ("table", "rtt", "inv_bps", "rtt_wait", "_arrays")
+
+    def __init__(self, table: PathTable, wait: list[float]) -> None:
+        self.table = table
+        self.rtt = list(table.rtt_s)
+        self.inv_bps = [1.0 / bps for bps in table.bandwidth_bps]
+        self.rtt_wait = [r + w for r, w in zip(self.rtt, wait, strict=True)]
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rtt, 1 / bandwidth, rtt + wait) as numpy arrays."""
+        if self._arrays is None:
+            self._arrays = (np.array(self.rtt), np.array(self.inv_bps),
+                            np.array(self.rtt_wait))
+        return self._arrays
+
+
+class _Columns:
+    """The fields decisions read from a candidate list, read once per list."""
+
+    __slots__ = ("states", "ids", "wait", "running", "load", "free", "min_free",
+                 "has_resident", "_arrays", "_holders", "_fans")
+
+    def __init__(self, states: Sequence[InstanceState]) -> None:
+        self.states = states
+        self.ids = [s.instance_id for s in states]
+        self.wait = [s.wait_s for s in states]
+        self.running = [s.running_requests for s in states]
+        self.load = [s.queue_depth + s.running_requests for s in states]
+        self.free = [s.free_kv_tokens for s in states]
+        self.min_free = min(self.free, default=0)
+        self.has_resident = any(s.resident_blocks for s in states)
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self._holders: dict[int, frozenset[int]] = {}
+        self._fans: dict[str, _Fan] = {}
+
+    @classmethod
+    def of(cls, candidates: Sequence[InstanceState]) -> _Columns:
+        """Columns of `candidates`, cached on it when it is an `InstanceList`."""
+        if isinstance(candidates, InstanceList):
+            columns = candidates.derived.get(cls)
+            if columns is None:
+                columns = candidates.derived[cls] = cls(candidates)
+            return columns
+        return cls(candidates)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(wait, free KV tokens) as numpy arrays."""
+        if self._arrays is None:
+            self._arrays = (np.array(self.wait), np.array(self.free, dtype=np.float64))
+        return self._arrays
+
+    def fan(self, network: NetworkModel, src_id: str, now_s: float) -> _Fan:
+        """Path terms from `src_id` to every candidate, rebuilt when the network changed."""
+        fan = self._fans.get(src_id)
+        if fan is None or not fan.table.valid(network, now_s):
+            fan = self._fans[src_id] = _Fan(network.fan_out(src_id, self.ids, now_s), self.wait)
+        return fan
+
+    def holders(self, block_hash: int) -> frozenset[int]:
+        """Indices of the candidates holding one prefix block."""
+        found = self._holders.get(block_hash)
+        if found is None:
+            if len(self._holders) >= _HOLDERS_CACHE_MAX:
+                self._holders.clear()
+            found = self._holders[block_hash] = frozenset(
+                i for i, s in enumerate(self.states) if block_hash in s.resident_blocks)
+        return found
+
+    def hits(self, request: PlacementRequest, block_tokens: int) -> dict[int, int]:
+        """Prefix-hit tokens of every candidate that has any (index → tokens)."""
+        if not request.prefix_hashes or not self.has_resident:
+            return {}
+        prompt_tokens = request.prompt_tokens
+        hits: dict[int, int] = {}
+        holding: frozenset[int] | None = None
+        max_blocks = -(-prompt_tokens // block_tokens)
+        for blocks, block_hash in enumerate(request.prefix_hashes[:max_blocks], start=1):
+            found = self.holders(block_hash)
+            holding = found if holding is None else holding & found
+            if not holding:
+                break
+            tokens = min(blocks * block_tokens, prompt_tokens)
+            for i in holding:
+                hits[i] = tokens
+        return hits
+
+
+# -- scoring --------------------------------------------------------------------------
+
+
+def _netkv_scores(
+    columns: _Columns, fan: _Fan, hits: dict[int, int], prompt_tokens: int, cost: CostModel,
+) -> list[float] | np.ndarray:
+    """T_x + W of every candidate; infinity where the KV does not fit."""
+    bits_per_token = cost.kv_bits_per_token
+    bits = bits_per_token * prompt_tokens
+    if len(columns.ids) < NUMPY_MIN_CANDIDATES:
+        if prompt_tokens == 0:
+            scores = list(columns.wait)
+        else:
+            scores = [a + bits * b for a, b in zip(fan.rtt_wait, fan.inv_bps, strict=True)]
+        for i, hit in hits.items():
+            need = prompt_tokens - hit
+            scores[i] = columns.wait[i] + (
+                fan.rtt[i] + bits_per_token * need * fan.inv_bps[i] if need else 0.0)
+        if columns.min_free < prompt_tokens:
+            for i, free in enumerate(columns.free):
+                if free < prompt_tokens - hits.get(i, 0):
+                    scores[i] = _INF
+        return scores
+    wait, free = columns.arrays()
+    rtt, inv_bps, rtt_wait = fan.arrays()
+    scores = rtt_wait + bits * inv_bps if prompt_tokens else wait.copy()
+    if hits:
+        index = np.fromiter(hits, dtype=np.intp, count=len(hits))
+        need = prompt_tokens - np.fromiter(hits.values(), dtype=np.float64, count=len(hits))
+        moved = np.where(need > 0, rtt[index] + bits_per_token * need * inv_bps[index], 0.0)
+        scores[index] = wait[index] + moved
+    if columns.min_free < prompt_tokens:
+        need_all = np.full(len(columns.ids), float(prompt_tokens))
+        if hits:
+            need_all[index] = need
+        scores[free < need_all] = _INF
+    return scores
+
+
+def _two_best(
+    scores: list[float] | np.ndarray, tie_key: Callable[[int], Any],
+) -> tuple[int, int | None]:
+    """Indices of the lowest and second-lowest finite scores, ties broken by `tie_key`.
+
+    `scores` is scratch: it is modified (and restored only when it is a list).
+    """
+    if isinstance(scores, np.ndarray):
+        best = int(scores.argmin())
+        low = scores[best]
+        if low == _INF:
+            return -1, None
+        tied = np.flatnonzero(scores == low)
+        if len(tied) > 1:
+            ordered = sorted(tied.tolist(), key=tie_key)
+            return ordered[0], ordered[1]
+        scores[best] = _INF
+        second = int(scores.argmin())
+        low2 = scores[second]
+        if low2 == _INF:
+            return best, None
+        tied = np.flatnonzero(scores == low2)
+        return best, (second if len(tied) == 1 else min(tied.tolist(), key=tie_key))
+    low = min(scores)
+    if low == _INF:
+        return -1, None
+    if scores.count(low) > 1:
+        ordered = sorted((i for i, s in enumerate(scores) if s == low), key=tie_key)
+        return ordered[0], ordered[1]
+    best = scores.index(low)
+    scores[best] = _INF
+    low2 = min(scores)
+    if low2 == _INF:
+        runner: int | None = None
+    elif scores.count(low2) == 1:
+        runner = scores.index(low2)
+    else:
+        runner = min((i for i, s in enumerate(scores) if s == low2), key=tie_key)
+    scores[best] = low
+    return best, runner
+
+
+class _Decision:
+    """What every policy needs for one request: columns, path terms, prefix hits."""
+
+    __slots__ = ("request", "candidates", "cost", "now_s", "columns", "fan", "hits")
+
+    def __init__(self, request: PlacementRequest, candidates: Sequence[InstanceState],
+                 cost: CostModel, now_s: float) -> None:
+        if not candidates:
+            raise FailedPrecondition("no decode candidates", field="candidates")
+        self.request = request
+        self.candidates = candidates
+        self.cost = cost
+        self.now_s = now_s
+        self.columns = _Columns.of(candidates)
+        self.fan = self.columns.fan(cost.network, request.prefill_id, now_s)
+        self.hits = self.columns.hits(request, cost.model.block_tokens)
+
+    def netkv_scores(self) -> list[float] | np.ndarray:
+        return _netkv_scores(self.columns, self.fan, self.hits, self.request.prompt_tokens,
+                             self.cost)
+
+    def fits(self, i: int) -> bool:
+        return self.columns.free[i] >= self.request.prompt_tokens - self.hits.get(i, 0)
+
+    def tier_key(self, i: int) -> tuple[Tier, int, str]:
+        return self.fan.table.tiers[i], self.columns.running[i], self.columns.ids[i]
+
+    def load_key(self, i: int) -> tuple[int, str]:
+        return self.columns.running[i], self.columns.ids[i]
+
+    def exhausted(self) -> ResourceExhausted:
+        return ResourceExhausted(
+            f"no decode candidate has {self.request.prompt_tokens} tokens of free KV memory "
+            f"({len(self.candidates)} considered)", field="free_kv_tokens")
+
+    def score(self, i: int) -> CandidateScore:
+        """The netkv terms of candidate `i`."""
+        need = self.request.prompt_tokens - self.hits.get(i, 0)
+        fan = self.fan
+        transfer_s = (fan.rtt[i] + self.cost.kv_bits_per_token * need * fan.inv_bps[i]
+                      if need else 0.0)
+        wait_s = self.columns.wait[i]
+        return CandidateScore(self.columns.ids[i], transfer_s + wait_s, transfer_s, wait_s,
+                              self.hits.get(i, 0), fan.table.tiers[i])
+
+    def placement(self, policy: str, best: int, runner: int | None) -> Placement:
+        request, columns = self.request, self.columns
+        hit = self.hits.get(best, 0)
+        kv_bytes = (request.prompt_tokens - hit) * self.cost.kv_bytes_per_token
+        transfer = self.cost.network.transfer(request.prefill_id, columns.ids[best], kv_bytes,
+                                              self.now_s)
+        wait_s = columns.wait[best]
+        return Placement(
+            instance_id=columns.ids[best],
+            predicted_ttft_s=transfer.transfer_s + wait_s,
+            transfer=transfer,
+            wait_s=wait_s,
+            prefix_hit_tokens=hit,
+            kv_bytes=kv_bytes,
+            policy=policy,
+            runner_up=None if runner is None else self.score(runner),
+            candidates_considered=len(columns.ids),
+        )
+
+
+# -- policies -------------------------------------------------------------------------
+
+
+class NetKv:
+    """Minimum predicted TTFT: KV transfer over the real path plus the candidate's queue."""
+
+    name = "netkv"
+
+    def select(self, request: PlacementRequest, candidates: Sequence[InstanceState],
+               cost: CostModel, now_s: float) -> Placement:
+        decision = _Decision(request, candidates, cost, now_s)
+        best, runner = _two_best(decision.netkv_scores(), decision.tier_key)
+        if best < 0:
+            raise decision.exhausted()
+        return decision.placement(self.name, best, runner)
+
+
+class CacheLoad:
+    """A tuned cache- and load-aware router that is blind to the network.
+
+    score = cache_weight_s · (1 − prefix hit fraction) + load_weight · W(d): a full cache
+    miss is worth `cache_weight_s` seconds of queue. With every path equal and
+    `cache_weight_s` set to the prompt's transfer time, this ranks exactly as netkv.
+    """
+
+    name = "cache_load"
+
+    def __init__(self, cache_weight: float = 0.1, load_weight: float = 1.0) -> None:
+        if cache_weight < 0:
+            raise InvalidArgument("cache_weight", f"must be >= 0, got {cache_weight}")
+        if load_weight < 0:
+            raise InvalidArgument("load_weight", f"must be >= 0, got {load_weight}")
+        self.cache_weight = cache_weight
+        self.load_weight = load_weight
+
+    def select(self, request: PlacementRequest, candidates: Sequence[InstanceState],
+               cost: CostModel, now_s: float) -> Placement:
+        decision = _Decision(request, candidates, cost, now_s)
+        columns, hits = decision.columns, decision.hits
+        prompt_tokens = request.prompt_tokens
+        cache_w, load_w = self.cache_weight, self.load_weight
+        scores = [cache_w + load_w * w for w in columns.wait]
+        for i, hit in hits.items():
+            scores[i] = cache_w * (1.0 - hit / prompt_tokens) + load_w * columns.wait[i]
+        if columns.min_free < prompt_tokens:
+            for i in range(len(scores)):
+                if not decision.fits(i):
+                    scores[i] = _INF
+        best, runner = _two_best(scores, decision.load_key)
+        if best < 0:
+            raise decision.exhausted()
+        return decision.placement(self.name, best, runner)
+
+
+class LeastLoaded:
+    """Fewest outstanding requests (queued + running), then least queued work, then id."""
+
+    name = "least_loaded"
+
+    def select(self, request: PlacementRequest, candidates: Sequence[InstanceState],
+               cost: CostModel, now_s: float) -> Placement:
+        decision = _Decision(request, candidates, cost, now_s)
+        columns = decision.columns
+        order = heapq.nsmallest(
+            2, (i for i in range(len(columns.ids)) if decision.fits(i)),
+            key=lambda i: (columns.load[i], columns.wait[i], columns.ids[i]))
+        if not order:
+            raise decision.exhausted()
+        return decision.placement(self.name, order[0], order[1] if len(order) > 1 else None)
+
+
+class RoundRobin:
+    """Each call takes the next candidate in order, skipping those without memory."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, request: PlacementRequest, candidates: Sequence[InstanceState],
+               cost: CostModel, now_s: float) -> Placement:
+        if not candidates:
+            raise FailedPrecondition("no decode candidates", field="candidates")
+        n = len(candidates)
+        block_tokens = cost.model.block_tokens
+        for step in range(n):
+            i = (self._next + step) % n
+            state = candidates[i]
+            hit = prefix_hit_tokens(request.prefix_hashes, state.resident_blocks, block_tokens,
+                                    request.prompt_tokens)
+            if state.free_kv_tokens >= request.prompt_tokens - hit:
+                self._next = i + 1
+                decision = _Decision(request, candidates, cost, now_s)
+                return decision.placement(self.name, i, None)
+        raise ResourceExhausted(
+            f"no decode candidate has {request.prompt_tokens} tokens of free KV memory "
+            f"({n} considered)", field="free_kv_tokens")
+
+
+PLACEMENT_POLICY_NAMES = ("round_robin", "least_loaded", "cache_load", "netkv")
+
+_POLICIES: dict[str, Callable[..., PlacementPolicy]] = {
+    "round_robin": RoundRobin,
+    "least_loaded": LeastLoaded,
+    "cache_load": CacheLoad,
+    "netkv": NetKv,
+}
+
+
+def make_placement_policy(name: str, **params: Any) -> PlacementPolicy:
+    """A new policy called `name` (see PLACEMENT_POLICY_NAMES) built with `params`."""
+    try:
+        factory = _POLICIES[name]
+    except KeyError:
+        raise InvalidArgument(
+            "policy", f"unknown placement policy {name!r} "
+                      f"(known: {', '.join(PLACEMENT_POLICY_NAMES)})") from None
+    try:
+        return factory(**params)
+    except TypeError as exc:
+        raise InvalidArgument("policy", f"{name}: bad parameters {sorted(params)}: {exc}") \
+            from None
+
+
+def score_candidates(
+    request: PlacementRequest, candidates: Sequence[InstanceState], cost: CostModel,
+    now_s: float, limit: int | None = None,
+) -> list[CandidateScore]:
+    """The netkv terms of the candidates that fit, best first (for decision traces)."""
+    decision = _Decision(request, candidates, cost, now_s)
+    scores = decision.netkv_scores()
+    finite = [i for i, s in enumerate(scores) if s != _INF]
+    finite.sort(key=lambda i: (scores[i], *decision.tier_key(i)))
+    return [decision.score(i) for i in finite[:limit]]
