@@ -1,0 +1,1 @@
+"""The cost oracle service: transfer and compute time predictions over gRPC."""

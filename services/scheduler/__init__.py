@@ -1,0 +1,1 @@
+"""The recovery scheduler service: decode placement and recovery decisions over gRPC."""

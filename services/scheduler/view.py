@@ -1,0 +1,281 @@
+"""The decision services' cached copy of gossip: instances, link estimates, and its age.
+
+A decision reads `ViewCache.current()` and never awaits gossip or Redis: a background
+task refreshes the copy every `refresh_s` (and at once on a failure event), and when
+gossip is unreachable the last copy keeps serving, flagged stale once it is older than
+`stale_after_s`. The copy is one immutable `DecisionState`, swapped whole, so a decision
+never sees half of a refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvrs.cluster import ClusterView, InstanceState
+from kvrs.costmodel import CostModel
+from kvrs.errors import DeadlineExceeded, NotFound, Unavailable
+from kvrs.estimator import LinkEstimate
+from kvrs.network import NetworkModel
+from kvrs.topology import InstanceSpec, LinkId, Location, Role
+from services.gossip.records import ALIVE, LinkRecord, NodeRecord, Registration
+from services.scheduler.inputs import DecisionInputs
+
+log = logging.getLogger(__name__)
+
+UNKNOWN_FREE_KV_TOKENS = 2**62
+"""Free KV memory of an instance that registered no KV capacity: never the limit."""
+
+
+@dataclass(frozen=True)
+class GossipSnapshot:
+    """Everything one refresh fetched, stamped with the local clock."""
+
+    nodes: tuple[NodeRecord, ...]
+    """Every instance gossip remembers, alive or not."""
+    links: tuple[LinkRecord, ...]
+    fetched_at_s: float
+    flows: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """Migrations in flight per (src, dst) instance pair, as the slot broker counts them."""
+
+
+class SnapshotSource(Protocol):
+    async def fetch(self) -> GossipSnapshot:
+        """Raises kvrs.errors.Unavailable / DeadlineExceeded when gossip cannot answer."""
+        ...
+
+
+@dataclass(frozen=True)
+class DecisionState:
+    """One consistent snapshot decisions read: the priced network and the instances."""
+
+    cost: CostModel
+    cluster: ClusterView
+    """Every instance gossip remembers; `alive` says which may take work. One view per
+    snapshot, so the candidate lists the core caches on it survive between decisions."""
+    refreshed_at_s: float
+    links_used: int
+    telemetry_key: tuple
+    """What the network model was built from; an unchanged key reuses the model."""
+
+    def age_s(self, now_s: float) -> float:
+        return max(0.0, now_s - self.refreshed_at_s)
+
+
+@dataclass(frozen=True)
+class DecisionView:
+    """What one decision is made against, and how old it is."""
+
+    state: DecisionState
+    age_s: float
+    stale: bool
+
+    @property
+    def cost(self) -> CostModel:
+        return self.state.cost
+
+    @property
+    def cluster(self) -> ClusterView:
+        return self.state.cluster
+
+
+class ViewCache:
+    """Keeps the latest `DecisionState`; see the module docstring."""
+
+    def __init__(
+        self,
+        inputs: DecisionInputs,
+        source: SnapshotSource,
+        refresh_s: float,
+        stale_after_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.inputs = inputs
+        self.refresh_s = refresh_s
+        self.stale_after_s = stale_after_s
+        self._source = source
+        self.clock = clock
+        self._state: DecisionState | None = None
+        self._wake = asyncio.Event()
+        self.refresh_failures = 0
+
+    @property
+    def state(self) -> DecisionState | None:
+        return self._state
+
+    def current(self, now_s: float | None = None) -> DecisionView:
+        """The view to decide against now; Unavailable only before the first refresh."""
+        state = self._state
+        if state is None:
+            raise Unavailable("no view of the cluster yet: gossip has not answered since start")
+        now_s = self.clock() if now_s is None else now_s
+        age_s = state.age_s(now_s)
+        stale = age_s > self.stale_after_s
+        # The shared view's clock moves with each decision; decisions run between awaits on
+        # one event loop, so none sees another's `now_s` change under it.
+        cluster = state.cluster
+        cluster.now_s, cluster.view_age_s, cluster.stale = now_s, age_s, stale
+        return DecisionView(state=state, age_s=age_s, stale=stale)
+
+    def is_known(self, instance_id: str) -> bool:
+        """Known to the topology file or to gossip (alive or not)."""
+        state = self._state
+        if state is not None and instance_id in state.cluster.instances:
+            return True
+        return self._in_topology(instance_id)
+
+    async def refresh(self) -> bool:
+        """Fetches gossip once; False (and the old view kept) when gossip cannot answer."""
+        try:
+            snapshot = await self._source.fetch()
+        except (Unavailable, DeadlineExceeded) as exc:
+            self.refresh_failures += 1
+            log.warning("view refresh failed, deciding from the cached view: %s", exc)
+            return False
+        self._state = self._build(snapshot)
+        return True
+
+    def mark_down(self, instance_id: str) -> None:
+        """A failure event: the instance stops being a candidate now, not at the next refresh."""
+        state = self._state
+        if state is None:
+            return
+        instances = dict(state.cluster.instances)
+        known = instances.get(instance_id)
+        if known is None or not known.alive:
+            return
+        instances[instance_id] = dataclasses.replace(known, alive=False)
+        cluster = ClusterView(instances=instances, now_s=state.cluster.now_s)
+        self._state = dataclasses.replace(state, cluster=cluster)
+        self.request_refresh()
+
+    def request_refresh(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Refreshes forever: every `refresh_s`, or sooner when asked."""
+        while True:
+            self._wake.clear()
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - one bad snapshot must not end the refreshes
+                self.refresh_failures += 1
+                log.exception("view refresh failed unexpectedly; keeping the cached view")
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.refresh_s)
+            except TimeoutError:
+                pass
+
+    def _build(self, snapshot: GossipSnapshot) -> DecisionState:
+        topology = self.inputs.topology
+        instances: dict[str, InstanceState] = {}
+        for node in snapshot.nodes:
+            registration = node.registration
+            if not self.is_known(registration.instance_id):
+                topology.add_instance(_instance_spec(registration))
+            instances[registration.instance_id] = self._instance_state(node)
+        links = tuple(
+            link for link in snapshot.links
+            if self._in_topology(link.sample.src_instance_id)
+            and self._in_topology(link.sample.dst_instance_id)
+        )
+        key = (
+            tuple(
+                (link.sample.src_instance_id, link.sample.dst_instance_id,
+                 link.sample.bandwidth_bps, link.sample.rtt_s, link.sample.samples,
+                 link.measured_unix_ms)
+                for link in links
+            ),
+            tuple(sorted(snapshot.flows.items())),
+        )
+        previous = self._state
+        if previous is not None and previous.telemetry_key == key:
+            cost = previous.cost
+        else:
+            cost = CostModel(self.inputs.model, self.inputs.compute, self._network(snapshot, links))
+        return DecisionState(
+            cost=cost,
+            cluster=ClusterView(instances=instances, now_s=snapshot.fetched_at_s),
+            refreshed_at_s=snapshot.fetched_at_s,
+            links_used=len(links),
+            telemetry_key=key,
+        )
+
+    def _network(self, snapshot: GossipSnapshot, links: tuple[LinkRecord, ...]) -> NetworkModel:
+        """A network model priced from the links' measurements and the flows in flight.
+
+        A measurement's time is the gossip store's clock (`measured_unix_ms`), the same
+        clock for every replica, so an unchanged measurement keeps its age across refreshes.
+        """
+        network = NetworkModel(self.inputs.topology, self.inputs.staleness)
+        for link in links:
+            sample = link.sample
+            network.set_link_estimate(
+                sample.src_instance_id,
+                sample.dst_instance_id,
+                LinkEstimate(
+                    bandwidth_bps=sample.bandwidth_bps,
+                    rtt_s=sample.rtt_s,
+                    measured_at_s=link.measured_unix_ms / 1000.0,
+                    samples=sample.samples,
+                ),
+            )
+        network.set_flows(self._link_flows(snapshot.flows))
+        return network
+
+    def _instance_state(self, node: NodeRecord) -> InstanceState:
+        registration, load = node.registration, node.load
+        if registration.kv_capacity_blocks > 0:
+            free_kv_tokens = load.free_kv_blocks * self.inputs.model.block_tokens
+        else:
+            free_kv_tokens = UNKNOWN_FREE_KV_TOKENS
+        return InstanceState(
+            instance_id=registration.instance_id,
+            role=Role(registration.role),
+            wait_s=load.queued_work_s,
+            queue_depth=load.queue_depth,
+            running_requests=load.running_requests,
+            free_kv_tokens=free_kv_tokens,
+            resident_blocks=frozenset(load.resident_prefix_hashes),
+            age_s=node.age_s,
+            address=registration.address,
+            transfer_address=registration.transfer_address,
+            alive=node.state == ALIVE,
+        )
+
+    def _in_topology(self, instance_id: str) -> bool:
+        try:
+            self.inputs.topology.instance(instance_id)
+        except NotFound:
+            return False
+        return True
+
+    def _link_flows(self, pair_flows: Mapping[tuple[str, str], int]) -> dict[LinkId, int]:
+        """Migrations in flight per instance pair, spread onto the links their paths cross."""
+        flows: dict[LinkId, int] = {}
+        topology = self.inputs.topology
+        for (src_id, dst_id), count in pair_flows.items():
+            if count <= 0 or not (self._in_topology(src_id) and self._in_topology(dst_id)):
+                continue
+            for link in topology.path_links(src_id, dst_id):
+                flows[link] = flows.get(link, 0) + count
+        return flows
+
+
+def _instance_spec(registration: Registration) -> InstanceSpec:
+    """An instance the topology file does not list, placed where it says it runs."""
+    return InstanceSpec(
+        instance_id=registration.instance_id,
+        role=Role(registration.role),
+        location=Location(
+            node=registration.node or registration.instance_id,
+            rack=registration.rack,
+            pod=registration.pod,
+            gpu_index=registration.gpu_index,
+        ),
+    )
