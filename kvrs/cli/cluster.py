@@ -1,0 +1,277 @@
+"""`kvrs up`, `kvrs down` and `kvrs status`: a local cluster of processes, and a look inside one.
+
+`up` and `down` drive `kvrs.localcluster`; `status` reads any cluster through its gossip
+and slot-broker gRPC APIs (the local one by default, or the addresses given as flags or
+GOSSIP_ADDR / SLOT_BROKER_ADDR, e.g. a compose deployment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvrs.localcluster import DEFAULT_RUN_DIR
+
+_BPS_PER_GBPS = 1e9
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    command = parser.prog.split()[-1]
+    parser.add_argument(
+        "--dir", type=Path, default=Path(DEFAULT_RUN_DIR),
+        help=f"run directory: logs, certificates, state file (default {DEFAULT_RUN_DIR})",
+    )
+    if command == "up":
+        parser.add_argument("--workers-model", default="tiny",
+                            help="model preset of the workers (default tiny)")
+        parser.add_argument("--tls", action="store_true",
+                            help="generate dev certificates and run every hop over mTLS")
+        parser.add_argument("--otlp-endpoint", default=os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT", ""),
+                            help="export spans over OTLP gRPC (e.g. http://127.0.0.1:4317)")
+        parser.add_argument("--base-port", type=int, default=0,
+                            help="consecutive ports from here, one per service (default: free)")
+        parser.add_argument("--topology", type=Path, default=None,
+                            help="topology file (default deploy/topology.yaml)")
+        parser.add_argument("--timeout-s", type=float, default=60.0,
+                            help="how long each startup stage may take (default 60)")
+    elif command == "down":
+        parser.add_argument("--grace-s", type=float, default=10.0,
+                            help="seconds between SIGTERM and SIGKILL (default 10)")
+    else:
+        parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+        parser.add_argument("--gossip-addr", default="",
+                            help="gossip host:port (default: the local cluster, or GOSSIP_ADDR)")
+        parser.add_argument("--slot-broker-addr", default="",
+                            help="slot broker host:port (default: the local cluster, "
+                                 "or SLOT_BROKER_ADDR)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvrs.localcluster import ClusterError
+
+    handlers = {"up": _up, "down": _down, "status": _status}
+    try:
+        return handlers[args.command](args)
+    except ClusterError as exc:
+        print(f"kvrs {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _up(args: argparse.Namespace) -> int:
+    from kvrs.localcluster import DEFAULT_TOPOLOGY_FILE, ClusterOptions, start_cluster
+
+    options = ClusterOptions(
+        run_dir=args.dir,
+        workers_model=args.workers_model,
+        tls=args.tls,
+        otlp_endpoint=args.otlp_endpoint,
+        base_port=args.base_port,
+        redis_url=os.environ.get("REDIS_URL", ""),
+        redis_prefix=os.environ.get("KVRS_REDIS_PREFIX", ""),
+        topology_file=(args.topology or DEFAULT_TOPOLOGY_FILE).resolve(),
+        startup_timeout_s=args.timeout_s,
+    )
+    started_s = time.monotonic()
+    state = start_cluster(options)
+    elapsed_s = time.monotonic() - started_s
+    print(f"kvrs cluster up in {elapsed_s:.1f} s (run dir {state.run_dir})")
+    rows = [[r.name, r.kind, r.address, str(r.pid), r.log_file] for r in state.processes]
+    print(_table(["SERVICE", "KIND", "ADDRESS", "PID", "LOG"], rows))
+    print(f"\nredis {state.redis_url}  prefix {state.redis_prefix}")
+    print("client environment:")
+    for name, value in state.client_env().items():
+        print(f"  export {name}={value}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from kvrs.localcluster import stop_cluster
+
+    state, killed = stop_cluster(args.dir, args.grace_s)
+    print(f"stopped {len(state.processes)} processes from {state.run_dir}")
+    if killed:
+        print(f"killed after {args.grace_s:.0f} s: {', '.join(killed)}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvrs.localcluster import ClusterError, ClusterState
+
+    state: ClusterState | None = None
+    try:
+        state = ClusterState.load(args.dir)
+    except ClusterError:
+        if not (args.gossip_addr or os.environ.get("GOSSIP_ADDR")):
+            raise
+    report = asyncio.run(_collect(args, state))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_render(report))
+    return 0
+
+
+async def _collect(args: argparse.Namespace, state: Any) -> dict[str, Any]:
+    from kvrs import errors
+    from kvrs.client import KvrsClient
+    from kvrs.localcluster import is_running
+    from services.common.config import GrpcSettings, TlsConfig
+
+    env = dict(os.environ)
+    if state is not None:
+        env.update(state.client_env())
+    gossip_addr = args.gossip_addr or env.get("GOSSIP_ADDR", "")
+    slot_broker_addr = args.slot_broker_addr or env.get("SLOT_BROKER_ADDR", "")
+    settings = GrpcSettings(tls=TlsConfig.from_env(env))
+    report: dict[str, Any] = {"gossip_addr": gossip_addr, "slot_broker_addr": slot_broker_addr}
+    async with KvrsClient(
+        gossip_addr=gossip_addr, slot_broker_addr=slot_broker_addr, settings=settings,
+        timeout_s=2.0, max_attempts=2,
+    ) as client:
+        try:
+            nodes = await client.list_nodes(include_down=True)
+            links = await client.list_links()
+            report["instances"] = [_node(node) for node in nodes.nodes]
+            report["links"] = [_link(link) for link in links.links]
+        except errors.KvrsError as exc:
+            report["gossip_error"] = str(exc)
+        try:
+            report["slots"] = _slots(await client.get_slot_stats())
+        except errors.KvrsError as exc:
+            report["slots_error"] = str(exc)
+    if state is not None:
+        now_ms = int(time.time() * 1000)
+        report["run_dir"] = state.run_dir
+        report["processes"] = [
+            {
+                "name": record.name,
+                "kind": record.kind,
+                "address": record.address,
+                "pid": record.pid,
+                "running": is_running(record),
+                "uptime_s": round((now_ms - record.started_unix_ms) / 1000, 1),
+            }
+            for record in state.processes
+        ]
+    return report
+
+
+def _node(node: Any) -> dict[str, Any]:
+    from kvrs.v1 import common_pb2, gossip_pb2
+
+    return {
+        "instance_id": node.instance_id,
+        "role": common_pb2.Role.Name(node.role).removeprefix("ROLE_").lower(),
+        "address": node.address,
+        "state": gossip_pb2.NodeState.Name(node.state).removeprefix("NODE_STATE_").lower(),
+        "age_s": round(node.age_s, 3),
+        "queue_depth": node.queue_depth,
+        "queued_work_s": round(node.queued_work_s, 6),
+        "running_requests": node.running_requests,
+        "free_kv_blocks": node.free_kv_blocks,
+        "kv_capacity_blocks": node.kv_capacity_blocks,
+        "node": node.location.node,
+        "model": node.model,
+    }
+
+
+def _link(link: Any) -> dict[str, Any]:
+    return {
+        "src_instance_id": link.src_instance_id,
+        "dst_instance_id": link.dst_instance_id,
+        "bandwidth_bps": link.bandwidth_bps,
+        "sample_bandwidth_bps": link.sample_bandwidth_bps,
+        "rtt_s": link.rtt_s,
+        "samples": link.samples,
+        "age_s": round(link.age_s, 3),
+    }
+
+
+def _slots(stats: Any) -> dict[str, Any]:
+    return {
+        "slots_in_use": stats.slots_in_use,
+        "cluster_cap": stats.cluster_cap,
+        "granted_total": stats.granted_total,
+        "denied_total": stats.denied_total,
+        "expired_total": stats.expired_total,
+        "links": [
+            {
+                "src_instance_id": link.src_instance_id,
+                "dst_instance_id": link.dst_instance_id,
+                "in_use": link.in_use,
+                "cap": link.cap,
+            }
+            for link in stats.links
+        ],
+    }
+
+
+def _render(report: dict[str, Any]) -> str:
+    parts: list[str] = []
+    if "processes" in report:
+        rows = [
+            [p["name"], p["kind"], p["address"], str(p["pid"]),
+             "running" if p["running"] else "EXITED", f"{p['uptime_s']:.0f}"]
+            for p in report["processes"]
+        ]
+        parts.append(f"processes ({report['run_dir']})")
+        parts.append(_table(["NAME", "KIND", "ADDRESS", "PID", "STATE", "UP_S"], rows))
+    parts.append(f"\ninstances (gossip {report['gossip_addr']})")
+    if "gossip_error" in report:
+        parts.append(f"  unavailable: {report['gossip_error']}")
+    else:
+        rows = [
+            [n["instance_id"], n["role"], n["address"], n["state"], f"{n['age_s']:.2f}",
+             str(n["queue_depth"]), f"{n['queued_work_s']:.3f}", str(n["running_requests"]),
+             f"{n['free_kv_blocks']}/{n['kv_capacity_blocks']}"]
+            for n in report["instances"]
+        ]
+        parts.append(_table(
+            ["ID", "ROLE", "ADDRESS", "STATE", "AGE_S", "QUEUE", "QUEUED_WORK_S", "RUNNING",
+             "FREE_KV_BLOCKS"],
+            rows, empty="  (no instances registered)",
+        ))
+        parts.append("\nlinks (measured by the prober)")
+        rows = [
+            [link["src_instance_id"], link["dst_instance_id"],
+             f"{link['bandwidth_bps'] / _BPS_PER_GBPS:.3f}",
+             f"{link['sample_bandwidth_bps'] / _BPS_PER_GBPS:.3f}",
+             f"{link['rtt_s'] * 1000:.3f}", str(link["samples"]), f"{link['age_s']:.2f}"]
+            for link in report["links"]
+        ]
+        parts.append(_table(
+            ["SRC", "DST", "EWMA_GBPS", "LAST_GBPS", "RTT_MS", "SAMPLES", "AGE_S"],
+            rows, empty="  (no link measured yet)",
+        ))
+    parts.append(f"\nslots (slot broker {report['slot_broker_addr']})")
+    if "slots_error" in report:
+        parts.append(f"  unavailable: {report['slots_error']}")
+    else:
+        slots = report["slots"]
+        parts.append(
+            f"  {slots['slots_in_use']} in use of {slots['cluster_cap']}"
+            f"  (granted {slots['granted_total']}, denied {slots['denied_total']},"
+            f" expired {slots['expired_total']})"
+        )
+        if slots["links"]:
+            rows = [[s["src_instance_id"], s["dst_instance_id"], str(s["in_use"]),
+                     str(s["cap"])] for s in slots["links"]]
+            parts.append(_table(["SRC", "DST", "IN_USE", "CAP"], rows))
+    return "\n".join(parts)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], empty: str = "") -> str:
+    if not rows and empty:
+        return empty
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True))
+             for line in (header, *rows)]
+    return "\n".join("  " + line.rstrip() for line in lines)
