@@ -11,6 +11,8 @@ from kvrs.topology import Role
 
 __all__ = ["ClusterView", "InstanceList", "InstanceState"]
 
+_LISTS_CACHE_MAX = 64
+
 
 @dataclass(frozen=True)
 class InstanceState:
@@ -94,13 +96,20 @@ class ClusterView:
         return self._alive(Role.PREFILL, exclude)
 
     def _alive(self, role: Role, exclude: Collection[str]) -> InstanceList:
-        if exclude:
-            return InstanceList(s for s in self._alive(role, ()) if s.instance_id not in exclude)
-        cached = self._lists.get(role)
+        # Cached per exclusion set too: every request of a failed instance excludes it.
+        key = (role, exclude if isinstance(exclude, frozenset) else frozenset(exclude))
+        cached = self._lists.get(key)
         if cached is None:
-            cached = self._lists[role] = InstanceList(sorted(
-                (s for s in self.instances.values() if s.alive and s.role is role),
-                key=lambda s: s.instance_id))
+            if len(self._lists) >= _LISTS_CACHE_MAX:
+                self._lists.clear()
+            if key[1]:
+                cached = InstanceList(
+                    s for s in self._alive(role, ()) if s.instance_id not in key[1])
+            else:
+                cached = InstanceList(sorted(
+                    (s for s in self.instances.values() if s.alive and s.role is role),
+                    key=lambda s: s.instance_id))
+            self._lists[key] = cached
         return cached
 
     def get(self, instance_id: str) -> InstanceState | None:

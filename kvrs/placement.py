@@ -25,10 +25,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvrs.cluster import InstanceList, InstanceState
+from kvrs._columns import Columns as _Columns
+from kvrs._columns import Fan as _Fan
+from kvrs.cluster import InstanceState
 from kvrs.costmodel import CostModel, prefix_hit_tokens
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvrs.network import NetworkModel, PathTable, TransferEstimate
+from kvrs.network import TransferEstimate
 from kvrs.topology import Tier
 
 __all__ = [
@@ -50,7 +52,6 @@ NUMPY_MIN_CANDIDATES = 32
 """From this many candidates on, scores are computed with numpy instead of list passes."""
 
 _INF = math.inf
-_HOLDERS_CACHE_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -108,100 +109,6 @@ class PlacementPolicy(Protocol):
         self, request: PlacementRequest, candidates: Sequence[InstanceState],
         cost: CostModel, now_s: float,
     ) -> Placement: ...
-
-
-# -- columns --------------------------------------------------------------------------
-
-
-class _Fan:
-    """Path terms from one prefill instance to every candidate of a list."""
-
-    __slots__ = ("table", "rtt", "inv_bps", "rtt_wait", "_arrays")
-
-    def __init__(self, table: PathTable, wait: list[float]) -> None:
-        self.table = table
-        self.rtt = list(table.rtt_s)
-        self.inv_bps = [1.0 / bps for bps in table.bandwidth_bps]
-        self.rtt_wait = [r + w for r, w in zip(self.rtt, wait, strict=True)]
-        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rtt, 1 / bandwidth, rtt + wait) as numpy arrays."""
-        if self._arrays is None:
-            self._arrays = (np.array(self.rtt), np.array(self.inv_bps),
-                            np.array(self.rtt_wait))
-        return self._arrays
-
-
-class _Columns:
-    """The fields decisions read from a candidate list, read once per list."""
-
-    __slots__ = ("states", "ids", "wait", "running", "load", "free", "min_free",
-                 "has_resident", "_arrays", "_holders", "_fans")
-
-    def __init__(self, states: Sequence[InstanceState]) -> None:
-        self.states = states
-        self.ids = [s.instance_id for s in states]
-        self.wait = [s.wait_s for s in states]
-        self.running = [s.running_requests for s in states]
-        self.load = [s.queue_depth + s.running_requests for s in states]
-        self.free = [s.free_kv_tokens for s in states]
-        self.min_free = min(self.free, default=0)
-        self.has_resident = any(s.resident_blocks for s in states)
-        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
-        self._holders: dict[int, frozenset[int]] = {}
-        self._fans: dict[str, _Fan] = {}
-
-    @classmethod
-    def of(cls, candidates: Sequence[InstanceState]) -> _Columns:
-        """Columns of `candidates`, cached on it when it is an `InstanceList`."""
-        if isinstance(candidates, InstanceList):
-            columns = candidates.derived.get(cls)
-            if columns is None:
-                columns = candidates.derived[cls] = cls(candidates)
-            return columns
-        return cls(candidates)
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(wait, free KV tokens) as numpy arrays."""
-        if self._arrays is None:
-            self._arrays = (np.array(self.wait), np.array(self.free, dtype=np.float64))
-        return self._arrays
-
-    def fan(self, network: NetworkModel, src_id: str, now_s: float) -> _Fan:
-        """Path terms from `src_id` to every candidate, rebuilt when the network changed."""
-        fan = self._fans.get(src_id)
-        if fan is None or not fan.table.valid(network, now_s):
-            fan = self._fans[src_id] = _Fan(network.fan_out(src_id, self.ids, now_s), self.wait)
-        return fan
-
-    def holders(self, block_hash: int) -> frozenset[int]:
-        """Indices of the candidates holding one prefix block."""
-        found = self._holders.get(block_hash)
-        if found is None:
-            if len(self._holders) >= _HOLDERS_CACHE_MAX:
-                self._holders.clear()
-            found = self._holders[block_hash] = frozenset(
-                i for i, s in enumerate(self.states) if block_hash in s.resident_blocks)
-        return found
-
-    def hits(self, request: PlacementRequest, block_tokens: int) -> dict[int, int]:
-        """Prefix-hit tokens of every candidate that has any (index → tokens)."""
-        if not request.prefix_hashes or not self.has_resident:
-            return {}
-        prompt_tokens = request.prompt_tokens
-        hits: dict[int, int] = {}
-        holding: frozenset[int] | None = None
-        max_blocks = -(-prompt_tokens // block_tokens)
-        for blocks, block_hash in enumerate(request.prefix_hashes[:max_blocks], start=1):
-            found = self.holders(block_hash)
-            holding = found if holding is None else holding & found
-            if not holding:
-                break
-            tokens = min(blocks * block_tokens, prompt_tokens)
-            for i in holding:
-                hits[i] = tokens
-        return hits
 
 
 # -- scoring --------------------------------------------------------------------------
@@ -300,7 +207,8 @@ class _Decision:
         self.now_s = now_s
         self.columns = _Columns.of(candidates)
         self.fan = self.columns.fan(cost.network, request.prefill_id, now_s)
-        self.hits = self.columns.hits(request, cost.model.block_tokens)
+        self.hits = self.columns.hits(request.prefix_hashes, request.prompt_tokens,
+                                      cost.model.block_tokens)
 
     def netkv_scores(self) -> list[float] | np.ndarray:
         return _netkv_scores(self.columns, self.fan, self.hits, self.request.prompt_tokens,

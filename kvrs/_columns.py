@@ -1,0 +1,116 @@
+"""Per-candidate-list columns shared by placement and recovery, cached on the list.
+
+A `ClusterView` hands the same read-only `InstanceList` to every decision that uses it,
+so what decisions read from it (waits, free memory, path terms from a source) is read
+once per list and reused until the network model changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvrs.cluster import InstanceList, InstanceState
+from kvrs.network import NetworkModel, PathTable
+
+_HOLDERS_CACHE_MAX = 4096
+
+
+class Fan:
+    """Path terms from one source instance to every instance of a list."""
+
+    __slots__ = ("table", "bps", "rtt", "inv_bps", "rtt_wait", "_arrays")
+
+    def __init__(self, table: PathTable, wait: list[float]) -> None:
+        self.table = table
+        self.bps = table.bandwidth_bps
+        self.rtt = table.rtt_s
+        self.inv_bps = [1.0 / bps for bps in table.bandwidth_bps]
+        self.rtt_wait = [r + w for r, w in zip(self.rtt, wait, strict=True)]
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rtt, 1 / bandwidth, rtt + wait) as numpy arrays."""
+        if self._arrays is None:
+            self._arrays = (np.array(self.rtt), np.array(self.inv_bps),
+                            np.array(self.rtt_wait))
+        return self._arrays
+
+
+class Columns:
+    """The fields decisions read from a list of instances, read once per list."""
+
+    __slots__ = ("states", "ids", "wait", "running", "load", "free", "min_free",
+                 "has_resident", "_arrays", "_holders", "_fans", "_by_wait")
+
+    def __init__(self, states: Sequence[InstanceState]) -> None:
+        self.states = states
+        self.ids = [s.instance_id for s in states]
+        self.wait = [s.wait_s for s in states]
+        self.running = [s.running_requests for s in states]
+        self.load = [s.queue_depth + s.running_requests for s in states]
+        self.free = [s.free_kv_tokens for s in states]
+        self.min_free = min(self.free, default=0)
+        self.has_resident = any(s.resident_blocks for s in states)
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self._holders: dict[int, frozenset[int]] = {}
+        self._fans: dict[str, Fan] = {}
+        self._by_wait: list[int] | None = None
+
+    @classmethod
+    def of(cls, states: Sequence[InstanceState]) -> Columns:
+        """Columns of `states`, cached on it when it is an `InstanceList`."""
+        if isinstance(states, InstanceList):
+            columns = states.derived.get(cls)
+            if columns is None:
+                columns = states.derived[cls] = cls(states)
+            return columns
+        return cls(states)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(wait, free KV tokens) as numpy arrays."""
+        if self._arrays is None:
+            self._arrays = (np.array(self.wait), np.array(self.free, dtype=np.float64))
+        return self._arrays
+
+    def fan(self, network: NetworkModel, src_id: str, now_s: float) -> Fan:
+        """Path terms from `src_id` to every instance, rebuilt when the network changed."""
+        fan = self._fans.get(src_id)
+        if fan is None or not fan.table.valid(network, now_s):
+            fan = self._fans[src_id] = Fan(network.fan_out(src_id, self.ids, now_s), self.wait)
+        return fan
+
+    def by_wait(self) -> list[int]:
+        """Indices ordered by wait, then id."""
+        if self._by_wait is None:
+            self._by_wait = sorted(range(len(self.ids)), key=lambda i: (self.wait[i], self.ids[i]))
+        return self._by_wait
+
+    def holders(self, block_hash: int) -> frozenset[int]:
+        """Indices of the instances holding one prefix block."""
+        found = self._holders.get(block_hash)
+        if found is None:
+            if len(self._holders) >= _HOLDERS_CACHE_MAX:
+                self._holders.clear()
+            found = self._holders[block_hash] = frozenset(
+                i for i, s in enumerate(self.states) if block_hash in s.resident_blocks)
+        return found
+
+    def hits(self, prefix_hashes: Sequence[int], prompt_tokens: int,
+             block_tokens: int) -> dict[int, int]:
+        """Prefix-hit tokens of every instance that has any (index → tokens)."""
+        if not prefix_hashes or not self.has_resident:
+            return {}
+        hits: dict[int, int] = {}
+        holding: frozenset[int] | None = None
+        max_blocks = -(-prompt_tokens // block_tokens)
+        for blocks, block_hash in enumerate(prefix_hashes[:max_blocks], start=1):
+            found = self.holders(block_hash)
+            holding = found if holding is None else holding & found
+            if not holding:
+                break
+            tokens = min(blocks * block_tokens, prompt_tokens)
+            for i in holding:
+                hits[i] = tokens
+        return hits

@@ -1,0 +1,534 @@
+"""How to recover a request whose decode instance died: MIGRATE, RECOMPUTE, HYBRID or ABORT.
+
+For a request with prompt L, g tokens generated, prompt KV still on prefill p:
+
+    MIGRATE to d          W(d) + T_x(p, d, S(L)) + T_ext(L, g)
+    RECOMPUTE via p' to d W(p') + T_pf(L + g) + T_x(p', d, S(L + g))
+    HYBRID to d           W(d) + max(T_pf(k), T_x(p, d, S(L − k))) + T_ext(L, g)
+
+HYBRID recomputes blocks [0, k) on d while [k, L) streams from p; the KV of position i
+depends only on tokens ≤ i, so the joined cache is exact. k = 0 is MIGRATE, so the best
+split is never worse than migrating to the same target. `Kvrs` takes the cheapest option
+over every action and target (ties go to MIGRATE), and ABORTs early when even the
+cheapest misses the deadline. MIGRATE and HYBRID need the source's KV and a migration
+slot; without either they are infeasible and the next option wins. `Rom` reproduces the
+RecomputeOrMigrate rule; `AlwaysMigrate` and `AlwaysRecompute` force one mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol, TypeVar
+
+from kvrs._columns import Columns
+from kvrs.cluster import ClusterView
+from kvrs.costmodel import CostModel
+from kvrs.errors import FailedPrecondition, InvalidArgument
+from kvrs.profile import ComputeProfile
+from kvrs.topology import LinkId
+
+__all__ = [
+    "RECOVERY_POLICY_NAMES",
+    "Action",
+    "AlwaysMigrate",
+    "AlwaysRecompute",
+    "Kvrs",
+    "OptionCost",
+    "RecoveryDecision",
+    "RecoveryPolicy",
+    "RecoveryRequest",
+    "Rom",
+    "hybrid_split",
+    "make_recovery_policy",
+]
+
+_INF = math.inf
+_T = TypeVar("_T")
+TIE_TOLERANCE_S = 1e-9
+"""Costs closer than this are a tie (then MIGRATE, which moves no compute, wins)."""
+
+
+class Action(Enum):
+    """The way a request on a failed decode instance continues."""
+
+    MIGRATE = "migrate"
+    RECOMPUTE = "recompute"
+    HYBRID = "hybrid"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class RecoveryRequest:
+    """A request stranded by a failed decode instance."""
+
+    request_id: str
+    prompt_tokens: int
+    generated_tokens: int
+    source_prefill_id: str
+    """The prefill instance that holds the request's prompt KV."""
+    deadline_s: float | None = None
+    """Absolute SLO deadline on the decision's clock; None for no deadline."""
+    source_kv_available: bool = True
+    exclude_ids: frozenset[str] = frozenset()
+    """Instances not to use (the failed one, typically)."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 0:
+            raise InvalidArgument("prompt_tokens", f"must be >= 0, got {self.prompt_tokens}")
+        if self.generated_tokens < 0:
+            raise InvalidArgument("generated_tokens",
+                                  f"must be >= 0, got {self.generated_tokens}")
+        if not self.source_prefill_id:
+            raise InvalidArgument("source_prefill_id", "must not be empty")
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    """One evaluated option: its predicted cost and the terms it is made of."""
+
+    action: Action
+    target_id: str
+    source_id: str
+    """Where the KV (or the recompute) comes from."""
+    cost_s: float
+    wait_s: float
+    transfer_s: float
+    compute_s: float
+    split_tokens: int = 0
+    """HYBRID: tokens [0, k) recomputed on the target, [k, L) migrated."""
+    feasible: bool = True
+    infeasible_reason: str = ""
+
+
+@dataclass(frozen=True)
+class RecoveryDecision:
+    """What to do with one request, and the options it was chosen from."""
+
+    request_id: str
+    action: Action
+    target_id: str
+    source_id: str
+    cost_s: float
+    split_tokens: int
+    options: tuple[OptionCost, ...]
+    """The best option of every action evaluated, feasible or not."""
+    reason: str
+    slack_s: float
+    """deadline − now − cost; +inf without a deadline."""
+    runner_up: OptionCost | None
+    """The cheapest feasible option not chosen (for ABORT: the cheapest, which was late)."""
+    policy: str
+
+
+class RecoveryPolicy(Protocol):
+    """Decides how one request recovers.
+
+    `extra_flows` are transfers planned but not yet running (batch planning);
+    `extra_wait_s` is work already assigned to an instance by the same plan.
+    """
+
+    name: str
+
+    def decide(
+        self, request: RecoveryRequest, view: ClusterView, cost: CostModel, now_s: float,
+        migration_slot_free: bool = True, extra_flows: Mapping[LinkId, int] | None = None,
+        extra_wait_s: Mapping[str, float] | None = None,
+    ) -> RecoveryDecision: ...
+
+
+def _build(cls: type[_T], **values: object) -> _T:
+    """A frozen dataclass instance made without its generated `__init__`.
+
+    That `__init__` sets each field through `object.__setattr__` and costs about as much
+    as the rest of a decision; decisions build four of these per request from values
+    they computed themselves, so they fill the instance dictionary directly.
+    """
+    instance = object.__new__(cls)
+    instance.__dict__.update(values)
+    return instance
+
+
+# -- HYBRID split -----------------------------------------------------------------------
+
+
+def _split(profile: ComputeProfile, prompt_tokens: int, bits_per_token: float, bps: float,
+           rtt_s: float) -> tuple[int, float]:
+    """The k in [0, L] minimising max(T_pf(k), T_x(S(L − k))) and that maximum.
+
+    T_pf rises with k and T_x falls, so the optimum sits where they cross. With a
+    fitted profile the crossing has a closed form (a quadratic); with a measured table
+    it is found by bisection on the integer k.
+    """
+    if prompt_tokens == 0:
+        return 0, 0.0
+    prefill_s = profile.prefill_s
+    # k = 0 is MIGRATE: computed with MIGRATE's arithmetic, so it costs exactly the same.
+    best_k, best_s = 0, rtt_s + bits_per_token * prompt_tokens / bps
+    if profile.table:
+        lo, hi = 0, prompt_tokens  # invariant: T_pf(hi) >= T_x(hi) (T_x(L) = 0)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if prefill_s(mid) >= rtt_s + bits_per_token * (prompt_tokens - mid) / bps:
+                hi = mid
+            else:
+                lo = mid + 1
+        candidates: tuple[int, ...] = (hi - 1, hi) if hi > 1 else (hi,)
+    else:
+        # a + b·k + c·k² = rtt + s·(L − k) for k ≥ 1 (T_pf(0) = 0 sits below the curve).
+        seconds_per_token = bits_per_token / bps
+        a, b, c = profile.a_s, profile.b_s_per_token + seconds_per_token, profile.c_s_per_token2
+        constant = a - rtt_s - seconds_per_token * prompt_tokens
+        if constant >= 0.0:
+            return best_k, best_s
+        if c > 0.0:
+            root = (-b + math.sqrt(b * b - 4.0 * c * constant)) / (2.0 * c)
+        else:
+            root = -constant / b
+        k = min(int(root), prompt_tokens)
+        candidates = (k, k + 1) if k < prompt_tokens else (k,)
+    for k in candidates:
+        if k <= 0:
+            continue
+        moved_s = rtt_s + bits_per_token * (prompt_tokens - k) / bps if k < prompt_tokens else 0.0
+        term = max(prefill_s(k), moved_s)
+        if term < best_s:
+            best_k, best_s = k, term
+    return best_k, best_s
+
+
+def hybrid_split(
+    cost: CostModel, source_id: str, target_id: str, prompt_tokens: int, now_s: float,
+    extra_flows: Mapping[LinkId, int] | None = None,
+) -> tuple[int, float]:
+    """(k, max(T_pf(k), T_x(source, target, S(L − k)))) for the best split of a prompt."""
+    if prompt_tokens < 0:
+        raise InvalidArgument("prompt_tokens", f"must be >= 0, got {prompt_tokens}")
+    bps, rtt_s = cost.network.rate_and_rtt(source_id, target_id, now_s, extra_flows)
+    return _split(cost.compute, prompt_tokens, cost.kv_bits_per_token, bps, rtt_s)
+
+
+# -- evaluation of the options of one request -------------------------------------------
+
+# A raw option: (cost_s, target_id, source_id, wait_s, transfer_s, compute_s, split_tokens)
+_Raw = tuple[float, str, str, float, float, float, int]
+
+
+class _Options:
+    """The best option per action for one request, evaluated once for every policy."""
+
+    __slots__ = ("request", "view", "cost", "now_s", "extra_flows", "extra_wait", "decode",
+                 "targets", "migrate_block", "memory_block", "ext_s")
+
+    def __init__(self, request: RecoveryRequest, view: ClusterView, cost: CostModel,
+                 now_s: float, slot_free: bool, extra_flows: Mapping[LinkId, int] | None,
+                 extra_wait: Mapping[str, float] | None) -> None:
+        self.request, self.view, self.cost, self.now_s = request, view, cost, now_s
+        self.extra_flows = extra_flows or None
+        self.extra_wait = extra_wait or None
+        decode = view.decode_instances(request.exclude_ids)
+        if not decode:
+            raise FailedPrecondition("no alive decode instance to recover to",
+                                     field="decode_instances")
+        self.decode = Columns.of(decode)
+        need = request.prompt_tokens + request.generated_tokens
+        free = self.decode.free
+        self.targets: Sequence[int] = (
+            range(len(free)) if self.decode.min_free >= need
+            else [i for i, tokens in enumerate(free) if tokens >= need])
+        self.memory_block = "" if self.targets else (
+            f"no decode instance has {need} tokens of free KV memory")
+        source = view.get(request.source_prefill_id)
+        if not request.source_kv_available or (source is not None and not source.alive):
+            self.migrate_block = "source KV lost"
+        elif not slot_free:
+            self.migrate_block = "no migration slot"
+        else:
+            self.migrate_block = self.memory_block
+        self.ext_s = cost.extend_s(request.prompt_tokens, request.generated_tokens)
+
+    def waits(self, columns: Columns) -> list[float]:
+        """W(x) of every instance of `columns`, raised by the work a plan assigned."""
+        extra = self.extra_wait
+        if extra is None:
+            return columns.wait
+        return [w + extra.get(i, 0.0) for w, i in zip(columns.wait, columns.ids, strict=True)]
+
+    def rates(self, src_id: str) -> tuple[Sequence[float], Sequence[float]]:
+        """(bandwidth_bps, rtt_s) from `src_id` to every decode instance."""
+        if self.extra_flows is None:
+            fan = self.decode.fan(self.cost.network, src_id, self.now_s)
+            return fan.bps, fan.rtt
+        rate = self.cost.network.rate_and_rtt
+        now_s, flows = self.now_s, self.extra_flows
+        pairs = [rate(src_id, dst_id, now_s, flows) for dst_id in self.decode.ids]
+        return [bps for bps, _ in pairs], [rtt for _, rtt in pairs]
+
+    def migrate_and_hybrid(self, with_hybrid: bool,
+                           targets: Sequence[int] | None = None) -> tuple[_Raw | None, _Raw | None]:
+        """Cheapest MIGRATE and HYBRID over the targets (None when none is computable)."""
+        request, cost = self.request, self.cost
+        targets = self.targets if targets is None else targets
+        if not targets or not request.source_kv_available:
+            return None, None
+        source = request.source_prefill_id
+        prompt_tokens = request.prompt_tokens
+        bits_per_token = cost.kv_bits_per_token
+        ext_s, ids, waits = self.ext_s, self.decode.ids, self.waits(self.decode)
+        bandwidths, rtts = self.rates(source)
+        best_m: _Raw | None = None
+        best_h: _Raw | None = None
+        splits: dict[tuple[float, float], tuple[int, float]] = {}
+        for i in targets:
+            wait = waits[i]
+            if best_m is not None and wait + ext_s >= best_m[0] and (
+                    best_h is None or wait + ext_s >= best_h[0]):
+                continue
+            bps, rtt_s = bandwidths[i], rtts[i]
+            transfer = rtt_s + bits_per_token * prompt_tokens / bps if prompt_tokens else 0.0
+            total = wait + transfer + ext_s
+            if best_m is None or total < best_m[0]:
+                best_m = (total, ids[i], source, wait, transfer, ext_s, 0)
+            if with_hybrid:
+                split = splits.get((bps, rtt_s))
+                if split is None:
+                    split = splits[(bps, rtt_s)] = _split(cost.compute, prompt_tokens,
+                                                          bits_per_token, bps, rtt_s)
+                k, term = split
+                total = wait + term + ext_s
+                if best_h is None or total < best_h[0]:
+                    moved = (rtt_s + bits_per_token * (prompt_tokens - k) / bps
+                             if k < prompt_tokens else 0.0)
+                    best_h = (total, ids[i], source, wait, moved, cost.prefill_s(k) + ext_s, k)
+        return best_m, best_h
+
+    def recompute(self, targets: Sequence[int] | None = None,
+                  only_prefill: int | None = None) -> _Raw | None:
+        """Cheapest RECOMPUTE over (prefill, target) pairs; None without either.
+
+        Prefill instances are tried in order of their wait, and the search stops once
+        W(p') + T_pf alone exceeds the best found: no transfer can make up for it.
+        """
+        request, cost = self.request, self.cost
+        targets = self.targets if targets is None else targets
+        prefills = self.view.prefill_instances(request.exclude_ids)
+        if not targets or not prefills:
+            return None
+        columns = Columns.of(prefills)
+        waits = self.waits(columns)
+        if only_prefill is not None:
+            order: Sequence[int] = (only_prefill,)
+        elif self.extra_wait is None:
+            order = columns.by_wait()
+        else:
+            order = sorted(range(len(waits)), key=lambda i: (waits[i], columns.ids[i]))
+        tokens = request.prompt_tokens + request.generated_tokens
+        prefill_s = cost.prefill_s(tokens)
+        bits = cost.kv_bits_per_token * tokens
+        ids = self.decode.ids
+        best: _Raw | None = None
+        for p in order:
+            wait = waits[p]
+            if best is not None and wait + prefill_s >= best[0]:
+                break
+            prefill_id = columns.ids[p]
+            bandwidths, rtts = self.rates(prefill_id)
+            for i in targets:
+                transfer = rtts[i] + bits / bandwidths[i] if tokens else 0.0
+                total = wait + prefill_s + transfer
+                if best is None or total < best[0]:
+                    best = (total, ids[i], prefill_id, wait, transfer, prefill_s, 0)
+        return best
+
+    def option(self, action: Action, raw: _Raw | None, block: str) -> OptionCost:
+        """The OptionCost of a raw option; infeasible with `block` as reason when set."""
+        if raw is None:
+            reason = block or self.memory_block or "no alive prefill instance"
+            return _build(OptionCost, action=action, target_id="", source_id="", cost_s=_INF,
+                          wait_s=_INF, transfer_s=_INF, compute_s=_INF, split_tokens=0,
+                          feasible=False, infeasible_reason=reason)
+        total, target, source, wait, transfer, compute, split = raw
+        return _build(OptionCost, action=action, target_id=target, source_id=source,
+                      cost_s=total, wait_s=wait, transfer_s=transfer, compute_s=compute,
+                      split_tokens=split, feasible=not block, infeasible_reason=block)
+
+    def decision(self, policy: str, chosen: OptionCost | None, options: tuple[OptionCost, ...],
+                 reason: str, check_deadline: bool) -> RecoveryDecision:
+        """The decision for `chosen` (None: nothing feasible), ABORTing on a missed deadline."""
+        request = self.request
+        if chosen is None:
+            return RecoveryDecision(
+                request.request_id, Action.ABORT, "", "", _INF, 0, options,
+                "no feasible option: " + "; ".join(o.infeasible_reason for o in options),
+                -_INF, None, policy)
+        deadline = request.deadline_s
+        slack = _INF if deadline is None else deadline - self.now_s - chosen.cost_s
+        if check_deadline and slack < 0.0:
+            return RecoveryDecision(request.request_id, Action.ABORT, "", "", chosen.cost_s, 0,
+                                    options, "no option meets the deadline", slack, chosen,
+                                    policy)
+        runner_up = None
+        for option in options:
+            if option is not chosen and option.feasible and (
+                    runner_up is None or option.cost_s < runner_up.cost_s):
+                runner_up = option
+        return _build(RecoveryDecision, request_id=request.request_id, action=chosen.action,
+                      target_id=chosen.target_id, source_id=chosen.source_id,
+                      cost_s=chosen.cost_s, split_tokens=chosen.split_tokens, options=options,
+                      reason=reason, slack_s=slack, runner_up=runner_up, policy=policy)
+
+
+def _cheapest(options: tuple[OptionCost, ...]) -> OptionCost | None:
+    """The cheapest feasible option; on a tie the earlier one (callers list MIGRATE first)."""
+    best = None
+    for option in options:
+        if option.feasible and (best is None or
+                                option.cost_s < best.cost_s - TIE_TOLERANCE_S):
+            best = option
+    return best
+
+
+# -- policies ---------------------------------------------------------------------------
+
+
+class Kvrs:
+    """Cheapest of MIGRATE, RECOMPUTE and HYBRID over every target; ABORT if all are late."""
+
+    name = "kvrs"
+
+    def decide(
+        self, request: RecoveryRequest, view: ClusterView, cost: CostModel, now_s: float,
+        migration_slot_free: bool = True, extra_flows: Mapping[LinkId, int] | None = None,
+        extra_wait_s: Mapping[str, float] | None = None,
+    ) -> RecoveryDecision:
+        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows,
+                       extra_wait_s)
+        migrate, hybrid = ctx.migrate_and_hybrid(with_hybrid=True)
+        block = ctx.migrate_block
+        options = (ctx.option(Action.MIGRATE, migrate, block),
+                   ctx.option(Action.RECOMPUTE, ctx.recompute(), ""),
+                   ctx.option(Action.HYBRID, hybrid, block))
+        chosen = _cheapest(options)
+        if chosen is options[0] and options[0].cost_s >= options[2].cost_s - TIE_TOLERANCE_S:
+            reason = "cheapest option (MIGRATE on a tie with the best split)"
+        elif block and chosen is not None:
+            reason = f"cheapest feasible option ({block})"
+        else:
+            reason = "cheapest option"
+        return ctx.decision(self.name, chosen, options, reason, check_deadline=True)
+
+
+class Rom:
+    """The RecomputeOrMigrate rule: per request, to the least-waiting decode instance,
+    MIGRATE if 8·S(L) / B_est(p, d) < T_pf(L), else RECOMPUTE; no HYBRID, no ABORT, and
+    blind to the other requests of a batch when it chooses.
+    """
+
+    name = "rom"
+
+    def decide(
+        self, request: RecoveryRequest, view: ClusterView, cost: CostModel, now_s: float,
+        migration_slot_free: bool = True, extra_flows: Mapping[LinkId, int] | None = None,
+        extra_wait_s: Mapping[str, float] | None = None,
+    ) -> RecoveryDecision:
+        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows,
+                       extra_wait_s)
+        if not ctx.targets:
+            options = (ctx.option(Action.MIGRATE, None, ctx.migrate_block),
+                       ctx.option(Action.RECOMPUTE, None, ctx.memory_block))
+            return ctx.decision(self.name, None, options, "", check_deadline=False)
+        fits = set(ctx.targets)
+        target = next(i for i in ctx.decode.by_wait() if i in fits)
+        prefills = view.prefill_instances(request.exclude_ids)
+        migrate, _ = ctx.migrate_and_hybrid(with_hybrid=False, targets=(target,))
+        recompute = None
+        if prefills:
+            recompute = ctx.recompute(targets=(target,),
+                                      only_prefill=Columns.of(prefills).by_wait()[0])
+        block = ctx.migrate_block
+        options = (ctx.option(Action.MIGRATE, migrate, block),
+                   ctx.option(Action.RECOMPUTE, recompute, "" if prefills else
+                              "no alive prefill instance"))
+        if block:
+            chosen, reason = options[1], f"RECOMPUTE ({block})"
+        else:
+            bps, _ = cost.network.rate_and_rtt(request.source_prefill_id,
+                                               ctx.decode.ids[target], now_s)
+            migrate_s = cost.kv_bits_per_token * request.prompt_tokens / bps
+            if migrate_s < cost.prefill_s(request.prompt_tokens):
+                chosen, reason = options[0], "8·S(L)/B < T_pf(L)"
+            else:
+                chosen, reason = options[1], "8·S(L)/B >= T_pf(L)"
+        return ctx.decision(self.name, chosen if chosen.feasible else None, options, reason,
+                            check_deadline=False)
+
+
+class AlwaysMigrate:
+    """MIGRATE to the cheapest target; RECOMPUTE only when migration is impossible."""
+
+    name = "always_migrate"
+
+    def decide(
+        self, request: RecoveryRequest, view: ClusterView, cost: CostModel, now_s: float,
+        migration_slot_free: bool = True, extra_flows: Mapping[LinkId, int] | None = None,
+        extra_wait_s: Mapping[str, float] | None = None,
+    ) -> RecoveryDecision:
+        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows,
+                       extra_wait_s)
+        migrate, _ = ctx.migrate_and_hybrid(with_hybrid=False)
+        block = ctx.migrate_block
+        migrate_option = ctx.option(Action.MIGRATE, migrate, block)
+        if migrate_option.feasible:
+            return ctx.decision(self.name, migrate_option, (migrate_option,), "always MIGRATE",
+                                check_deadline=False)
+        recompute = ctx.option(Action.RECOMPUTE, ctx.recompute(), "")
+        return ctx.decision(self.name, recompute if recompute.feasible else None,
+                            (migrate_option, recompute), f"RECOMPUTE ({block})",
+                            check_deadline=False)
+
+
+class AlwaysRecompute:
+    """RECOMPUTE via the cheapest (prefill, target) pair; MIGRATE only when there is no
+    prefill instance left to recompute on.
+    """
+
+    name = "always_recompute"
+
+    def decide(
+        self, request: RecoveryRequest, view: ClusterView, cost: CostModel, now_s: float,
+        migration_slot_free: bool = True, extra_flows: Mapping[LinkId, int] | None = None,
+        extra_wait_s: Mapping[str, float] | None = None,
+    ) -> RecoveryDecision:
+        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows,
+                       extra_wait_s)
+        recompute = ctx.option(Action.RECOMPUTE, ctx.recompute(), "")
+        if recompute.feasible:
+            return ctx.decision(self.name, recompute, (recompute,), "always RECOMPUTE",
+                                check_deadline=False)
+        migrate, _ = ctx.migrate_and_hybrid(with_hybrid=False)
+        migrate_option = ctx.option(Action.MIGRATE, migrate, ctx.migrate_block)
+        return ctx.decision(self.name, migrate_option if migrate_option.feasible else None,
+                            (recompute, migrate_option),
+                            f"MIGRATE ({recompute.infeasible_reason})", check_deadline=False)
+
+
+RECOVERY_POLICY_NAMES = ("always_migrate", "always_recompute", "rom", "kvrs")
+
+_POLICIES: dict[str, Callable[[], RecoveryPolicy]] = {
+    "always_migrate": AlwaysMigrate,
+    "always_recompute": AlwaysRecompute,
+    "rom": Rom,
+    "kvrs": Kvrs,
+}
+
+
+def make_recovery_policy(name: str) -> RecoveryPolicy:
+    """The recovery policy called `name` (see RECOVERY_POLICY_NAMES)."""
+    try:
+        return _POLICIES[name]()
+    except KeyError:
+        raise InvalidArgument(
+            "policy", f"unknown recovery policy {name!r} "
+                      f"(known: {', '.join(RECOVERY_POLICY_NAMES)})") from None

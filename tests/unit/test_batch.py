@@ -1,0 +1,127 @@
+"""Batch recovery planning: shared links, shared queues, slots, least slack first."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrs.batch import plan_batch
+from kvrs.cluster import ClusterView, InstanceState
+from kvrs.costmodel import CostModel
+from kvrs.errors import InvalidArgument
+from kvrs.model import model_spec
+from kvrs.network import NetworkModel
+from kvrs.profile import compute_profile
+from kvrs.recovery import Action, Kvrs, RecoveryRequest, make_recovery_policy
+from kvrs.topology import Topology
+
+MODEL = model_spec("opt-13b")
+
+
+def cluster(nodes: int = 4) -> tuple[CostModel, ClusterView]:
+    """`nodes` nodes in two racks; each node one prefill and one decode instance."""
+    topology = Topology.fat_tree(nodes=nodes, gpus_per_node=2, nodes_per_rack=nodes // 2,
+                                 racks_per_pod=1)
+    cost = CostModel(MODEL, compute_profile("opt-13b"), NetworkModel(topology))
+    states = {i: InstanceState(i, spec.role) for i, spec in topology.instances.items()}
+    return cost, ClusterView(states, now_s=0.0)
+
+
+def requests(n: int, prompt_tokens: int = 8000, **kwargs) -> list[RecoveryRequest]:
+    return [RecoveryRequest(f"r{i}", prompt_tokens, 16, "prefill-0",
+                            exclude_ids=frozenset({"decode-0"}), **kwargs) for i in range(n)]
+
+
+def chosen(decision):
+    return next(o for o in decision.options
+                if o.action is decision.action and o.target_id == decision.target_id)
+
+
+def test_plan_never_promises_a_shared_link_at_full_speed() -> None:
+    cost, view = cluster()
+    plan = plan_batch(requests(6), view, cost, 0.0, Kvrs(), migration_slots_free=32)
+    topology = cost.network.topology
+    users: dict = {}
+    for decision in plan.decisions:
+        if decision.action in (Action.MIGRATE, Action.HYBRID, Action.RECOMPUTE):
+            for link in topology.path_links(decision.source_id, decision.target_id):
+                users[link] = users.get(link, 0) + 1
+    shared = {link: n for link, n in users.items() if n > 1}
+    assert shared, "six transfers out of one prefill node must share its uplink"
+    for decision in plan.decisions:
+        option = chosen(decision)
+        path = topology.path_links(decision.source_id, decision.target_id)
+        if option.transfer_s == 0.0 or not path:
+            continue
+        tokens = (8000 - decision.split_tokens if decision.action is not Action.RECOMPUTE
+                  else 8016)
+        rtt_s = cost.network.rate_and_rtt(decision.source_id, decision.target_id, 0.0)[1]
+        implied_bps = 8 * MODEL.kv_bytes(tokens) / (option.transfer_s - rtt_s)
+        for link in path:
+            assert implied_bps <= topology.link_capacity_bps(link) / users[link] * (1 + 1e-9)
+
+
+def test_isolated_decisions_would_overpromise() -> None:
+    cost, view = cluster()
+    alone = [Kvrs().decide(r, view, cost, 0.0) for r in requests(6)]
+    plan = plan_batch(requests(6), view, cost, 0.0, Kvrs(), migration_slots_free=32)
+    # Deciding alone, every request expects the idle network; the plan knows better.
+    assert plan.makespan_s > max(d.cost_s for d in alone)
+
+
+def test_slots_bound_migrations() -> None:
+    cost, view = cluster()
+    plan = plan_batch(requests(8), view, cost, 0.0, Kvrs(), migration_slots_free=2)
+    moving = [d for d in plan.decisions if d.action in (Action.MIGRATE, Action.HYBRID)]
+    assert len(moving) <= 2
+    assert sum(d.action is Action.RECOMPUTE for d in plan.decisions) >= 6
+    none = plan_batch(requests(3), view, cost, 0.0, Kvrs(), migration_slots_free=0)
+    assert all(d.action is Action.RECOMPUTE for d in none.decisions)
+
+
+def test_work_is_spread_over_instances() -> None:
+    cost, view = cluster(8)
+    plan = plan_batch(requests(12), view, cost, 0.0, Kvrs(), migration_slots_free=32)
+    targets = {d.target_id for d in plan.decisions}
+    assert len(targets) > 1
+    # Later decisions see the work already queued: their waits are not all zero.
+    assert any(chosen(d).wait_s > 0.0 for d in plan.decisions)
+
+
+def test_least_slack_first_gets_the_best_option() -> None:
+    cost, view = cluster()
+    relaxed = requests(3, deadline_s=1000.0)
+    urgent = RecoveryRequest("urgent", 8000, 16, "prefill-0",
+                             exclude_ids=frozenset({"decode-0"}), deadline_s=5.0)
+    plan = plan_batch([*relaxed, urgent], view, cost, 0.0, Kvrs(), migration_slots_free=1)
+    by_id = {d.request_id: d for d in plan.decisions}
+    assert [d.request_id for d in plan.decisions] == ["r0", "r1", "r2", "urgent"]
+    assert by_id["urgent"].action in (Action.MIGRATE, Action.HYBRID)
+    assert by_id["urgent"].cost_s <= min(d.cost_s for d in plan.decisions)
+
+
+def test_every_policy_plans_and_reports_a_makespan() -> None:
+    cost, view = cluster()
+    for name in ("always_migrate", "always_recompute", "rom", "kvrs"):
+        plan = plan_batch(requests(5, 2000), view, cost, 0.0, make_recovery_policy(name), 32)
+        assert len(plan.decisions) == 5
+        assert plan.makespan_s == pytest.approx(max(d.cost_s for d in plan.decisions))
+
+
+def test_rom_is_blind_to_the_batch() -> None:
+    cost, view = cluster(8)
+    plan = plan_batch(requests(6, 2000), view, cost, 0.0, make_recovery_policy("rom"), 32)
+    # Every request goes to the same least-waiting decode instance.
+    assert len({d.target_id for d in plan.decisions}) == 1
+
+
+def test_bad_slot_count() -> None:
+    cost, view = cluster()
+    with pytest.raises(InvalidArgument) as info:
+        plan_batch(requests(1), view, cost, 0.0, Kvrs(), migration_slots_free=-1)
+    assert info.value.field == "migration_slots_free"
+
+
+def test_empty_batch() -> None:
+    cost, view = cluster()
+    plan = plan_batch([], view, cost, 0.0, Kvrs(), migration_slots_free=4)
+    assert plan.decisions == () and plan.makespan_s == 0.0
