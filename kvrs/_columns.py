@@ -8,11 +8,13 @@ once per list and reused until the network model changes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from kvrs.cluster import InstanceList, InstanceState
 from kvrs.network import NetworkModel, PathTable
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _HOLDERS_CACHE_MAX = 4096
 
@@ -33,6 +35,8 @@ class Fan:
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rtt, 1 / bandwidth, rtt + wait) as numpy arrays."""
         if self._arrays is None:
+            import numpy as np  # only large candidate sets need it; imported on first use
+
             self._arrays = (np.array(self.rtt), np.array(self.inv_bps),
                             np.array(self.rtt_wait))
         return self._arrays
@@ -71,6 +75,8 @@ class Columns:
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(wait, free KV tokens) as numpy arrays."""
         if self._arrays is None:
+            import numpy as np  # only large candidate sets need it; imported on first use
+
             self._arrays = (np.array(self.wait), np.array(self.free, dtype=np.float64))
         return self._arrays
 
