@@ -57,7 +57,8 @@ class ClusterOptions:
     otlp_endpoint: str = ""
     """OTLP gRPC endpoint spans are exported to (e.g. http://127.0.0.1:4317); empty = off."""
     base_port: int = 0
-    """First port of a consecutive range, one per service in table order; 0 = free ports."""
+    """Ports from here in the standard layout (service port - 50051 + base_port; 50051 gives
+    the compose ports); 0 = free ports."""
     redis_url: str = ""
     """An existing Redis; empty = start a private one."""
     redis_prefix: str = ""
@@ -96,6 +97,8 @@ class ServiceSpec:
     """The variable that tells the process where to bind."""
     stage: int
     """Started once every service of a lower stage reports SERVING."""
+    port: int
+    """Its port in the standard layout (compose, `kvrs up --base-port 50051`)."""
     kind: str = "control"
     """"control", "prefill" or "decode" (shown by `kvrs status`)."""
     args: tuple[str, ...] = ()
@@ -103,7 +106,7 @@ class ServiceSpec:
     """Service-specific variables, beyond those every process gets."""
 
 
-def _worker(name: str, role: str) -> ServiceSpec:
+def _worker(name: str, role: str, port: int) -> ServiceSpec:
     def env(wiring: Wiring) -> dict[str, str]:
         return {
             "WORKER_INSTANCE_ID": name,
@@ -115,6 +118,7 @@ def _worker(name: str, role: str) -> ServiceSpec:
         module="services.worker",
         listen_env="WORKER_LISTEN_ADDR",
         stage=1,
+        port=port,
         kind=role,
         args=("--role", role),
         env=env,
@@ -122,23 +126,27 @@ def _worker(name: str, role: str) -> ServiceSpec:
 
 
 SERVICES: tuple[ServiceSpec, ...] = (
-    ServiceSpec("gossip", "services.gossip", "GOSSIP_LISTEN_ADDR", stage=0),
-    ServiceSpec("slot-broker", "services.slot_broker", "SLOT_BROKER_LISTEN_ADDR", stage=0),
-    ServiceSpec("cost-oracle", "services.cost_oracle", "COST_ORACLE_LISTEN_ADDR", stage=1),
+    ServiceSpec("gossip", "services.gossip", "GOSSIP_LISTEN_ADDR", stage=0, port=50051),
     ServiceSpec(
-        "scheduler-1", "services.scheduler", "SCHEDULER_LISTEN_ADDR", stage=1,
+        "slot-broker", "services.slot_broker", "SLOT_BROKER_LISTEN_ADDR", stage=0, port=50054
+    ),
+    ServiceSpec(
+        "cost-oracle", "services.cost_oracle", "COST_ORACLE_LISTEN_ADDR", stage=1, port=50052
+    ),
+    ServiceSpec(
+        "scheduler-1", "services.scheduler", "SCHEDULER_LISTEN_ADDR", stage=1, port=50053,
         env=lambda wiring: {"SCHEDULER_HOLDER_ID": "scheduler-1"},
     ),
     ServiceSpec(
-        "scheduler-2", "services.scheduler", "SCHEDULER_LISTEN_ADDR", stage=1,
+        "scheduler-2", "services.scheduler", "SCHEDULER_LISTEN_ADDR", stage=1, port=50057,
         env=lambda wiring: {"SCHEDULER_HOLDER_ID": "scheduler-2"},
     ),
-    _worker("prefill-0", "prefill"),
-    _worker("prefill-1", "prefill"),
-    _worker("decode-0", "decode"),
-    _worker("decode-1", "decode"),
-    ServiceSpec("prober", "services.prober", "PROBER_LISTEN_ADDR", stage=2),
-    ServiceSpec("router", "services.router", "ROUTER_LISTEN_ADDR", stage=2),
+    _worker("prefill-0", "prefill", 50060),
+    _worker("prefill-1", "prefill", 50061),
+    _worker("decode-0", "decode", 50062),
+    _worker("decode-1", "decode", 50063),
+    ServiceSpec("prober", "services.prober", "PROBER_LISTEN_ADDR", stage=2, port=50055),
+    ServiceSpec("router", "services.router", "ROUTER_LISTEN_ADDR", stage=2, port=50056),
 )
 """The cluster, in start order: adding a service is adding a row."""
 
@@ -384,16 +392,23 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
-def port_range(base_port: int, count: int) -> list[int]:
-    """Ports base_port .. base_port+count-1; ClusterError naming one already taken."""
-    ports = list(range(base_port, base_port + count))
-    for port in ports:
+STANDARD_BASE_PORT = 50051
+
+
+def layout_ports(base_port: int, services: Sequence[ServiceSpec]) -> list[int]:
+    """Each service's standard port shifted by base_port - 50051; ClusterError naming one
+    already taken."""
+    ports = [spec.port - STANDARD_BASE_PORT + base_port for spec in services]
+    for spec, port in zip(services, ports, strict=True):
         with socket.socket() as sock:
+            # As gRPC servers do, so a port left in TIME_WAIT by the last cluster counts as free.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 raise ClusterError(
-                    f"--base-port {base_port}: port {port} is in use; pick another base"
+                    f"--base-port {base_port}: port {port} ({spec.name}) is in use; "
+                    "pick another base"
                 ) from None
     return ports
 
@@ -549,14 +564,14 @@ def start_cluster(
         stale.unlink()
 
     private_redis = not options.redis_url
-    count = len(services) + (1 if private_redis else 0)
+    spare = free_ports(len(services) + 1)
     if options.base_port:
-        ports = port_range(options.base_port, count)
+        ports = layout_ports(options.base_port, services)
+        spare = [port for port in spare if port not in ports]
     else:
-        ports = free_ports(count)
+        ports = spare[: len(services)]
     addresses = {
-        spec.name: f"127.0.0.1:{port}"
-        for spec, port in zip(services, ports[: len(services)], strict=True)
+        spec.name: f"127.0.0.1:{port}" for spec, port in zip(services, ports, strict=True)
     }
     wiring = Wiring(addresses=addresses, options=options)
 
@@ -572,7 +587,7 @@ def start_cluster(
     )
     try:
         if private_redis:
-            redis_port = ports[-1]
+            redis_port = spare[-1]
             started.append(start_private_redis(run_dir, redis_port))
             state.redis_url = f"redis://127.0.0.1:{redis_port}/0"
             state.redis_prefix = options.redis_prefix or "{kvrs}:"

@@ -37,7 +37,9 @@ def register(parser: argparse.ArgumentParser) -> None:
             "OTEL_EXPORTER_OTLP_ENDPOINT", ""),
                             help="export spans over OTLP gRPC (e.g. http://127.0.0.1:4317)")
         parser.add_argument("--base-port", type=int, default=0,
-                            help="consecutive ports from here, one per service (default: free)")
+                            help="the standard ports shifted to start here (50051: gossip "
+                                 "50051, cost-oracle 50052, scheduler-1 50053, ...; "
+                                 "default: free ports)")
         parser.add_argument("--topology", type=Path, default=None,
                             help="topology file (default deploy/topology.yaml)")
         parser.add_argument("--timeout-s", type=float, default=60.0,
