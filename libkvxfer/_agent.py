@@ -1,0 +1,448 @@
+"""The gloo transfer agent: one per process, both sender and receiver of KV.
+
+It hosts the process's rendezvous `TCPStore` (the address peers put in their tickets),
+keeps the pair groups, and moves KV chunk by chunk with a small window of operations in
+flight, so checksumming one chunk overlaps with moving the previous one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from torch.distributed import TCPStore
+
+from kvrs.errors import InvalidArgument, KvrsError
+from libkvxfer import _protocol
+from libkvxfer._errors import (
+    ChecksumMismatch,
+    LayoutMismatch,
+    PeerLost,
+    ProtocolVersionMismatch,
+    TransferRejected,
+)
+from libkvxfer._interface import KvReceiver, KvSender
+from libkvxfer._pairs import InboundPairs, OutboundPairs, PairGroup
+from libkvxfer._protocol import (
+    CHUNK_META_BYTES,
+    FLAG_REJECT,
+    PREAMBLE_BYTES,
+    ChunkMeta,
+    TransferHeader,
+    checksum,
+    dtype_from_name,
+    dtype_name,
+    plan_chunks,
+    tensor_bytes,
+)
+from libkvxfer._types import KvLayers, KvLayout, ReceivedKv, TransferStats, TransferTicket
+
+__all__ = ["AgentConfig", "TransferAgent"]
+
+log = logging.getLogger(__name__)
+
+_MAX_TAG = 2**31 - 1
+_MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """How one process's transfer agent listens and moves KV."""
+
+    instance_id: str
+    """Stable name of this process among its peers (the worker's instance id)."""
+    host: str = "127.0.0.1"
+    """Address peers reach this process on: the store and the gloo sockets bind to it."""
+    port: int = 0
+    """TCPStore port; 0 picks a free one (see `TransferAgent.address`)."""
+    timeout_s: float = 30.0
+    """Longest wait for any single step (join, one message); then the pair is closed."""
+    pacing_bps: float | None = None
+    """Default cap on the send rate, bits/s (emulates a slower link); None: no cap."""
+    chunk_tokens: int = 0
+    """Tokens per chunk within a layer; 0: one chunk per layer."""
+    window_chunks: int = 4
+    """Chunks in flight per transfer, so checksums overlap with the wire."""
+    checksums: bool = True
+    """Send a crc32 of every chunk (receivers verify every checksum they get). Costs one
+    pass over the bytes on each side; TCP's own checksums remain when it is off."""
+    max_concurrent_transfers: int = 16
+    """Threads for the async API: transfers running at once in this process."""
+
+
+class _Pacer:
+    """Holds a sender back so that `bytes` leave no faster than `rate_bps`."""
+
+    def __init__(self, rate_bps: float | None) -> None:
+        if rate_bps is not None and rate_bps <= 0:
+            raise InvalidArgument("pacing_bps", f"must be > 0, got {rate_bps}")
+        self._rate_bps = rate_bps
+        self._start = time.monotonic()
+        self._sent_bytes = 0
+
+    def account(self, nbytes: int) -> None:
+        """Sleep until a link of the paced rate would have delivered `nbytes` more.
+
+        Called before handing a chunk to gloo, so the receiver never sees a chunk before
+        the emulated link could have carried it.
+        """
+        if self._rate_bps is None:
+            return
+        self._sent_bytes += nbytes
+        due = self._start + 8.0 * self._sent_bytes / self._rate_bps
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class TransferAgent(KvSender, KvReceiver):
+    """Sends and receives KV over pairwise gloo groups (see `libkvxfer` for the protocol)."""
+
+    def __init__(self, config: AgentConfig,
+                 tracer_provider: trace.TracerProvider | None = None) -> None:
+        if not config.instance_id:
+            raise InvalidArgument("instance_id", "must not be empty")
+        self.config = config
+        self.incarnation = uuid.uuid4().hex
+        self._tracer = trace.get_tracer("libkvxfer", tracer_provider=tracer_provider)
+        self._store = TCPStore(config.host, config.port, is_master=True,
+                               wait_for_workers=False, use_libuv=True)
+        self._inbound = InboundPairs(self._store, config.host, config.timeout_s)
+        self._outbound = OutboundPairs(self.incarnation, config.host, config.timeout_s)
+        self._tags = itertools.count(1)
+        self._tag_lock = threading.Lock()
+        self._abandoned: set[str] = set()
+        self._executor = ThreadPoolExecutor(config.max_concurrent_transfers,
+                                            thread_name_prefix="kvxfer")
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        """host:port of this agent's rendezvous store (what peers need to send to it)."""
+        return f"{self.config.host}:{self._store.port}"
+
+    def close(self) -> None:
+        """Close every pair and stop the thread pool; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbound.close()
+        self._outbound.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- receiver ---------------------------------------------------------------------
+
+    def prepare(self, sender_id: str, request_id: str, token_start: int, token_end: int,
+                traceparent: str = "") -> TransferTicket:
+        if not sender_id:
+            raise InvalidArgument("sender_id", "must not be empty")
+        _check_request_id(request_id)
+        if not 0 <= token_start < token_end:
+            raise InvalidArgument("token_range", f"need 0 <= token_start < token_end, got "
+                                  f"[{token_start}, {token_end})")
+        with self._tag_lock:
+            tag = (next(self._tags) - 1) % _MAX_TAG + 1
+        return TransferTicket(
+            protocol_version=_protocol.PROTOCOL_VERSION,
+            transfer_id=uuid.uuid4().hex,
+            tag=tag,
+            receiver_id=self.config.instance_id,
+            receiver_incarnation=self.incarnation,
+            rendezvous_address=self.address,
+            group_generation=self._inbound.generation_for(sender_id),
+            sender_id=sender_id,
+            request_id=request_id,
+            token_start=token_start,
+            token_end=token_end,
+            traceparent=traceparent,
+        )
+
+    def abandon(self, ticket: TransferTicket, reason: str) -> None:
+        log.info("abandoning transfer %s of %s from %s: %s", ticket.transfer_id,
+                 ticket.request_id, ticket.sender_id, reason)
+        self._abandoned.add(ticket.transfer_id)
+        self._inbound.close_pair(ticket.sender_id, ticket.group_generation)
+
+    def recv(self, ticket: TransferTicket, layout: KvLayout,
+             out: KvLayers | None = None) -> ReceivedKv:
+        if ticket.receiver_incarnation != self.incarnation:
+            raise InvalidArgument("ticket", "was not issued by this agent")
+        if out is not None:
+            _check_out(out, layout, ticket.tokens)
+        with self._span("kvxfer.recv", ticket) as span:
+            try:
+                received = self._recv(ticket, layout, out)
+            finally:
+                self._abandoned.discard(ticket.transfer_id)
+            _record(span, received.stats)
+            return received
+
+    def _recv(self, ticket: TransferTicket, layout: KvLayout,
+              out: KvLayers | None) -> ReceivedKv:
+        started = time.monotonic()
+
+        def cancelled() -> bool:
+            return ticket.transfer_id in self._abandoned
+
+        group = self._inbound.group(ticket.sender_id, ticket.group_generation, cancelled)
+        try:
+            header = self._recv_header(group, ticket)
+            _check_header(header, ticket, layout)
+            if out is None:
+                shape = (ticket.tokens, layout.kv_heads, layout.head_dim)
+                out = [(torch.empty(shape, dtype=layout.dtype),
+                        torch.empty(shape, dtype=layout.dtype)) for _ in range(layout.layers)]
+            chunks = plan_chunks(header)
+            self._recv_chunks(group, ticket, header, chunks, out)
+        except TransferRejected:
+            raise
+        except BaseException as exc:
+            # Messages of this transfer may still be in flight: drop the pair so the
+            # sender fails now, and nothing stale can reach a later transfer.
+            group.close()
+            if cancelled():
+                raise PeerLost(f"transfer {ticket.transfer_id} abandoned") from exc
+            raise
+        stats = TransferStats(ticket.request_id, ticket.transfer_id, ticket.token_start,
+                              ticket.token_end, header.kv_bytes, len(chunks),
+                              time.monotonic() - started)
+        return ReceivedKv(layers=list(out), stats=stats, sender_id=header.sender_id)
+
+    def _recv_header(self, group: PairGroup, ticket: TransferTicket) -> TransferHeader:
+        preamble = torch.empty(PREAMBLE_BYTES, dtype=torch.uint8)
+        group.wait(group.recv(preamble, ticket.tag), "preamble")
+        # Checked before anything else is decoded; on a mismatch the caller drops the
+        # pair rather than guess where the next transfer's messages start.
+        flags, header_bytes = _protocol.decode_preamble(preamble.numpy().tobytes())
+        raw = torch.empty(header_bytes, dtype=torch.uint8)
+        group.wait(group.recv(raw, ticket.tag), "header")
+        data = raw.numpy().tobytes()
+        if flags == FLAG_REJECT:
+            code, _, message = data.decode(errors="replace").partition("\n")
+            raise TransferRejected(code, message)
+        return TransferHeader.from_bytes(data)
+
+    def _recv_chunks(self, group: PairGroup, ticket: TransferTicket, header: TransferHeader,
+                     chunks: list[tuple[int, int, int]], out: KvLayers) -> None:
+        posted: deque = deque()
+
+        def post(index: int) -> None:
+            layer, start, end = chunks[index]
+            meta = torch.empty(CHUNK_META_BYTES, dtype=torch.uint8)
+            key = tensor_bytes(out[layer][0][start - header.token_start:end - header.token_start])
+            value = tensor_bytes(
+                out[layer][1][start - header.token_start:end - header.token_start])
+            posted.append((index, meta, key, value, group.recv(meta, ticket.tag),
+                           group.recv(key, ticket.tag), group.recv(value, ticket.tag)))
+
+        window = max(1, self.config.window_chunks)
+        for index in range(min(window, len(chunks))):
+            post(index)
+        next_index = len(posted)
+        while posted:
+            index, meta_bytes, key, value, meta_work, key_work, value_work = posted.popleft()
+            group.wait(meta_work, f"chunk {index} metadata")
+            meta = ChunkMeta.from_bytes(meta_bytes.numpy().tobytes())
+            layer, start, end = chunks[index]
+            expected = (ticket.request_id, ticket.transfer_id, index, layer, start, end)
+            found = (meta.request_id, meta.transfer_id, meta.index, meta.layer,
+                     meta.token_start, meta.token_end)
+            if found != expected:
+                raise LayoutMismatch(f"chunk {index}: expected {expected}, got {found}")
+            group.wait(key_work, f"chunk {index} key")
+            group.wait(value_work, f"chunk {index} value")
+            if next_index < len(chunks):
+                post(next_index)
+                next_index += 1
+            if meta.key_crc32 >= 0 and (checksum(key) != meta.key_crc32
+                                        or checksum(value) != meta.value_crc32):
+                raise ChecksumMismatch(f"request {ticket.request_id} layer {layer} tokens "
+                                       f"[{start}, {end}): checksum mismatch")
+
+    async def recv_async(self, ticket: TransferTicket, layout: KvLayout,
+                         out: KvLayers | None = None) -> ReceivedKv:
+        return await self._in_thread(self.recv, ticket, layout, out)
+
+    # -- sender -----------------------------------------------------------------------
+
+    def send(self, ticket: TransferTicket, kv: KvLayers,
+             pacing_bps: float | None = None) -> TransferStats:
+        if ticket.protocol_version != _protocol.PROTOCOL_VERSION:
+            raise ProtocolVersionMismatch(_protocol.PROTOCOL_VERSION, ticket.protocol_version,
+                                          "ticket")
+        layout = KvLayout.of(kv)
+        for layer, (key, value) in enumerate(kv):
+            for name, tensor in (("key", key), ("value", value)):
+                if tuple(tensor.shape) != (ticket.tokens, layout.kv_heads, layout.head_dim) \
+                        or tensor.dtype != layout.dtype or tensor.device.type != "cpu":
+                    raise InvalidArgument(f"kv[{layer}].{name}", "must be a CPU tensor of "
+                                          f"[{ticket.tokens}, {layout.kv_heads}, "
+                                          f"{layout.head_dim}] {dtype_name(layout.dtype)}, "
+                                          f"got {tuple(tensor.shape)} {tensor.dtype} "
+                                          f"on {tensor.device}")
+        pacing = self.config.pacing_bps if pacing_bps is None else pacing_bps
+        with self._span("kvxfer.send", ticket) as span:
+            stats = self._send(ticket, kv, layout, pacing or None)
+            _record(span, stats)
+            return stats
+
+    def _send(self, ticket: TransferTicket, kv: KvLayers, layout: KvLayout,
+              pacing_bps: float | None) -> TransferStats:
+        started = time.monotonic()
+        group = self._group_for(ticket)
+        header = TransferHeader(
+            request_id=ticket.request_id, transfer_id=ticket.transfer_id,
+            sender_id=self.config.instance_id, token_start=ticket.token_start,
+            token_end=ticket.token_end, layers=layout.layers, kv_heads=layout.kv_heads,
+            head_dim=layout.head_dim, dtype=dtype_name(layout.dtype),
+            chunk_tokens=self.config.chunk_tokens, traceparent=ticket.traceparent)
+        try:
+            return self._send_chunks(group, ticket, kv, layout, header, _Pacer(pacing_bps),
+                                     started)
+        except BaseException:
+            group.close()
+            raise
+
+    def _send_chunks(self, group: PairGroup, ticket: TransferTicket, kv: KvLayers,
+                     layout: KvLayout, header: TransferHeader, pacer: _Pacer,
+                     started: float) -> TransferStats:
+        encoded = header.to_bytes()
+        in_flight: deque = deque()
+        self._post(group, ticket, in_flight, _protocol.encode_preamble(0, len(encoded)), encoded)
+        chunks = plan_chunks(header)
+        window = max(1, self.config.window_chunks)
+        for index, (layer, start, end) in enumerate(chunks):
+            offset = slice(start - ticket.token_start, end - ticket.token_start)
+            key = tensor_bytes(kv[layer][0][offset].contiguous())
+            value = tensor_bytes(kv[layer][1][offset].contiguous())
+            crcs = (checksum(key), checksum(value)) if self.config.checksums else (-1, -1)
+            meta = ChunkMeta(ticket.request_id, ticket.transfer_id, index, layer, start, end,
+                             header.dtype, (end - start, layout.kv_heads, layout.head_dim),
+                             *crcs)
+            pacer.account(key.numel() + value.numel())
+            self._post(group, ticket, in_flight, meta.to_bytes(), key, value)
+            while len(in_flight) > 3 * window:
+                group.wait(in_flight.popleft()[0], f"chunk {index} send")
+        while in_flight:
+            group.wait(in_flight.popleft()[0], "send")
+        return TransferStats(ticket.request_id, ticket.transfer_id, ticket.token_start,
+                             ticket.token_end, header.kv_bytes, len(chunks),
+                             time.monotonic() - started)
+
+    @staticmethod
+    def _post(group: PairGroup, ticket: TransferTicket, in_flight: deque,
+              *messages: bytes | torch.Tensor) -> None:
+        for message in messages:
+            if isinstance(message, bytes):
+                message = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+            # The tensor rides along: gloo reads it until the operation completes.
+            in_flight.append((group.send(message, ticket.tag), message))
+
+    def _group_for(self, ticket: TransferTicket) -> PairGroup:
+        return self._outbound.group(ticket.receiver_id, ticket.receiver_incarnation,
+                                    ticket.group_generation, ticket.rendezvous_address,
+                                    self.config.instance_id)
+
+    def reject(self, ticket: TransferTicket, error: KvrsError) -> None:
+        with self._span("kvxfer.reject", ticket) as span:
+            span.set_attribute("kvrs.error_code", error.code)
+            group = self._group_for(ticket)
+            body = f"{error.code}\n{error}".encode()
+            in_flight: deque = deque()
+            self._post(group, ticket, in_flight, _protocol.encode_preamble(FLAG_REJECT,
+                                                                           len(body)), body)
+            while in_flight:
+                group.wait(in_flight.popleft()[0], "reject")
+
+    async def send_async(self, ticket: TransferTicket, kv: KvLayers,
+                         pacing_bps: float | None = None) -> TransferStats:
+        return await self._in_thread(self.send, ticket, kv, pacing_bps)
+
+    async def reject_async(self, ticket: TransferTicket, error: KvrsError) -> None:
+        await self._in_thread(self.reject, ticket, error)
+
+    # -- shared -----------------------------------------------------------------------
+
+    async def _in_thread(self, fn: Callable, *args):
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        return await loop.run_in_executor(self._executor,
+                                          functools.partial(context.run, fn, *args))
+
+    @contextlib.contextmanager
+    def _span(self, name: str, ticket: TransferTicket) -> Iterator[trace.Span]:
+        """A transfer span under the ticket's trace, with the error code when it fails."""
+        parent = extract({"traceparent": ticket.traceparent}) if ticket.traceparent else None
+        kind = trace.SpanKind.CONSUMER if name == "kvxfer.recv" else trace.SpanKind.PRODUCER
+        with self._tracer.start_as_current_span(name, context=parent, kind=kind) as span:
+            span.set_attributes({
+                "kvrs.request_id": ticket.request_id,
+                "kvxfer.transfer_id": ticket.transfer_id,
+                "kvxfer.sender_id": ticket.sender_id,
+                "kvxfer.receiver_id": ticket.receiver_id,
+                "kvxfer.token_start": ticket.token_start,
+                "kvxfer.token_end": ticket.token_end,
+                "kvxfer.group_generation": ticket.group_generation,
+                "kvxfer.protocol_version": _protocol.PROTOCOL_VERSION,
+            })
+            try:
+                yield span
+            except KvrsError as exc:
+                span.set_attribute("kvrs.error_code", exc.code)
+                raise
+
+
+def _record(span: trace.Span, stats: TransferStats) -> None:
+    span.set_attributes({
+        "kvrs.kv_bytes": stats.kv_bytes,
+        "kvxfer.chunks": stats.chunks,
+        "kvxfer.seconds": stats.seconds,
+        "kvxfer.throughput_bps": stats.throughput_bps,
+    })
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id:
+        raise InvalidArgument("request_id", "must not be empty")
+    if len(request_id) > _MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument("request_id", f"longer than {_MAX_REQUEST_ID_CHARS} characters")
+
+
+def _check_header(header: TransferHeader, ticket: TransferTicket, layout: KvLayout) -> None:
+    if (header.request_id, header.transfer_id, header.token_start, header.token_end) != (
+            ticket.request_id, ticket.transfer_id, ticket.token_start, ticket.token_end):
+        raise LayoutMismatch(f"header names {header.request_id} [{header.token_start}, "
+                             f"{header.token_end}) transfer {header.transfer_id}, ticket "
+                             f"{ticket.request_id} [{ticket.token_start}, {ticket.token_end}) "
+                             f"transfer {ticket.transfer_id}")
+    sent = (header.layers, header.kv_heads, header.head_dim, dtype_from_name(header.dtype))
+    wanted = (layout.layers, layout.kv_heads, layout.head_dim, layout.dtype)
+    if sent != wanted:
+        raise LayoutMismatch(f"sender's KV is (layers, kv_heads, head_dim, dtype) = {sent}, "
+                             f"this receiver's model needs {wanted}")
+
+
+def _check_out(out: KvLayers, layout: KvLayout, tokens: int) -> None:
+    if len(out) != layout.layers:
+        raise InvalidArgument("out", f"needs {layout.layers} layers, got {len(out)}")
+    shape = (tokens, layout.kv_heads, layout.head_dim)
+    for layer, pair in enumerate(out):
+        for name, tensor in zip(("key", "value"), pair, strict=True):
+            if (tuple(tensor.shape) != shape or tensor.dtype != layout.dtype
+                    or not tensor.is_contiguous() or tensor.device.type != "cpu"):
+                raise InvalidArgument(f"out[{layer}].{name}", f"must be a contiguous CPU "
+                                      f"tensor of {shape} {dtype_name(layout.dtype)}")

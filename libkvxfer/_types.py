@@ -1,0 +1,117 @@
+"""Values that describe a transfer: the ticket a receiver hands out, layouts, results."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from kvrs.errors import InvalidArgument
+
+__all__ = ["KvLayers", "KvLayout", "ReceivedKv", "TransferStats", "TransferTicket"]
+
+KvLayers = Sequence[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer, (key, value) tensors of shape [tokens, kv_heads, head_dim]."""
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """The shape of one model's KV: what a receiver expects and a sender describes."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * self.kv_heads * self.head_dim * element
+
+    @classmethod
+    def of(cls, kv: KvLayers) -> KvLayout:
+        """The layout of a list of per-layer (key, value) tensors."""
+        if not kv:
+            raise InvalidArgument("kv", "needs at least one layer")
+        key = kv[0][0]
+        if key.dim() != 3:
+            raise InvalidArgument("kv", f"key tensors must be [tokens, kv_heads, head_dim], "
+                                  f"got shape {tuple(key.shape)}")
+        return cls(layers=len(kv), kv_heads=key.shape[1], head_dim=key.shape[2],
+                   dtype=key.dtype)
+
+
+@dataclass(frozen=True)
+class TransferTicket:
+    """Everything a sender needs to push one token range of one request to a receiver.
+
+    The receiver creates it (`KvReceiver.prepare`) and the caller hands it to the sender
+    over any control channel (WorkerService.SendKv carries its fields).
+    """
+
+    protocol_version: int
+    """The receiver's PROTOCOL_VERSION; a sender on another version refuses the ticket."""
+    transfer_id: str
+    tag: int
+    """Gloo tag of every message of this transfer: concurrent transfers never mix."""
+    receiver_id: str
+    receiver_incarnation: str
+    """Changes when the receiver process restarts, so stale pair groups are never reused."""
+    rendezvous_address: str
+    """host:port of the receiver's TCPStore, where pair groups meet."""
+    group_generation: int
+    """Which pair group (receiver, sender) to use; a new one after any failure."""
+    sender_id: str
+    request_id: str
+    token_start: int
+    token_end: int
+    traceparent: str = ""
+    """W3C trace context of the caller, so transfer spans nest under the request's trace."""
+
+    @property
+    def tokens(self) -> int:
+        return self.token_end - self.token_start
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TransferTicket:
+        names = {f.name for f in fields(cls)}
+        missing = [n for n in names if n not in data and n != "traceparent"]
+        if missing:
+            raise InvalidArgument(f"ticket.{sorted(missing)[0]}", "missing")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one completed transfer moved and how fast."""
+
+    request_id: str
+    transfer_id: str
+    token_start: int
+    token_end: int
+    kv_bytes: int
+    chunks: int
+    seconds: float
+
+    @property
+    def throughput_bps(self) -> float:
+        return 8.0 * self.kv_bytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class ReceivedKv:
+    """KV of [token_start, token_end) as received (or written into the caller's views)."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    stats: TransferStats
+    sender_id: str
+
+    @property
+    def layout(self) -> KvLayout:
+        return KvLayout.of(self.layers)
+

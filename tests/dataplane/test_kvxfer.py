@@ -1,0 +1,250 @@
+"""libkvxfer between real processes: exactness, ranges, versions, dead and hung peers, pacing."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from kvxfer_peers import KvSpec, Peer, PeerError, expected_digest, make_kv, transfer
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvrs.errors import InvalidArgument
+from libkvxfer import (
+    PROTOCOL_HISTORY,
+    PROTOCOL_VERSION,
+    AgentConfig,
+    KvLayout,
+    ProtocolVersionMismatch,
+    TransferAgent,
+    TransferTicket,
+)
+
+RESULT_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def peers():
+    """Three long-lived peer processes (spawning one costs a torch import)."""
+    started = [Peer(name, chunk_tokens=24) for name in ("peer-a", "peer-b", "peer-c")]
+    yield [peer.ready() for peer in started]
+    for peer in started:
+        peer.stop()
+
+
+def test_kv_moves_exactly_between_processes(peers):
+    a, b, _ = peers
+    spec = KvSpec(seed=1, tokens=100)
+    sent, received = transfer(a, b, spec, "req-exact")
+    got = received.result(RESULT_TIMEOUT_S)
+    assert sent.result(RESULT_TIMEOUT_S)["kv_bytes"] == got["kv_bytes"] == 100 * 2 * 3 * 2 * 16 * 8
+    assert got["digest"] == expected_digest(spec, 0, 100)
+    assert got["sender_id"] == "peer-a"
+    # 3 layers x ceil(100 / 24) chunks: the transfer really went layer by layer, in chunks.
+    assert got["chunks"] == 3 * 5
+
+
+def test_token_range_moves_only_that_range(peers):
+    a, b, _ = peers
+    spec = KvSpec(seed=2, tokens=80, dtype="float32")
+    _, received = transfer(a, b, spec, "req-range", start=30, end=80)
+    got = received.result(RESULT_TIMEOUT_S)
+    assert got["digest"] == expected_digest(spec, 30, 80)
+    assert got["digest"] != expected_digest(spec, 0, 50)
+    assert got["kv_bytes"] == 50 * 2 * 3 * 2 * 16 * 4
+
+
+def test_concurrent_transfers_on_one_pair_do_not_mix(peers):
+    a, b, _ = peers
+    specs = [KvSpec(seed=10 + i, tokens=40 + 8 * i) for i in range(4)]
+    started = [transfer(a, b, spec, f"req-concurrent-{i}") for i, spec in enumerate(specs)]
+    for spec, (sent, received) in zip(specs, started, strict=True):
+        assert received.result(RESULT_TIMEOUT_S)["digest"] == expected_digest(spec, 0, spec.tokens)
+        sent.result(RESULT_TIMEOUT_S)
+
+
+def test_both_directions_and_all_pairs_work(peers):
+    spec = KvSpec(seed=3, tokens=16)
+    for sender in peers:
+        for receiver in peers:
+            if sender is receiver:
+                continue
+            _, received = transfer(sender, receiver, spec, f"req-{sender.instance_id}")
+            assert received.result(RESULT_TIMEOUT_S)["digest"] == expected_digest(spec, 0, 16)
+
+
+def test_rejection_carries_the_senders_status_code(peers):
+    a, b, _ = peers
+    spec = KvSpec(seed=4)
+    ticket = b.prepare(a, "req-unknown", 0, 8)
+    received = b.call("recv", ticket, spec)
+    a.call("reject", ticket, "request req-unknown is not resident").result(RESULT_TIMEOUT_S)
+    with pytest.raises(PeerError) as info:
+        received.result(RESULT_TIMEOUT_S)
+    assert (info.value.kind, info.value.code) == ("TransferRejected", "NOT_FOUND")
+    assert "req-unknown is not resident" in info.value.message
+    # The pair stays healthy after a clean rejection.
+    _, received = transfer(a, b, spec, "req-after-reject")
+    assert received.result(RESULT_TIMEOUT_S)["digest"] == expected_digest(spec, 0, spec.tokens)
+
+
+def test_layout_mismatch_fails_both_sides_and_the_pair_recovers(peers):
+    a, b, _ = peers
+    ticket = b.prepare(a, "req-layout", 0, 16)
+    received = b.call("recv", ticket, KvSpec(seed=5, tokens=16, dtype="float32"))
+    sent = a.call("send", ticket, KvSpec(seed=5, tokens=16, dtype="float64"), None)
+    with pytest.raises(PeerError) as info:
+        received.result(RESULT_TIMEOUT_S)
+    assert info.value.kind == "LayoutMismatch"
+    assert "float64" in info.value.message
+    with pytest.raises(PeerError) as info:
+        sent.result(RESULT_TIMEOUT_S)
+    assert info.value.code == "UNAVAILABLE"
+    spec = KvSpec(seed=6, tokens=16)
+    _, received = transfer(a, b, spec, "req-after-layout")
+    assert received.result(RESULT_TIMEOUT_S)["digest"] == expected_digest(spec, 0, 16)
+
+
+def test_peer_on_another_version_is_rejected_before_payload(peers):
+    _, b, _ = peers
+    old = Peer("peer-old", wire="version=7").ready()
+    try:
+        spec = KvSpec(seed=7, tokens=32)
+        sent, received = transfer(old, b, spec, "req-version")
+        with pytest.raises(PeerError) as info:
+            received.result(RESULT_TIMEOUT_S)
+        assert info.value.kind == "ProtocolVersionMismatch"
+        assert f"peer speaks libkvxfer protocol 7, this process speaks {PROTOCOL_VERSION}" \
+            in info.value.message
+        # The receiver dropped the pair instead of decoding: the sender fails too, fast.
+        with pytest.raises(PeerError) as info:
+            sent.result(RESULT_TIMEOUT_S)
+        assert info.value.code == "UNAVAILABLE"
+    finally:
+        old.stop()
+
+
+def test_sender_refuses_a_ticket_of_another_version():
+    agent = TransferAgent(AgentConfig("local", timeout_s=5))
+    try:
+        ticket = agent.prepare("someone", "req-v", 0, 4)
+        foreign = TransferTicket.from_dict({**ticket.to_dict(), "protocol_version": 99})
+        with pytest.raises(ProtocolVersionMismatch, match="peer speaks libkvxfer protocol 99"):
+            agent.send(foreign, make_kv(KvSpec(seed=0, tokens=4)))
+    finally:
+        agent.close()
+    assert PROTOCOL_VERSION in PROTOCOL_HISTORY
+
+
+def test_corrupted_chunk_fails_its_checksum(peers):
+    _, b, _ = peers
+    bad = Peer("peer-corrupt", wire="corrupt").ready()
+    try:
+        spec = KvSpec(seed=8, tokens=16)
+        _, received = transfer(bad, b, spec, "req-corrupt")
+        with pytest.raises(PeerError) as info:
+            received.result(RESULT_TIMEOUT_S)
+        assert (info.value.kind, info.value.code) == ("ChecksumMismatch", "DATA_LOSS")
+    finally:
+        bad.stop()
+
+
+def test_killed_sender_fails_only_its_own_transfers(peers):
+    a, b, c = peers
+    timeout_s = 10.0
+    victim = Peer("peer-victim", timeout_s=timeout_s, chunk_tokens=8).ready()
+    try:
+        big = KvSpec(seed=9, tokens=512)
+        # Paced so that the transfer is surely in flight when the sender dies.
+        _, doomed = transfer(victim, b, big, "req-doomed", pacing_bps=8e6)
+        time.sleep(0.5)
+        assert not doomed.done()
+        killed_at = time.monotonic()
+        victim.kill(signal.SIGKILL)
+        with pytest.raises(PeerError) as info:
+            doomed.result(RESULT_TIMEOUT_S)
+        assert info.value.kind == "PeerLost"
+        assert time.monotonic() - killed_at < timeout_s
+    finally:
+        victim.stop()
+    spec = KvSpec(seed=10, tokens=64)
+    for sender, receiver in ((c, a), (a, b), (c, b)):
+        _, received = transfer(sender, receiver, spec, "req-survivor")
+        assert received.result(RESULT_TIMEOUT_S)["digest"] == expected_digest(spec, 0, 64)
+
+
+def test_hung_sender_times_out_instead_of_hanging():
+    timeout_s = 2.0
+    hung = Peer("peer-hung", timeout_s=timeout_s, chunk_tokens=8)
+    waiting = Peer("peer-waiting", timeout_s=timeout_s)
+    try:
+        hung.ready()
+        waiting.ready()
+        spec = KvSpec(seed=11, tokens=256)
+        _, received = transfer(hung, waiting, spec, "req-hung", pacing_bps=4e6)
+        time.sleep(0.3)
+        hung.kill(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(PeerError) as info:
+            received.result(RESULT_TIMEOUT_S)
+        assert (info.value.kind, info.value.code) == ("TransferTimeout", "DEADLINE_EXCEEDED")
+        # One step's timeout, plus slack for a loaded machine: never a hang.
+        assert time.monotonic() - started < timeout_s + 5.0
+    finally:
+        hung.kill(signal.SIGKILL)
+        hung.stop()
+        waiting.stop()
+
+
+def test_pacing_slows_a_transfer_in_proportion_to_its_bytes(peers):
+    a, b, _ = peers
+    rate_bps = 20e6
+    for tokens in (128, 256):
+        spec = KvSpec(seed=12, tokens=tokens)
+        sent, received = transfer(a, b, spec, f"req-paced-{tokens}", pacing_bps=rate_bps)
+        got = received.result(RESULT_TIMEOUT_S)
+        stats = sent.result(RESULT_TIMEOUT_S)
+        floor_s = 8 * got["kv_bytes"] / rate_bps
+        assert got["digest"] == expected_digest(spec, 0, tokens)
+        assert stats["seconds"] >= floor_s
+        assert got["seconds"] >= floor_s
+
+
+def test_transfer_spans_nest_under_the_callers_trace():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    receiver = TransferAgent(AgentConfig("trace-recv", timeout_s=10), provider)
+    sender = TransferAgent(AgentConfig("trace-send", timeout_s=10), provider)
+    try:
+        tracer = provider.get_tracer("test")
+        spec = KvSpec(seed=13, tokens=8)
+        with tracer.start_as_current_span("router.generate") as root:
+            carrier_span = root.get_span_context()
+            traceparent = f"00-{carrier_span.trace_id:032x}-{carrier_span.span_id:016x}-01"
+            ticket = receiver.prepare("trace-send", "req-trace", 0, 8, traceparent)
+        kv = make_kv(spec)
+        thread = threading.Thread(target=sender.send, args=(ticket, kv))
+        thread.start()
+        receiver.recv(ticket, KvLayout(3, 2, 16, torch.float64))
+        thread.join(timeout=RESULT_TIMEOUT_S)
+    finally:
+        receiver.close()
+        sender.close()
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    for name in ("kvxfer.send", "kvxfer.recv"):
+        span = spans[name]
+        assert span.context.trace_id == carrier_span.trace_id
+        assert span.parent.span_id == carrier_span.span_id
+        assert span.attributes["kvrs.request_id"] == "req-trace"
+        assert span.attributes["kvrs.kv_bytes"] == 8 * 2 * 3 * 2 * 16 * 8
+
+
+def test_a_ticket_missing_a_field_names_it():
+    with pytest.raises(InvalidArgument) as info:
+        TransferTicket.from_dict({"transfer_id": "x"})
+    assert info.value.field.startswith("ticket.")
