@@ -103,6 +103,7 @@ class ViewCache:
         self._state: DecisionState | None = None
         self._wake = asyncio.Event()
         self.refresh_failures = 0
+        self._failing_since_s: float | None = None
 
     @property
     def state(self) -> DecisionState | None:
@@ -135,9 +136,15 @@ class ViewCache:
             snapshot = await self._source.fetch()
         except (Unavailable, DeadlineExceeded) as exc:
             self.refresh_failures += 1
-            log.warning("view refresh failed, deciding from the cached view: %s", exc)
+            # Once per outage, not ten times a second.
+            if self._failing_since_s is None:
+                self._failing_since_s = self.clock()
+                log.warning("gossip unreachable, deciding from the cached view: %s", exc)
             return False
         self._state = self._build(snapshot)
+        if self._failing_since_s is not None:
+            log.warning("gossip reachable again after %.1f s", self.clock() - self._failing_since_s)
+            self._failing_since_s = None
         return True
 
     def mark_down(self, instance_id: str) -> None:

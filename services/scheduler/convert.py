@@ -1,0 +1,149 @@
+"""Translation between SchedulerService protobuf messages and the decision records."""
+
+from __future__ import annotations
+
+from kvrs.recovery import Action, OptionCost
+from kvrs.v1 import common_pb2, scheduler_pb2, slots_pb2
+from services.scheduler.decisions import (
+    BatchOutcome,
+    RecoverInput,
+    RecoveryOutcome,
+    SelectDecodeInput,
+    Selection,
+)
+from services.scheduler.leases import Lease
+from services.scheduler.transfer_pb import transfer_to_pb
+
+ACTION_TO_PB = {
+    Action.MIGRATE: common_pb2.RECOVERY_ACTION_MIGRATE,
+    Action.RECOMPUTE: common_pb2.RECOVERY_ACTION_RECOMPUTE,
+    Action.HYBRID: common_pb2.RECOVERY_ACTION_HYBRID,
+    Action.ABORT: common_pb2.RECOVERY_ACTION_ABORT,
+}
+
+
+def select_decode_from_pb(request: scheduler_pb2.SelectDecodeRequest) -> SelectDecodeInput:
+    return SelectDecodeInput(
+        request_id=request.request_id,
+        prefill_id=request.prefill_instance_id,
+        prompt_tokens=request.prompt_tokens,
+        prefix_hashes=tuple(request.prefix_hashes),
+        policy=request.policy,
+        exclude_ids=frozenset(request.exclude_instance_ids),
+        candidate_ids=frozenset(request.candidate_instance_ids),
+    )
+
+
+def selection_to_pb(selection: Selection) -> scheduler_pb2.SelectDecodeResponse:
+    placement = selection.placement
+    response = scheduler_pb2.SelectDecodeResponse(
+        decode_instance_id=placement.instance_id,
+        decode_address=selection.address,
+        decode_transfer_address=selection.transfer_address,
+        predicted_ttft_s=placement.predicted_ttft_s,
+        transfer_s=placement.transfer.transfer_s,
+        wait_s=placement.wait_s,
+        prefix_hit_tokens=placement.prefix_hit_tokens,
+        kv_bytes=placement.kv_bytes,
+        transfer=transfer_to_pb(placement.transfer),
+        policy=placement.policy,
+        view_stale=selection.view_stale,
+        view_age_s=selection.view_age_s,
+        candidates_considered=placement.candidates_considered,
+    )
+    if placement.runner_up is not None:
+        response.runner_up_instance_id = placement.runner_up.instance_id
+        response.runner_up_ttft_s = placement.runner_up.score_s
+    return response
+
+
+def recover_from_pb(request: scheduler_pb2.RecoverRequest) -> RecoverInput:
+    return RecoverInput(
+        request_id=request.request_id,
+        failed_id=request.failed_instance_id,
+        source_prefill_id=request.source_prefill_instance_id,
+        prompt_tokens=request.prompt_tokens,
+        generated_tokens=request.generated_tokens,
+        deadline_unix_ms=request.deadline_unix_ms,
+        policy=request.policy,
+        source_kv_lost=request.source_kv_lost,
+        exclude_ids=frozenset(request.exclude_instance_ids),
+        skip_slot=request.skip_slot,
+    )
+
+
+def recover_items_from_pb(request: scheduler_pb2.RecoverBatchRequest) -> list[RecoverInput]:
+    return [
+        RecoverInput(
+            request_id=item.request_id,
+            failed_id=request.failed_instance_id,
+            source_prefill_id=item.source_prefill_instance_id,
+            prompt_tokens=item.prompt_tokens,
+            generated_tokens=item.generated_tokens,
+            deadline_unix_ms=item.deadline_unix_ms,
+            policy=request.policy,
+            source_kv_lost=item.source_kv_lost,
+            skip_slot=request.skip_slot,
+        )
+        for item in request.items
+    ]
+
+
+def _option_to_pb(option: OptionCost) -> scheduler_pb2.OptionCost:
+    return scheduler_pb2.OptionCost(
+        action=ACTION_TO_PB[option.action],
+        target_instance_id=option.target_id,
+        source_instance_id=option.source_id,
+        cost_s=option.cost_s,
+        wait_s=option.wait_s,
+        transfer_s=option.transfer_s,
+        compute_s=option.compute_s,
+        split_tokens=option.split_tokens,
+        feasible=option.feasible,
+        infeasible_reason=option.infeasible_reason,
+    )
+
+
+def _lease_to_pb(lease: Lease) -> slots_pb2.SlotLease:
+    return slots_pb2.SlotLease(
+        lease_id=lease.lease_id,
+        request_id=lease.request_id,
+        holder_id=lease.holder_id,
+        src_instance_id=lease.src_id,
+        dst_instance_id=lease.dst_id,
+        expires_unix_ms=lease.expires_unix_ms,
+    )
+
+
+def recovery_to_pb(outcome: RecoveryOutcome) -> scheduler_pb2.RecoverResponse:
+    decision = outcome.decision
+    response = scheduler_pb2.RecoverResponse(
+        request_id=decision.request_id,
+        action=ACTION_TO_PB[decision.action],
+        target_instance_id=decision.target_id,
+        target_address=outcome.target.address,
+        target_transfer_address=outcome.target.transfer_address,
+        source_instance_id=decision.source_id,
+        source_address=outcome.source.address,
+        source_transfer_address=outcome.source.transfer_address,
+        predicted_cost_s=decision.cost_s,
+        options=[_option_to_pb(option) for option in decision.options],
+        hybrid_split_tokens=decision.split_tokens,
+        reason=outcome.reason,
+        slo_slack_s=decision.slack_s,
+        view_stale=outcome.view_stale,
+        view_age_s=outcome.view_age_s,
+    )
+    if outcome.lease is not None:
+        response.slot_lease.CopyFrom(_lease_to_pb(outcome.lease))
+    if decision.runner_up is not None:
+        runner_up = decision.runner_up
+        response.runner_up = f"{runner_up.action.value}:{runner_up.target_id}"
+    return response
+
+
+def batch_to_pb(outcome: BatchOutcome) -> scheduler_pb2.RecoverBatchResponse:
+    return scheduler_pb2.RecoverBatchResponse(
+        decisions=[recovery_to_pb(item) for item in outcome.outcomes],
+        planned_makespan_s=outcome.makespan_s,
+    )

@@ -1,0 +1,98 @@
+"""Scheduler server assembly: the cached gossip view, the slot broker client, the servicer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, fields
+
+import grpc
+from opentelemetry.sdk.trace import TracerProvider
+
+from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common import ServerHandle, run_until_signal, start_server
+from services.gossip.client import GossipClient
+from services.scheduler.config import Config
+from services.scheduler.decisions import RecentRecoveries, Scheduler
+from services.scheduler.inputs import load_inputs
+from services.scheduler.peers import GossipSource, PeerChannel, SlotBrokerClient
+from services.scheduler.servicer import SchedulerServicer
+from services.scheduler.view import ViewCache
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+
+
+@dataclass
+class SchedulerServerHandle(ServerHandle):
+    """A started scheduler and the parts tests and benchmarks look into."""
+
+    scheduler: Scheduler | None = None
+    view: ViewCache | None = None
+
+
+async def build_server(config: Config, provider: TracerProvider) -> SchedulerServerHandle:
+    """Starts a scheduler on `config.listen_addr` after one attempt to load the view.
+
+    Serves even when gossip does not answer yet: decisions then fail UNAVAILABLE until
+    the first refresh succeeds, and health tells the orchestrator nothing more than that
+    the process is up.
+    """
+    inputs = load_inputs(config.inputs)
+    # Background refreshes are not traced (ten spans a second of noise); slot calls are,
+    # so a recovery's trace shows its reservation.
+    broker = PeerChannel(config.slot_broker_addr, config.grpc, provider)
+    slots = SlotBrokerClient(broker, config.holder_id, config.slot_ttl_s, config.peer_timeout_s)
+    source = GossipSource(
+        lambda: GossipClient(config.gossip_addr, config.grpc, timeout_s=config.peer_timeout_s),
+        slots,
+    )
+    view = ViewCache(inputs, source, config.view_refresh_s, config.view_stale_after_s)
+    if not await view.refresh():
+        log.warning("gossip at %s did not answer; serving once it does", config.gossip_addr)
+    scheduler = Scheduler(
+        view=view,
+        slots=slots,
+        tracer=provider.get_tracer("kvrs.scheduler"),
+        placement_policy=config.placement_policy,
+        recovery_policy=config.recovery_policy,
+        recent=RecentRecoveries(
+            config.recover_replay_s, config.recover_replay_entries, clock=view.clock
+        ),
+    )
+
+    def register(server: grpc.aio.Server) -> None:
+        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
+            SchedulerServicer(scheduler), server
+        )
+
+    base = await start_server(register, [SERVICE_NAME], config.listen_addr, config.grpc, provider)
+    handle = SchedulerServerHandle(
+        **{item.name: getattr(base, item.name) for item in fields(base)},
+        scheduler=scheduler,
+        view=view,
+    )
+    tasks = [
+        asyncio.create_task(view.run(), name="scheduler-view-refresh"),
+        asyncio.create_task(source.watch(view), name="scheduler-gossip-events"),
+    ]
+
+    async def stop_background() -> None:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await source.close()
+        await broker.close()
+
+    handle.cleanups.append(stop_background)
+    return handle
+
+
+async def serve(config: Config, provider: TracerProvider) -> None:
+    """Runs the scheduler until SIGTERM/SIGINT, then drains and shuts down."""
+    handle = await build_server(config, provider)
+    await run_until_signal(handle, config.grpc, provider)

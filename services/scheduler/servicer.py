@@ -1,0 +1,43 @@
+"""SchedulerService: protobuf in, `decisions.Scheduler` call, protobuf out."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.convert import (
+    batch_to_pb,
+    recover_from_pb,
+    recover_items_from_pb,
+    recovery_to_pb,
+    select_decode_from_pb,
+    selection_to_pb,
+)
+from services.scheduler.decisions import Scheduler
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    async def SelectDecode(
+        self, request: scheduler_pb2.SelectDecodeRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SelectDecodeResponse:
+        return selection_to_pb(self.scheduler.select_decode(select_decode_from_pb(request)))
+
+    async def Recover(
+        self, request: scheduler_pb2.RecoverRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.RecoverResponse:
+        return recovery_to_pb(await self.scheduler.recover(recover_from_pb(request)))
+
+    async def RecoverBatch(
+        self, request: scheduler_pb2.RecoverBatchRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.RecoverBatchResponse:
+        outcome = await self.scheduler.recover_batch(
+            batch_id=request.batch_id,
+            failed_id=request.failed_instance_id,
+            items=recover_items_from_pb(request),
+            policy_name=request.policy,
+            skip_slot=request.skip_slot,
+        )
+        return batch_to_pb(outcome)
