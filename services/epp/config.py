@@ -1,0 +1,82 @@
+"""Configuration of the endpoint picker, read from the environment."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvrs.client import parse_addresses
+from kvrs.errors import KvrsError
+from kvrs.model import model_spec
+from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `python -m services.epp` needs; `from_env` names any bad variable."""
+
+    listen_addr: str = "0.0.0.0:9002"
+    """EPP_LISTEN_ADDR: host:port the ext_proc gRPC server binds ("127.0.0.1:0" in tests)."""
+    scheduler_addrs: tuple[str, ...] = ("127.0.0.1:50053",)
+    """SCHEDULER_ADDRS: the scheduler replicas asked for SelectDecode (comma-separated)."""
+    gossip_addr: str = "127.0.0.1:50051"
+    """GOSSIP_ADDR: the gossip store, which maps endpoint addresses to decode instances."""
+    prefill_instance_id: str = ""
+    """EPP_PREFILL_INSTANCE: the prefill instance placements are scored from (the KV's
+    source); empty = the alive prefill instance with the least queued work."""
+    policy: str = ""
+    """EPP_POLICY: placement policy asked of the scheduler; empty = the scheduler's default."""
+    target_port: int = 0
+    """EPP_TARGET_PORT: the port Envoy sends requests to on a decode instance's host (the
+    InferencePool's target port); 0 = the port the instance registered in gossip."""
+    model: str = "opt-125m"
+    """KVRS_MODEL: model preset; its block size cuts prompts into prefix-hash blocks."""
+    endpoints_refresh_s: float = 0.5
+    """EPP_ENDPOINTS_REFRESH_S: how long the endpoint -> instance map from gossip is reused."""
+    scheduler_timeout_s: float = 0.5
+    """EPP_SCHEDULER_TIMEOUT_S: deadline of each SelectDecode / ListNodes attempt; keep it
+    well under Envoy's ext_proc message_timeout."""
+    metrics_addr: str = ""
+    """KVRS_METRICS_ADDR: host:port of the Prometheus endpoint; empty = off."""
+    grpc: GrpcSettings = field(default_factory=GrpcSettings)
+    """TLS, message size and shutdown grace (KVRS_TLS_*, KVRS_MAX_MESSAGE_BYTES, ...)."""
+
+    @property
+    def block_tokens(self) -> int:
+        return model_spec(self.model).block_tokens
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        schedulers = env_str("SCHEDULER_ADDRS", "", env) or env_str(
+            "SCHEDULER_ADDR", "127.0.0.1:50053", env
+        )
+        config = cls(
+            listen_addr=env_str("EPP_LISTEN_ADDR", "0.0.0.0:9002", env),
+            scheduler_addrs=parse_addresses(schedulers, "SCHEDULER_ADDRS"),
+            gossip_addr=env_str("GOSSIP_ADDR", "127.0.0.1:50051", env),
+            prefill_instance_id=env_str("EPP_PREFILL_INSTANCE", "", env),
+            policy=env_str("EPP_POLICY", "", env),
+            target_port=env_int("EPP_TARGET_PORT", 0, env),
+            model=env_str("KVRS_MODEL", "opt-125m", env),
+            endpoints_refresh_s=env_float("EPP_ENDPOINTS_REFRESH_S", 0.5, env),
+            scheduler_timeout_s=env_float("EPP_SCHEDULER_TIMEOUT_S", 0.5, env),
+            metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
+            grpc=GrpcSettings.from_env(env),
+        )
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Fails fast, naming the variable, on a value the picker cannot run with."""
+        for name, value in (
+            ("EPP_ENDPOINTS_REFRESH_S", self.endpoints_refresh_s),
+            ("EPP_SCHEDULER_TIMEOUT_S", self.scheduler_timeout_s),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if not 0 <= self.target_port <= 65535:
+            raise ConfigError(f"EPP_TARGET_PORT must be a port (0-65535), got {self.target_port}")
+        try:
+            model_spec(self.model)
+        except KvrsError as exc:
+            raise ConfigError(f"KVRS_MODEL: {exc}") from None

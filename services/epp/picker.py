@@ -1,0 +1,256 @@
+"""One endpoint pick: the request's prompt, the gateway's subset, the scheduler's choice.
+
+The picker restricts the candidates to the decode instances behind the endpoints the
+gateway may use (all known ones, or those of its subset hint), asks the kvrs scheduler's
+`SelectDecode` to place the request among exactly those, and maps the chosen instance
+back to its `ip:port`. The scheduler decides with the network-aware cost model (KV
+transfer from the prefill instance, queued work, resident prefix blocks); the picker
+only translates between the gateway's view and kvrs'. No gRPC here: the scheduler and
+gossip are reached through `kvrs.client.KvrsClient` (or anything with its methods).
+
+Outcomes (`kvrs.epp.outcome`): `picked`; `no_endpoint` (the subset names no known decode
+endpoint, or none is registered: HTTP 503); `no_capacity` (no instance has KV memory
+left: 429); `unavailable` (scheduler, gossip or every prefill instance down: 503);
+`error` (a misconfiguration such as an unknown policy: 500).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from opentelemetry.context import Context
+from opentelemetry.trace import Tracer
+
+from kvrs import tokenizer
+from kvrs.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvrsError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvrs.v1 import scheduler_pb2
+from services.common.metrics import Metrics
+from services.epp.endpoints import EndpointDirectory
+from services.openai_http.protocol import prompt_token_ids
+
+DECISION = "epp_pick"
+"""The `decision` label of the picker's metrics."""
+
+
+class Scheduler(Protocol):
+    """The scheduler as the picker calls it (`kvrs.client.KvrsClient` is one)."""
+
+    async def select_decode(
+        self,
+        prefill_instance_id: str,
+        prompt_tokens: int,
+        *,
+        prefix_hashes: Iterable[int] = (),
+        policy: str = "",
+        candidate_instance_ids: Iterable[str] = (),
+        request_id: str = "",
+    ) -> scheduler_pb2.SelectDecodeResponse: ...
+
+
+class NoEligibleEndpoint(Unavailable):
+    """No endpoint the gateway may use maps to an alive decode instance."""
+
+
+@dataclass(frozen=True)
+class PromptInfo:
+    prompt_tokens: int
+    prefix_hashes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PickRequest:
+    request_id: str
+    prompt: PromptInfo
+    subset: tuple[str, ...] | None = None
+    """The gateway's subset hint; None when it sent none (every endpoint is eligible)."""
+
+
+@dataclass(frozen=True)
+class Pick:
+    endpoint: str
+    """`ip:port` the gateway sends the request to."""
+    instance_id: str
+    prefill_instance_id: str
+    predicted_ttft_s: float
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def prompt_info(body: bytes, block_tokens: int) -> PromptInfo:
+    """Prompt length and prefix-block hashes of an OpenAI request body.
+
+    `/v1/completions` bodies carry `prompt` (a batch counts every prompt's tokens, the
+    first one's blocks are hashed); chat bodies carry `messages`, whose text contents are
+    joined one per line. A body with neither places by load alone (0 tokens). A body
+    that is not JSON, or a malformed prompt, is InvalidArgument.
+    """
+    if not body.strip():
+        return PromptInfo(0)
+    try:
+        request = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgument("body", f"is not JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise InvalidArgument("body", "must be a JSON object")
+    if "prompt" in request:
+        prompts = prompt_token_ids(request["prompt"])
+    elif isinstance(request.get("messages"), list):
+        prompts = [tokenizer.encode(_chat_text(request["messages"]))]
+    else:
+        return PromptInfo(0)
+    return PromptInfo(
+        prompt_tokens=sum(len(prompt) for prompt in prompts),
+        prefix_hashes=tuple(tokenizer.prefix_block_hashes(prompts[0], block_tokens)),
+    )
+
+
+def _chat_text(messages: Sequence[Any]) -> str:
+    lines = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            lines.append(content)
+        elif isinstance(content, list):
+            lines.extend(part["text"] for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return "\n".join(lines)
+
+
+def outcome_of(exc: KvrsError) -> str:
+    if isinstance(exc, NoEligibleEndpoint):
+        return "no_endpoint"
+    if isinstance(exc, ResourceExhausted):
+        return "no_capacity"
+    if isinstance(exc, Unavailable):
+        return "unavailable"
+    return "error"
+
+
+class Picker:
+    """Picks the endpoint of each request; one per process, shared by every stream."""
+
+    def __init__(
+        self,
+        directory: EndpointDirectory,
+        scheduler: Scheduler,
+        tracer: Tracer,
+        *,
+        prefill_instance_id: str = "",
+        policy: str = "",
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.directory = directory
+        self.scheduler = scheduler
+        self.tracer = tracer
+        self.prefill_instance_id = prefill_instance_id
+        self.policy = policy
+        self.metrics = metrics
+
+    async def pick(self, request: PickRequest, context: Context | None = None) -> Pick:
+        """The endpoint for `request`; a KvrsError whose kind says which HTTP status the
+        gateway answers instead (see the module doc). `context` parents the span."""
+        started_s = time.perf_counter()
+        with self.tracer.start_as_current_span("kvrs.epp.pick", context=context) as span:
+            span.set_attributes({
+                "kvrs.request_id": request.request_id,
+                "kvrs.prompt_tokens": request.prompt.prompt_tokens,
+                "kvrs.prefix_blocks": len(request.prompt.prefix_hashes),
+                "kvrs.epp.subset_size": -1 if request.subset is None else len(request.subset),
+            })
+            try:
+                pick = await self._pick(request, span)
+            except KvrsError as exc:
+                outcome = outcome_of(exc)
+                span.set_attribute("kvrs.epp.outcome", outcome)
+                self._record(outcome, started_s)
+                raise
+            span.set_attribute("kvrs.epp.outcome", "picked")
+            self._record("picked", started_s)
+            return pick
+
+    async def _pick(self, request: PickRequest, span: Any) -> Pick:
+        endpoints = await self.directory.current()
+        known = endpoints.instance_by_endpoint
+        if request.subset is None:
+            eligible = dict(known)
+        else:
+            eligible = {e: known[e] for e in (s.strip() for s in request.subset) if e in known}
+        span.set_attributes({
+            "kvrs.epp.endpoints_known": len(known),
+            "kvrs.epp.endpoints_eligible": len(eligible),
+        })
+        if not eligible:
+            if request.subset is None:
+                raise NoEligibleEndpoint("no decode instance is registered in gossip")
+            raise NoEligibleEndpoint(
+                f"none of the {len(request.subset)} endpoints of the subset hint "
+                f"({', '.join(request.subset[:4])}{', ...' if len(request.subset) > 4 else ''})"
+                f" is an alive decode instance ({len(known)} known)"
+            )
+        prefill_id = self.prefill_instance_id or endpoints.least_loaded_prefill()
+        span.set_attributes({
+            "kvrs.prefill_instance_id": prefill_id,
+            "kvrs.epp.prefill_source": "configured" if self.prefill_instance_id
+            else "least_loaded",
+        })
+        if not prefill_id:
+            raise Unavailable("no alive prefill instance to score placements from "
+                              "(set EPP_PREFILL_INSTANCE or start one)")
+        try:
+            reply = await self.scheduler.select_decode(
+                prefill_id,
+                request.prompt.prompt_tokens,
+                prefix_hashes=request.prompt.prefix_hashes,
+                policy=self.policy,
+                candidate_instance_ids=sorted(eligible.values()),
+                request_id=request.request_id,
+            )
+        except (NotFound, FailedPrecondition) as exc:
+            # The scheduler's view lags or lacks what gossip just listed: for the
+            # client, nothing can serve the request right now.
+            raise Unavailable(f"scheduler: {exc}") from exc
+        except InvalidArgument as exc:
+            raise KvrsError(f"scheduler rejected the placement request ({exc}); "
+                            "check EPP_POLICY and EPP_PREFILL_INSTANCE") from exc
+        endpoint = endpoints.endpoint_by_instance.get(reply.decode_instance_id, "")
+        span.set_attributes({
+            "kvrs.chosen_instance_id": reply.decode_instance_id,
+            "kvrs.epp.endpoint": endpoint,
+            "kvrs.policy": reply.policy,
+            "kvrs.predicted_ttft_s": reply.predicted_ttft_s,
+            "kvrs.prefix_hit_tokens": reply.prefix_hit_tokens,
+            "kvrs.runner_up.instance_id": reply.runner_up_instance_id,
+            "kvrs.view_stale": reply.view_stale,
+            "kvrs.view_age_s": reply.view_age_s,
+        })
+        if endpoint not in eligible:
+            raise Unavailable(f"scheduler chose {reply.decode_instance_id!r}, which is not an "
+                              "eligible endpoint")
+        return Pick(
+            endpoint=endpoint,
+            instance_id=reply.decode_instance_id,
+            prefill_instance_id=prefill_id,
+            predicted_ttft_s=reply.predicted_ttft_s,
+        )
+
+    def _record(self, outcome: str, started_s: float) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.decisions.labels(decision=DECISION, action=outcome).inc()
+        self.metrics.decision_latency_s.labels(decision=DECISION).observe(
+            time.perf_counter() - started_s
+        )

@@ -1,0 +1,80 @@
+"""Endpoint picker assembly: the kvrs client, the endpoint directory, the ext_proc servicer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_pb2_grpc
+from grpc_health.v1 import health_pb2
+from opentelemetry.sdk.trace import TracerProvider
+
+from kvrs.client import KvrsClient
+from services.common import Metrics, ServerHandle, run_until_signal, serve_metrics, start_server
+from services.epp.config import Config
+from services.epp.endpoints import EndpointDirectory
+from services.epp.picker import Picker
+from services.epp.servicer import ExternalProcessorServicer
+
+SERVICE_NAME = ext_proc_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+PROTOCOL_HEALTH_SERVICES = ("liveness", "readiness")
+"""Extra health service names the endpoint-picker protocol asks for (besides the ext_proc one)."""
+
+
+@dataclass
+class EppServerHandle(ServerHandle):
+    """A started endpoint picker and the parts tests look into."""
+
+    picker: Picker | None = None
+
+
+async def build_server(
+    config: Config, provider: TracerProvider, metrics: Metrics | None = None
+) -> EppServerHandle:
+    """Starts the picker on `config.listen_addr`; gossip and the scheduler are asked per
+    request (through a cached endpoint map), so it serves before they answer."""
+    client = KvrsClient(
+        config.scheduler_addrs,
+        gossip_addr=config.gossip_addr,
+        settings=config.grpc,
+        provider=provider,
+        timeout_s=config.scheduler_timeout_s,
+        max_attempts=max(2, len(config.scheduler_addrs)),
+    )
+    directory = EndpointDirectory(
+        client,
+        refresh_s=config.endpoints_refresh_s,
+        target_port=config.target_port,
+        timeout_s=config.scheduler_timeout_s,
+    )
+    picker = Picker(
+        directory,
+        client,
+        provider.get_tracer("kvrs.epp"),
+        prefill_instance_id=config.prefill_instance_id,
+        policy=config.policy,
+        metrics=metrics,
+    )
+
+    def register(server: grpc.aio.Server) -> None:
+        ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessorServicer(picker, config.block_tokens), server
+        )
+
+    base = await start_server(register, [SERVICE_NAME], config.listen_addr, config.grpc, provider)
+    handle = EppServerHandle(
+        **{item.name: getattr(base, item.name) for item in fields(base)}, picker=picker
+    )
+    for name in PROTOCOL_HEALTH_SERVICES:
+        await handle.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    handle.cleanups.append(client.close)
+    return handle
+
+
+async def serve(config: Config, provider: TracerProvider) -> None:
+    """Runs the picker until SIGTERM/SIGINT, then drains and shuts down."""
+    metrics = Metrics()
+    serve_metrics(metrics, config.metrics_addr)
+    handle = await build_server(config, provider, metrics)
+    await run_until_signal(handle, config.grpc, provider)

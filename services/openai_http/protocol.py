@@ -1,0 +1,305 @@
+"""OpenAI's completions API as plain data: request parsing, response and chunk bodies, errors.
+
+Nothing here touches HTTP or gRPC, so the HTTP adapter and the endpoint picker (which
+reads the same request bodies on their way through a gateway) share one parser, and
+the translation is tested without a server.
+
+What kvrs serves: `POST /v1/completions` with `prompt` as text, a list of texts, token
+ids or a list of token-id lists; `max_tokens`; `stream` (with `stream_options.
+include_usage`). Workers decode greedily, so `temperature` must be absent or 0 and
+`top_p` absent or 1; options that would change the output and that kvrs does not
+implement (`n` > 1, `best_of` > 1, `echo`, `logprobs`, `stop`, `suffix`, penalties,
+`logit_bias`) are rejected naming the parameter rather than silently ignored. `seed`
+and `user` are accepted (greedy decoding is deterministic anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvrs import tokenizer
+from kvrs.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KvrsError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "CompletionRequest",
+    "Usage",
+    "chunk_body",
+    "completion_body",
+    "error_body",
+    "http_error",
+    "json_bytes",
+    "models_body",
+    "parse_completion_request",
+    "prompt_token_ids",
+    "usage_chunk_body",
+]
+
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for `max_tokens` on the completions API."""
+
+FINISH_REASONS = ("stop", "length")
+
+_UNSUPPORTED_IF_SET: dict[str, str] = {
+    "echo": "echoing the prompt is not supported",
+    "logprobs": "log probabilities are not returned",
+    "stop": "stop sequences are not supported; use max_tokens",
+    "suffix": "suffixes are not supported",
+    "logit_bias": "logit bias is not supported",
+}
+_ZERO_OR_ABSENT = ("presence_penalty", "frequency_penalty")
+_KNOWN_FIELDS = frozenset({
+    "model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "n",
+    "best_of", "seed", "user", *_UNSUPPORTED_IF_SET, *_ZERO_OR_ABSENT,
+})
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated completions request: one or more prompts as token ids."""
+
+    model: str
+    prompts: tuple[tuple[int, ...], ...]
+    """Token ids of every prompt, in the order of the request's `prompt` list."""
+    max_tokens: int
+    stream: bool = False
+    include_usage: bool = False
+    """Streaming only: a last chunk carries the usage (`stream_options.include_usage`)."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def prompt_token_ids(prompt: Any, field: str = "prompt") -> list[list[int]]:
+    """Every prompt of an OpenAI `prompt` value as token ids (byte-level tokenizer).
+
+    Accepts a string, a list of strings, a list of token ids or a list of token-id lists;
+    InvalidArgument naming `field` (and the position) otherwise.
+    """
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidArgument(
+            field, "must be a string, a list of strings, a list of token ids or a list of lists"
+        )
+    if all(_is_int(item) for item in prompt):
+        tokenizer.validate_token_ids(prompt, field)
+        return [list(prompt)]
+    prompts = []
+    for index, item in enumerate(prompt):
+        where = f"{field}[{index}]"
+        if isinstance(item, str):
+            prompts.append(tokenizer.encode(item))
+        elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+            tokenizer.validate_token_ids(item, where)
+            prompts.append(list(item))
+        else:
+            raise InvalidArgument(where, "must be a string or a non-empty list of token ids")
+    return prompts
+
+
+def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int) -> (
+    CompletionRequest
+):
+    """The request in `body` (decoded JSON), or InvalidArgument / NotFound naming the field."""
+    if not isinstance(body, Mapping):
+        raise InvalidArgument("body", "must be a JSON object")
+    unknown = sorted(set(body) - _KNOWN_FIELDS)
+    if unknown:
+        raise InvalidArgument(unknown[0], "is not a parameter of /v1/completions")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidArgument("model", "is required (see GET /v1/models)")
+    if model != served_model:
+        raise NotFound(f"model {model!r} is not served here; this server serves "
+                       f"{served_model!r}", field="model")
+    if "prompt" not in body:
+        raise InvalidArgument("prompt", "is required")
+    prompts = prompt_token_ids(body["prompt"])
+    if any(not prompt for prompt in prompts):
+        raise InvalidArgument("prompt", "must not be empty")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if not _is_int(max_tokens) or not 1 <= max_tokens <= max_tokens_limit:
+        raise InvalidArgument("max_tokens", f"must be an integer in [1, {max_tokens_limit}], "
+                              f"got {max_tokens!r}")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise InvalidArgument("stream", f"must be a boolean, got {stream!r}")
+    include_usage = _include_usage(body.get("stream_options"), stream)
+    _check_greedy(body)
+    for name, reason in _UNSUPPORTED_IF_SET.items():
+        if body.get(name) not in (None, False, "", [], {}):
+            raise InvalidArgument(name, reason)
+    for name in _ZERO_OR_ABSENT:
+        if body.get(name) not in (None, 0, 0.0):
+            raise InvalidArgument(name, "only 0 is supported")
+    for name in ("n", "best_of"):
+        if body.get(name) not in (None, 1):
+            raise InvalidArgument(name, "only 1 is supported (decoding is greedy)")
+    return CompletionRequest(
+        model=model,
+        prompts=tuple(tuple(prompt) for prompt in prompts),
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _include_usage(options: Any, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise InvalidArgument("stream_options", "is only allowed with stream: true")
+    if not isinstance(options, Mapping):
+        raise InvalidArgument("stream_options", "must be an object")
+    value = options.get("include_usage", False)
+    if not isinstance(value, bool):
+        raise InvalidArgument("stream_options.include_usage", "must be a boolean")
+    return value
+
+
+def _check_greedy(body: Mapping[str, Any]) -> None:
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+            raise InvalidArgument("temperature", f"must be a number, got {temperature!r}")
+        if temperature != 0:
+            raise InvalidArgument("temperature", "only 0 is supported: workers decode greedily")
+    top_p = body.get("top_p")
+    if top_p is not None and top_p != 1:
+        raise InvalidArgument("top_p", "only 1 is supported: workers decode greedily")
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def _choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def completion_body(
+    request_id: str,
+    model: str,
+    texts: Sequence[str],
+    finish_reasons: Sequence[str],
+    usage: Usage,
+    created_unix_s: int | None = None,
+) -> dict[str, Any]:
+    """The JSON of a non-streamed completion: one choice per prompt."""
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()) if created_unix_s is None else created_unix_s,
+        "model": model,
+        "choices": [
+            _choice(index, text, reason)
+            for index, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True))
+        ],
+        "usage": usage.as_dict(),
+    }
+
+
+def chunk_body(
+    request_id: str,
+    model: str,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    created_unix_s: int,
+) -> dict[str, Any]:
+    """One streamed chunk: text of prompt `index`; `finish_reason` set on its last chunk."""
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created_unix_s,
+        "model": model,
+        "choices": [_choice(index, text, finish_reason)],
+    }
+
+
+def usage_chunk_body(
+    request_id: str, model: str, usage: Usage, created_unix_s: int
+) -> dict[str, Any]:
+    """The last chunk of a stream with `include_usage`: no choices, the usage."""
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created_unix_s,
+        "model": model,
+        "choices": [],
+        "usage": usage.as_dict(),
+    }
+
+
+def models_body(model: str, created_unix_s: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": created_unix_s, "owned_by": "kvrs"}],
+    }
+
+
+def error_body(message: str, error_type: str, param: str | None, code: str | None) -> (
+    dict[str, Any]
+):
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+_HTTP_BY_ERROR: tuple[tuple[type[KvrsError], int, str], ...] = (
+    (InvalidArgument, 400, "invalid_request_error"),
+    (NotFound, 404, "not_found_error"),
+    (ResourceExhausted, 429, "rate_limit_error"),
+    (FailedPrecondition, 503, "service_unavailable_error"),
+    (Unavailable, 503, "service_unavailable_error"),
+    (DeadlineExceeded, 504, "timeout_error"),
+)
+
+
+def http_error(exc: KvrsError) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error body a kvrs error stands for.
+
+    Bad input 400 (naming the parameter), unknown model 404, no capacity 429 (the
+    client may retry later), no instance able to serve or a peer down 503, deadline 504;
+    anything else 500.
+    """
+    status, error_type = next(
+        ((status, name) for cls, status, name in _HTTP_BY_ERROR if isinstance(exc, cls)),
+        (500, "server_error"),
+    )
+    return status, error_body(str(exc) or error_type, error_type, exc.field or None,
+                              exc.code.lower())
+
+
+def json_bytes(body: Any) -> bytes:
+    """Compact JSON, as sent on the wire."""
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
