@@ -28,7 +28,7 @@ import grpc
 import redis
 
 from kvrs.localcluster import free_ports, spawn, stop_processes
-from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc, slots_pb2, slots_pb2_grpc
+from kvrs.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, slots_pb2, slots_pb2_grpc
 from services.common import GrpcSettings, open_channel, setup_tracing, start_server
 from services.common.healthcheck import SERVING, check_health
 from services.gossip.client import GossipClient
@@ -169,16 +169,25 @@ def _batch_request(size: int, skip_slot: bool) -> scheduler_pb2.RecoverBatchRequ
 # -- timing ---------------------------------------------------------------------------------
 
 
-async def _time_calls(
-    call: Callable[[int], Awaitable[object]], count: int, warmup: int
-) -> list[float]:
-    for i in range(warmup):
-        await call(-1 - i)
-    samples = []
-    for i in range(count):
-        started = time.perf_counter()
-        await call(i)
-        samples.append(time.perf_counter() - started)
+Call = Callable[[int], Awaitable[object]]
+Cleanup = Callable[[object], Awaitable[None]]
+
+
+async def _time_interleaved(
+    calls: dict[str, tuple[Call, Cleanup | None]], count: int, warmup: int
+) -> dict[str, list[float]]:
+    """Seconds per call of each entry, taken in turn (so load drift hits them alike);
+    each entry's cleanup runs untimed after its call."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(-warmup, count):
+        for name, (call, after) in calls.items():
+            started = time.perf_counter()
+            result = await call(i)
+            elapsed = time.perf_counter() - started
+            if i >= 0:
+                samples[name].append(elapsed)
+            if after is not None:
+                await after(result)
     return samples
 
 
@@ -221,34 +230,53 @@ async def _measure(args: argparse.Namespace, addresses: dict[str, str]) -> list[
         async def recover_call(i: int) -> None:
             await scheduler.Recover(_recover_request(f"{run}-r{i}", True), timeout=5)
 
-        async def recover_slot_call(i: int) -> None:
-            reply = await scheduler.Recover(_recover_request(f"{run}-m{i}", False), timeout=5)
-            if reply.slot_lease.lease_id:
-                await broker.ReleaseSlot(
-                    slots_pb2.ReleaseSlotRequest(lease_id=reply.slot_lease.lease_id), timeout=5
-                )
+        async def recover_slot_call(i: int) -> scheduler_pb2.RecoverResponse:
+            return await scheduler.Recover(_recover_request(f"{run}-m{i}", False), timeout=5)
+
+        async def reserve_call(i: int) -> slots_pb2.ReserveSlotResponse:
+            return await broker.ReserveSlot(
+                slots_pb2.ReserveSlotRequest(
+                    request_id=f"{run}-b{i}", holder_id="bench",
+                    src_instance_id="prefill-1", dst_instance_id="decode-1",
+                ),
+                timeout=5,
+            )
+
+        async def release(reply: scheduler_pb2.RecoverResponse) -> None:
+            lease_id = (
+                reply.slot_lease.lease_id
+                if isinstance(reply, scheduler_pb2.RecoverResponse)
+                else reply.lease.lease_id
+            )
+            if lease_id:
+                await broker.ReleaseSlot(slots_pb2.ReleaseSlotRequest(lease_id=lease_id),
+                                         timeout=5)
 
         probe = await scheduler.Recover(_recover_request(f"{run}-probe", False), timeout=5)
-        echo_samples = await _time_calls(echo_call, args.calls, args.warmup)
-        results = [
-            ("echo RPC (same bootstrap)", echo_samples, None),
-            ("SelectDecode", await _time_calls(select_call, args.calls, args.warmup),
-             echo_samples),
-            ("Recover, skip_slot (decision only)",
-             await _time_calls(recover_call, args.calls, args.warmup), echo_samples),
-        ]
-        echo_again = await _time_calls(echo_call, args.calls, args.warmup)
-        slot_samples = await _time_calls(recover_slot_call, args.calls // 2, args.warmup)
-        results.append(("Recover + ReserveSlot at the broker (+untimed release)",
-                         slot_samples, echo_again))
+        await release(probe)
+        samples = await _time_interleaved(
+            {
+                "echo RPC (same bootstrap)": (echo_call, None),
+                "SelectDecode": (select_call, None),
+                "Recover, skip_slot (decision only)": (recover_call, None),
+                "ReserveSlot at the broker (bare)": (reserve_call, release),
+                "Recover with a slot reserved": (recover_slot_call, release),
+            },
+            args.calls,
+            args.warmup,
+        )
+        echo_samples = samples["echo RPC (same bootstrap)"]
         lines.append(
             f"cluster: {args.prefill} prefill + {args.decode} decode instances; "
-            f"Recover chooses {scheduler_pb2.RecoveryAction.Name(probe.action)} "
+            f"Recover chooses {common_pb2.RecoveryAction.Name(probe.action)} "
             f"({probe.reason[:60]})"
         )
         lines.append(f"{'RPC (sequential, loopback)':<44} {'p50 µs':>9} {'p99 µs':>9} "
                      f"{'p50/echo':>9} {'p99/echo':>9}")
-        lines.extend(_row(name, samples, base) for name, samples, base in results)
+        lines.extend(
+            _row(name, values, None if values is echo_samples else echo_samples)
+            for name, values in samples.items()
+        )
         for skip_slot in (True, False):
             batch = []
             for _ in range(args.batch_repeats):

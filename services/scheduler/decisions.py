@@ -17,7 +17,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from opentelemetry.trace import Span, Tracer
+from opentelemetry.trace import Tracer
+from opentelemetry.util.types import AttributeValue
 
 from kvrs.batch import plan_batch
 from kvrs.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -25,6 +26,7 @@ from kvrs.network import TransferEstimate
 from kvrs.placement import Placement, PlacementPolicy, PlacementRequest, make_placement_policy
 from kvrs.recovery import (
     Action,
+    OptionCost,
     RecoveryDecision,
     RecoveryPolicy,
     RecoveryRequest,
@@ -200,68 +202,80 @@ class Scheduler:
 
     def select_decode(self, request: SelectDecodeInput) -> Selection:
         with self.tracer.start_as_current_span("kvrs.select_decode") as span:
-            span.set_attributes({
+            # Collected and set once: each set_attributes call costs microseconds.
+            attributes: dict[str, AttributeValue] = {
                 "kvrs.request_id": request.request_id,
                 "kvrs.prefill_instance_id": request.prefill_id,
                 "kvrs.prompt_tokens": request.prompt_tokens,
                 "kvrs.prefix_blocks": len(request.prefix_hashes),
-            })
-            _require_id("request_id", request.request_id)
-            _require_non_negative("prompt_tokens", request.prompt_tokens)
-            policy = self.placement_policy(request.policy)
-            span.set_attribute("kvrs.policy", policy.name)
-            self._require_known("prefill_instance_id", request.prefill_id)
-            for instance_id in request.candidate_ids:
-                self._require_known("candidate_instance_ids", instance_id)
-            view = self.view.current()
-            _annotate_view(span, view)
-            candidates = view.cluster.decode_instances()
-            if request.exclude_ids or request.candidate_ids:
-                # A filtered copy; the unfiltered list is shared so its derived columns
-                # stay cached between decisions.
-                candidates = [
-                    state
-                    for state in candidates
-                    if state.instance_id not in request.exclude_ids
-                    and (not request.candidate_ids or state.instance_id in request.candidate_ids)
-                ]
-            span.set_attribute("kvrs.candidates_considered", len(candidates))
-            placement = policy.select(
-                PlacementRequest(
-                    request_id=request.request_id,
-                    prefill_id=request.prefill_id,
-                    prompt_tokens=request.prompt_tokens,
-                    prefix_hashes=request.prefix_hashes,
-                ),
-                candidates,
-                view.cost,
-                view.cluster.now_s,
-            )
-            _annotate_placement(span, placement)
-            chosen = view.cluster.instances[placement.instance_id]
-            return Selection(
-                placement=placement,
-                address=chosen.address,
-                transfer_address=chosen.transfer_address,
-                view_age_s=view.age_s,
-                view_stale=view.stale,
-            )
+            }
+            try:
+                return self._select_decode(request, attributes)
+            finally:
+                span.set_attributes(attributes)
+
+    def _select_decode(
+        self, request: SelectDecodeInput, attributes: dict[str, AttributeValue]
+    ) -> Selection:
+        _require_id("request_id", request.request_id)
+        _require_non_negative("prompt_tokens", request.prompt_tokens)
+        policy = self.placement_policy(request.policy)
+        attributes["kvrs.policy"] = policy.name
+        self._require_known("prefill_instance_id", request.prefill_id)
+        for instance_id in request.candidate_ids:
+            self._require_known("candidate_instance_ids", instance_id)
+        view = self.view.current()
+        attributes.update(_view_attributes(view))
+        candidates = view.cluster.decode_instances()
+        if request.exclude_ids or request.candidate_ids:
+            # A filtered copy; the unfiltered list is shared so its derived columns stay
+            # cached between decisions.
+            candidates = [
+                state
+                for state in candidates
+                if state.instance_id not in request.exclude_ids
+                and (not request.candidate_ids or state.instance_id in request.candidate_ids)
+            ]
+        attributes["kvrs.candidates_considered"] = len(candidates)
+        placement = policy.select(
+            PlacementRequest(
+                request_id=request.request_id,
+                prefill_id=request.prefill_id,
+                prompt_tokens=request.prompt_tokens,
+                prefix_hashes=request.prefix_hashes,
+            ),
+            candidates,
+            view.cost,
+            view.cluster.now_s,
+        )
+        attributes.update(_placement_attributes(placement))
+        chosen = view.cluster.instances[placement.instance_id]
+        return Selection(
+            placement=placement,
+            address=chosen.address,
+            transfer_address=chosen.transfer_address,
+            view_age_s=view.age_s,
+            view_stale=view.stale,
+        )
 
     # -- Recover --------------------------------------------------------------------------
 
     async def recover(self, request: RecoverInput) -> RecoveryOutcome:
         with self.tracer.start_as_current_span("kvrs.recover") as span:
-            _annotate_recover_input(span, request)
-            self._validate_recover(request, "")
-            policy = self.recovery_policy(request.policy)
-            span.set_attribute("kvrs.policy", policy.name)
-            pending = self.recent.get(request)
-            if pending is not None:
-                outcome = dataclasses.replace(await asyncio.shield(pending), replayed=True)
-            else:
-                outcome = await self._recover_once(request, policy)
-            _annotate_recovery(span, outcome)
-            return outcome
+            attributes = _recover_input_attributes(request)
+            try:
+                self._validate_recover(request, "")
+                policy = self.recovery_policy(request.policy)
+                attributes["kvrs.policy"] = policy.name
+                pending = self.recent.get(request)
+                if pending is not None:
+                    outcome = dataclasses.replace(await asyncio.shield(pending), replayed=True)
+                else:
+                    outcome = await self._recover_once(request, policy)
+                attributes.update(_recovery_attributes(outcome))
+                return outcome
+            finally:
+                span.set_attributes(attributes)
 
     async def _recover_once(self, request: RecoverInput, policy: RecoveryPolicy) -> RecoveryOutcome:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -270,13 +284,16 @@ class Scheduler:
             view = self.view.current()
             core_request = self._core_request(request, view)
             decision = policy.decide(core_request, view.cluster, view.cost, view.cluster.now_s)
-            outcome = await self._hold_slot(core_request, decision, policy, view, request.skip_slot)
-            outcome = dataclasses.replace(
-                outcome, transfer=_chosen_transfer(core_request, outcome.decision, view)
+            outcome = await self._hold_slot(
+                core_request, decision, policy, view, request.skip_slot, priced=True
             )
         except BaseException as exc:
             self.recent.forget(request.request_id, future)
-            future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                # The caller gave up; a retry waiting on this attempt should try again.
+                future.set_exception(Unavailable("the first attempt was cancelled; retry"))
+            else:
+                future.set_exception(exc)
             future.exception()  # retrieved here: only a concurrent retry may also see it
             raise
         future.set_result(outcome)
@@ -289,12 +306,19 @@ class Scheduler:
         policy: RecoveryPolicy,
         view: DecisionView,
         skip_slot: bool,
+        priced: bool = False,
     ) -> RecoveryOutcome:
-        """Reserves the slot a MIGRATE/HYBRID needs; without one, decides again without it."""
+        """Reserves the slot a MIGRATE/HYBRID needs; without one, decides again without it.
+
+        `priced`: also price the chosen option's transfer on its own (for the span).
+        """
         if decision.action not in NEEDS_SLOT:
-            return self._outcome(decision, decision.reason, None, SlotOutcome.NOT_NEEDED, view)
+            slot_outcome = SlotOutcome.NOT_NEEDED
+            return self._outcome(core_request, decision, decision.reason, None, slot_outcome,
+                                 view, priced)
         if skip_slot:
-            return self._outcome(decision, decision.reason, None, SlotOutcome.SKIPPED, view)
+            return self._outcome(core_request, decision, decision.reason, None,
+                                 SlotOutcome.SKIPPED, view, priced)
         try:
             lease = await self.slots.reserve(
                 core_request.request_id, decision.source_id, decision.target_id
@@ -304,20 +328,24 @@ class Scheduler:
         except (Unavailable, DeadlineExceeded) as exc:
             slot_outcome, why = SlotOutcome.UNREACHABLE, f"slot broker unreachable ({exc})"
         else:
-            return self._outcome(decision, decision.reason, lease, SlotOutcome.GRANTED, view)
+            return self._outcome(core_request, decision, decision.reason, lease,
+                                 SlotOutcome.GRANTED, view, priced)
         view = self.view.current()  # the reservation awaited: decide again on the view of now
         fallback = policy.decide(
             core_request, view.cluster, view.cost, view.cluster.now_s, migration_slot_free=False
         )
-        return self._outcome(fallback, f"{why}; {fallback.reason}", None, slot_outcome, view)
+        return self._outcome(core_request, fallback, f"{why}; {fallback.reason}", None,
+                             slot_outcome, view, priced)
 
     def _outcome(
         self,
+        core_request: RecoveryRequest,
         decision: RecoveryDecision,
         reason: str,
         lease: Lease | None,
         slot_outcome: str,
         view: DecisionView,
+        priced: bool = False,
     ) -> RecoveryOutcome:
         return RecoveryOutcome(
             decision=decision,
@@ -328,6 +356,7 @@ class Scheduler:
             source=_endpoint(view, decision.source_id),
             view_age_s=view.age_s,
             view_stale=view.stale,
+            transfer=_chosen_transfer(core_request, decision, view) if priced else None,
         )
 
     def _core_request(self, request: RecoverInput, view: DecisionView) -> RecoveryRequest:
@@ -359,48 +388,58 @@ class Scheduler:
         skip_slot: bool,
     ) -> BatchOutcome:
         with self.tracer.start_as_current_span("kvrs.recover_batch") as span:
-            span.set_attributes({
+            attributes: dict[str, AttributeValue] = {
                 "kvrs.batch_id": batch_id,
                 "kvrs.failed_instance_id": failed_id,
                 "kvrs.batch.requests": len(items),
                 "kvrs.skip_slot": skip_slot,
-            })
-            _require_id("failed_instance_id", failed_id)
-            seen: set[str] = set()
-            for i, item in enumerate(items):
-                self._validate_recover(item, f"items[{i}].")
-                if item.request_id in seen:
-                    raise InvalidArgument(
-                        f"items[{i}].request_id", f"duplicate request id {item.request_id!r}"
-                    )
-                seen.add(item.request_id)
-            policy = self.recovery_policy(policy_name)
-            span.set_attribute("kvrs.policy", policy.name)
-            broker_note = ""
-            if skip_slot:
-                slots_free = len(items)
-            else:
-                try:
-                    slots_free = await self.slots.free_slots()
-                except (Unavailable, DeadlineExceeded) as exc:
-                    slots_free = 0
-                    broker_note = f"slot broker unreachable ({exc}); "
-            span.set_attribute("kvrs.slots_free", slots_free)
-            view = self.view.current()
-            _annotate_view(span, view)
-            core_requests = [self._core_request(item, view) for item in items]
-            plan = plan_batch(
-                core_requests, view.cluster, view.cost, view.cluster.now_s, policy, slots_free
-            )
-            by_id = {r.request_id: r for r in core_requests}
-            outcomes = await asyncio.gather(*(
-                self._batch_outcome(by_id[d.request_id], d, policy, view, skip_slot, broker_note)
-                for d in plan.decisions
-            ))
-            _annotate_batch(span, outcomes, plan.makespan_s)
-            return BatchOutcome(
-                outcomes=tuple(outcomes), makespan_s=plan.makespan_s, slots_free=slots_free
-            )
+            }
+            try:
+                return await self._recover_batch(failed_id, items, policy_name, skip_slot,
+                                                 attributes)
+            finally:
+                span.set_attributes(attributes)
+
+    async def _recover_batch(
+        self, failed_id: str, items: Sequence[RecoverInput], policy_name: str,
+        skip_slot: bool, attributes: dict[str, AttributeValue],
+    ) -> BatchOutcome:
+        _require_id("failed_instance_id", failed_id)
+        seen: set[str] = set()
+        for i, item in enumerate(items):
+            self._validate_recover(item, f"items[{i}].")
+            if item.request_id in seen:
+                raise InvalidArgument(
+                    f"items[{i}].request_id", f"duplicate request id {item.request_id!r}"
+                )
+            seen.add(item.request_id)
+        policy = self.recovery_policy(policy_name)
+        attributes["kvrs.policy"] = policy.name
+        broker_note = ""
+        if skip_slot:
+            slots_free = len(items)
+        else:
+            try:
+                slots_free = await self.slots.free_slots()
+            except (Unavailable, DeadlineExceeded) as exc:
+                slots_free = 0
+                broker_note = f"slot broker unreachable ({exc}); "
+        attributes["kvrs.slots_free"] = slots_free
+        view = self.view.current()
+        attributes.update(_view_attributes(view))
+        core_requests = [self._core_request(item, view) for item in items]
+        plan = plan_batch(
+            core_requests, view.cluster, view.cost, view.cluster.now_s, policy, slots_free
+        )
+        by_id = {r.request_id: r for r in core_requests}
+        outcomes = await asyncio.gather(*(
+            self._batch_outcome(by_id[d.request_id], d, policy, view, skip_slot, broker_note)
+            for d in plan.decisions
+        ))
+        attributes.update(_batch_attributes(outcomes, plan.makespan_s))
+        return BatchOutcome(
+            outcomes=tuple(outcomes), makespan_s=plan.makespan_s, slots_free=slots_free
+        )
 
     async def _batch_outcome(
         self,
@@ -412,9 +451,8 @@ class Scheduler:
         broker_note: str,
     ) -> RecoveryOutcome:
         if broker_note and decision.action not in NEEDS_SLOT:
-            return self._outcome(
-                decision, broker_note + decision.reason, None, SlotOutcome.UNREACHABLE, view
-            )
+            return self._outcome(core_request, decision, broker_note + decision.reason, None,
+                                 SlotOutcome.UNREACHABLE, view)
         return await self._hold_slot(core_request, decision, policy, view, skip_slot)
 
     # -- shared checks --------------------------------------------------------------------
@@ -465,35 +503,33 @@ def _require_positive(field: str, value: int) -> None:
 # -- span attributes (every name is listed in docs/telemetry.md) ----------------------------
 
 
-def _annotate_view(span: Span, view: DecisionView) -> None:
-    span.set_attributes({
+def _view_attributes(view: DecisionView) -> dict[str, AttributeValue]:
+    return {
         "kvrs.view_age_s": view.age_s,
         "kvrs.view_stale": view.stale,
         "kvrs.view_links": view.state.links_used,
-    })
+    }
 
 
-def _annotate_placement(span: Span, placement: Placement) -> None:
-    transfer = placement.transfer
-    span.set_attributes({
+def _placement_attributes(placement: Placement) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {
         "kvrs.candidates_considered": placement.candidates_considered,
         "kvrs.chosen_instance_id": placement.instance_id,
         "kvrs.predicted_ttft_s": placement.predicted_ttft_s,
         "kvrs.wait_s": placement.wait_s,
         "kvrs.prefix_hit_tokens": placement.prefix_hit_tokens,
         "kvrs.kv_bytes": placement.kv_bytes,
-        **_transfer_attributes(transfer),
-    })
+        **_transfer_attributes(placement.transfer),
+    }
     runner_up = placement.runner_up
     if runner_up is not None:
-        span.set_attributes({
-            "kvrs.runner_up.instance_id": runner_up.instance_id,
-            "kvrs.runner_up.score_s": runner_up.score_s,
-            "kvrs.runner_up.tier": int(runner_up.tier),
-        })
+        attributes["kvrs.runner_up.instance_id"] = runner_up.instance_id
+        attributes["kvrs.runner_up.score_s"] = runner_up.score_s
+        attributes["kvrs.runner_up.tier"] = int(runner_up.tier)
+    return attributes
 
 
-def _transfer_attributes(transfer) -> dict[str, object]:
+def _transfer_attributes(transfer: TransferEstimate) -> dict[str, AttributeValue]:
     return {
         "kvrs.transfer.src_instance_id": transfer.src_id,
         "kvrs.transfer.dst_instance_id": transfer.dst_id,
@@ -508,8 +544,8 @@ def _transfer_attributes(transfer) -> dict[str, object]:
     }
 
 
-def _annotate_recover_input(span: Span, request: RecoverInput) -> None:
-    span.set_attributes({
+def _recover_input_attributes(request: RecoverInput) -> dict[str, AttributeValue]:
+    return {
         "kvrs.request_id": request.request_id,
         "kvrs.failed_instance_id": request.failed_id,
         "kvrs.source_prefill_instance_id": request.source_prefill_id,
@@ -518,12 +554,12 @@ def _annotate_recover_input(span: Span, request: RecoverInput) -> None:
         "kvrs.deadline_unix_ms": request.deadline_unix_ms,
         "kvrs.source_kv_lost": request.source_kv_lost,
         "kvrs.skip_slot": request.skip_slot,
-    })
+    }
 
 
-def _annotate_recovery(span: Span, outcome: RecoveryOutcome) -> None:
+def _recovery_attributes(outcome: RecoveryOutcome) -> dict[str, AttributeValue]:
     decision = outcome.decision
-    span.set_attributes({
+    attributes: dict[str, AttributeValue] = {
         "kvrs.action": decision.action.value,
         "kvrs.target_instance_id": decision.target_id,
         "kvrs.source_instance_id": decision.source_id,
@@ -535,55 +571,56 @@ def _annotate_recovery(span: Span, outcome: RecoveryOutcome) -> None:
         "kvrs.view_age_s": outcome.view_age_s,
         "kvrs.view_stale": outcome.view_stale,
         "kvrs.options_evaluated": len(decision.options),
-    })
+    }
     if math.isfinite(decision.slack_s):
-        span.set_attribute("kvrs.slo_slack_s", decision.slack_s)
+        attributes["kvrs.slo_slack_s"] = decision.slack_s
     if outcome.lease is not None:
-        span.set_attribute("kvrs.slot.lease_id", outcome.lease.lease_id)
+        attributes["kvrs.slot.lease_id"] = outcome.lease.lease_id
     if outcome.transfer is not None:
-        span.set_attributes(_transfer_attributes(outcome.transfer))
+        attributes.update(_transfer_attributes(outcome.transfer))
     runner_up = decision.runner_up
     if runner_up is not None:
-        span.set_attributes({
-            "kvrs.runner_up.action": runner_up.action.value,
-            "kvrs.runner_up.instance_id": runner_up.target_id,
-            "kvrs.runner_up.cost_s": runner_up.cost_s,
-        })
-    best: dict[Action, object] = {}
+        attributes["kvrs.runner_up.action"] = runner_up.action.value
+        attributes["kvrs.runner_up.instance_id"] = runner_up.target_id
+        attributes["kvrs.runner_up.cost_s"] = runner_up.cost_s
+    best: dict[Action, OptionCost] = {}
     for option in decision.options:
         current = best.get(option.action)
         if current is None or _better(option, current):
             best[option.action] = option
     for action, option in best.items():
         prefix = f"kvrs.option.{action.value}."
-        span.set_attributes({
-            prefix + "cost_s": option.cost_s,
-            prefix + "target_instance_id": option.target_id,
-            prefix + "wait_s": option.wait_s,
-            prefix + "transfer_s": option.transfer_s,
-            prefix + "compute_s": option.compute_s,
-            prefix + "feasible": option.feasible,
-        })
+        attributes[prefix + "cost_s"] = option.cost_s
+        attributes[prefix + "target_instance_id"] = option.target_id
+        attributes[prefix + "wait_s"] = option.wait_s
+        attributes[prefix + "transfer_s"] = option.transfer_s
+        attributes[prefix + "compute_s"] = option.compute_s
+        attributes[prefix + "feasible"] = option.feasible
         if action is Action.HYBRID:
-            span.set_attribute(prefix + "split_tokens", option.split_tokens)
+            attributes[prefix + "split_tokens"] = option.split_tokens
         if not option.feasible:
-            span.set_attribute(prefix + "infeasible_reason", option.infeasible_reason)
+            attributes[prefix + "infeasible_reason"] = option.infeasible_reason
+    return attributes
 
 
-def _better(option, current) -> bool:
+def _better(option: OptionCost, current: OptionCost) -> bool:
     """Feasible options first, then the cheaper."""
     return (not option.feasible, option.cost_s) < (not current.feasible, current.cost_s)
 
 
-def _annotate_batch(span: Span, outcomes: Sequence[RecoveryOutcome], makespan_s: float) -> None:
+def _batch_attributes(
+    outcomes: Sequence[RecoveryOutcome], makespan_s: float
+) -> dict[str, AttributeValue]:
     counts = {action: 0 for action in Action}
     slot_counts: dict[str, int] = {}
     for outcome in outcomes:
         counts[outcome.decision.action] += 1
         slot_counts[outcome.slot_outcome] = slot_counts.get(outcome.slot_outcome, 0) + 1
-    span.set_attribute("kvrs.batch.makespan_s", makespan_s)
-    for action, count in counts.items():
-        span.set_attribute(f"kvrs.batch.{action.value}", count)
-    span.set_attribute("kvrs.slot.granted", slot_counts.get(SlotOutcome.GRANTED, 0))
-    span.set_attribute("kvrs.slot.exhausted", slot_counts.get(SlotOutcome.EXHAUSTED, 0))
-    span.set_attribute("kvrs.slot.unreachable", slot_counts.get(SlotOutcome.UNREACHABLE, 0))
+    attributes: dict[str, AttributeValue] = {
+        f"kvrs.batch.{action.value}": count for action, count in counts.items()
+    }
+    attributes["kvrs.batch.makespan_s"] = makespan_s
+    attributes["kvrs.slot.granted"] = slot_counts.get(SlotOutcome.GRANTED, 0)
+    attributes["kvrs.slot.exhausted"] = slot_counts.get(SlotOutcome.EXHAUSTED, 0)
+    attributes["kvrs.slot.unreachable"] = slot_counts.get(SlotOutcome.UNREACHABLE, 0)
+    return attributes

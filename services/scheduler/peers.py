@@ -94,6 +94,10 @@ class PeerChannel:
                 await task
 
 
+async def _no_flows() -> dict[tuple[str, str], int]:
+    return {}
+
+
 class GossipSource:
     """Fetches the view from gossip, plus the migrations in flight from the slot broker.
 
@@ -115,6 +119,9 @@ class GossipSource:
     async def fetch(self) -> GossipSnapshot:
         client = self.client
         fetched_at_s = time.time()
+        flows = asyncio.ensure_future(
+            self.slots.pair_flows() if self.slots is not None else _no_flows()
+        )
         try:
             nodes, links = await asyncio.gather(
                 client.list_nodes(include_down=True), client.list_links()
@@ -125,9 +132,12 @@ class GossipSource:
             if isinstance(exc, Unavailable | DeadlineExceeded):
                 raise
             raise Unavailable(f"gossip: {exc}") from exc
-        flows = await self.slots.pair_flows() if self.slots is not None else {}
+        finally:
+            if not flows.done():
+                await asyncio.wait([flows])
         return GossipSnapshot(
-            nodes=tuple(nodes), links=tuple(links), fetched_at_s=fetched_at_s, flows=flows
+            nodes=tuple(nodes), links=tuple(links), fetched_at_s=fetched_at_s,
+            flows=flows.result(),
         )
 
     def _reconnect(self) -> None:
@@ -222,7 +232,7 @@ class SlotBrokerClient:
         """Leases in flight per (src, dst) pair; empty when the broker cannot say."""
         try:
             stats = await self._stats()
-        except (Unavailable, DeadlineExceeded) as exc:
+        except (KvrsError, grpc.aio.AioRpcError) as exc:
             log.debug("no flow counts from the slot broker: %s", exc)
             return {}
         return {
