@@ -1,0 +1,103 @@
+"""Prefix-block LRU caches, with views of what they held at an earlier time.
+
+Telemetry samples instance state every T seconds, so a policy must see the blocks a
+cache held at the last sample, not now. Copying thousands of block ids into a frozenset
+at every sample would dominate the run time, so each cache remembers when each block
+became resident (and, for recently evicted blocks, when it left): `as_of(t)` answers
+membership at time t in O(1) without copying.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+
+class PrefixCache:
+    """LRU set of prefix-block hashes with a capacity in blocks."""
+
+    __slots__ = ("capacity_blocks", "_resident", "_evicted", "_history_s", "hits_tokens",
+                 "lookups_tokens")
+
+    def __init__(self, capacity_blocks: int, history_s: float = 60.0) -> None:
+        self.capacity_blocks = max(0, int(capacity_blocks))
+        self._resident: OrderedDict[int, float] = OrderedDict()   # block -> resident since
+        self._evicted: dict[int, tuple[float, float]] = {}         # block -> (since, until)
+        self._history_s = history_s
+        self.hits_tokens = 0
+        self.lookups_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._resident
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._resident)
+
+    def leading_hits(self, blocks: Sequence[int]) -> int:
+        """How many leading blocks are resident now (stops at the first miss)."""
+        resident = self._resident
+        count = 0
+        for block in blocks:
+            if block not in resident:
+                break
+            count += 1
+        return count
+
+    def insert(self, blocks: Sequence[int], now_s: float) -> None:
+        """Mark `blocks` most recently used, adding the missing ones and evicting the LRU."""
+        if self.capacity_blocks == 0:
+            return
+        resident = self._resident
+        for block in blocks[-self.capacity_blocks:]:
+            if block in resident:
+                resident.move_to_end(block)
+            else:
+                resident[block] = now_s
+        evicted = self._evicted
+        while len(resident) > self.capacity_blocks:
+            block, since_s = resident.popitem(last=False)
+            evicted[block] = (since_s, now_s)
+        if len(evicted) > 4 * self.capacity_blocks + 1024:
+            horizon_s = now_s - self._history_s
+            self._evicted = {b: span for b, span in evicted.items() if span[1] >= horizon_s}
+
+    def as_of(self, time_s: float) -> ResidentView:
+        """A membership view of the blocks resident at `time_s` (within the history)."""
+        return ResidentView(self, time_s)
+
+    def _was_resident(self, block: int, time_s: float) -> bool:
+        since_s = self._resident.get(block)
+        if since_s is not None:
+            if since_s <= time_s:
+                return True
+        span = self._evicted.get(block)
+        return span is not None and span[0] <= time_s < span[1]
+
+
+class ResidentView:
+    """Read-only `in` over a cache's contents at one past instant (what telemetry saw)."""
+
+    __slots__ = ("_cache", "time_s")
+
+    def __init__(self, cache: PrefixCache, time_s: float) -> None:
+        self._cache = cache
+        self.time_s = time_s
+
+    def __contains__(self, block: object) -> bool:
+        return self._cache._was_resident(block, self.time_s)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __iter__(self) -> Iterator[int]:
+        cache = self._cache
+        seen = [b for b in cache._resident if cache._was_resident(b, self.time_s)]
+        seen.extend(b for b in cache._evicted if cache._was_resident(b, self.time_s)
+                    and b not in cache._resident)
+        return iter(seen)
+
+    def __bool__(self) -> bool:
+        return len(self._cache) > 0 or bool(self._cache._evicted)

@@ -1,0 +1,299 @@
+"""NetKV on a 64-GPU four-tier fat-tree: decode placement policies under load and congestion.
+
+Policies (all prefill routing identical, cache-aware): round_robin; cache_load with its
+weights tuned by a grid search on the same trace (the baseline gets the benefit of the
+doubt); netkv, the core's network-aware score fed by link telemetry sampled every
+`telemetry.link_period_s` (bandwidth left by background traffic and KV flow counts, both
+as of the last sample); kvrs, the same score with the same bandwidth samples but the KV
+flows the control plane itself started counted live. Sweeps: load scale × background
+utilisation, context caps, telemetry staleness, and the segregated layout.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from kvrs.sim.experiments.common import (
+    Output,
+    attainment,
+    brief,
+    deep_merge,
+    load_workload,
+    md_table,
+    pct_change,
+    run,
+    sim_config,
+)
+from kvrs.sim.metrics import SloSpec
+
+DEFAULTS: dict[str, Any] = {
+    "workload": {"trace": "shared", "limit": None, "synthetic": {"requests": 4000}},
+    "sim": {"slo": {"ttft_s": 10.0, "tbt_s": 0.1, "mode": "ttft+tbt"},
+            "telemetry": {"state_period_s": 0.1, "link_period_s": 1.0}},
+    "policies": [
+        {"name": "round_robin", "policy": "round_robin"},
+        {"name": "cache_load", "policy": "cache_load"},
+        {"name": "netkv", "policy": "netkv", "network_view": "telemetry"},
+        {"name": "kvrs", "policy": "netkv", "network_view": "live"},
+    ],
+    "tuning": {"cache_weight": [0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6],
+               "load_weight": [0.5, 1.0, 2.0], "rate_scale": 1.0, "background": 0.0},
+    "load_scales": [0.5, 1.0, 1.5, 2.0],
+    "background_levels": [0.0, 0.3, 0.6],
+    "context": {"caps": [8192, 32768, 131072, None], "rate_scale": 1.0, "background": 0.3},
+    "staleness": {"periods_s": [0.0, 0.1, 1.0, 10.0, math.inf], "rate_scale": 2.0,
+                  "background": 0.6, "policies": ["netkv", "kvrs"]},
+    "segregated": {"rate_scales": [1.0, 2.0], "background_levels": [0.3, 0.6]},
+    "ttft_slos_s": [2.0, 5.0, 10.0, 30.0],
+}
+
+
+def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = False) -> dict:
+    p = deep_merge(DEFAULTS, params)
+    out = Output(out_dir, "netkv")
+    workload = load_workload(p["workload"])
+    base = p["sim"]
+    policies = {spec["name"]: dict(spec) for spec in p["policies"]}
+    slos = [float(x) for x in p["ttft_slos_s"]]
+    tbt_slo = float(base.get("slo", {}).get("tbt_s", 0.1))
+
+    def config(rate_bg_layout: dict[str, Any]) -> Any:
+        extra: dict[str, Any] = {"background": {"utilisation": rate_bg_layout["background"]}}
+        if "layout" in rate_bg_layout:
+            extra["cluster"] = {"layout": rate_bg_layout["layout"]}
+        if "link_period_s" in rate_bg_layout:
+            extra["telemetry"] = {"link_period_s": rate_bg_layout["link_period_s"]}
+        return sim_config(deep_merge(base, extra))
+
+    def one(name: str, scenario: dict[str, Any], policy: dict[str, Any]) -> dict[str, Any]:
+        requests = workload.scaled(scenario.get("rate_scale", 1.0), scenario.get("context_cap"))
+        result = run(config(scenario), requests, policy,
+                     label=f"{name} {policy['name']}", show_progress=show_progress)
+        row = brief(result.summary)
+        row["attainment_by_ttft_slo"] = {
+            str(slo): attainment(result.records, SloSpec(ttft_s=slo, tbt_s=tbt_slo))
+            for slo in slos}
+        return row
+
+    # 1. Tune cache_load's weights (grid search, lowest mean TTFT).
+    tuning = p["tuning"]
+    grid = []
+    if "cache_load" in policies and not policies["cache_load"].get("params"):
+        scenario = {"rate_scale": tuning["rate_scale"], "background": tuning["background"]}
+        for cache_weight in tuning["cache_weight"]:
+            for load_weight in tuning["load_weight"]:
+                spec = {"name": "cache_load", "policy": "cache_load",
+                        "params": {"cache_weight": cache_weight, "load_weight": load_weight}}
+                row = one("tune", scenario, spec)
+                grid.append({"cache_weight": cache_weight, "load_weight": load_weight,
+                             "ttft_mean_s": row["ttft_s"]["mean"]})
+        best = min(grid, key=lambda g: (g["ttft_mean_s"], g["cache_weight"], g["load_weight"]))
+        policies["cache_load"]["params"] = {"cache_weight": best["cache_weight"],
+                                            "load_weight": best["load_weight"]}
+
+    def sweep(kind: str, scenarios: list[dict[str, Any]], names: list[str]) -> list[dict]:
+        rows = []
+        for scenario in scenarios:
+            results = {n: one(kind, scenario, policies[n]) for n in names}
+            rows.append({"scenario": scenario, "results": results})
+        return rows
+
+    names = list(policies)
+    load_rows = sweep("load", [{"rate_scale": s, "background": u}
+                               for u in p["background_levels"] for s in p["load_scales"]], names)
+    ctx = p["context"]
+    context_rows = sweep("context", [{"rate_scale": ctx["rate_scale"],
+                                      "background": ctx["background"], "context_cap": cap}
+                                     for cap in ctx["caps"]], names)
+    stale = p["staleness"]
+    stale_names = [n for n in stale["policies"] if n in policies]
+    staleness_rows = sweep("staleness", [{"rate_scale": stale["rate_scale"],
+                                          "background": stale["background"],
+                                          "link_period_s": float(t)}
+                                         for t in stale["periods_s"]], stale_names)
+    seg = p["segregated"]
+    segregated_rows = sweep("segregated", [{"rate_scale": s, "background": u,
+                                            "layout": "segregated"}
+                                           for u in seg["background_levels"]
+                                           for s in seg["rate_scales"]], names)
+
+    data = {
+        "experiment": "netkv",
+        "parameters": p,
+        "effective_config": sim_config(base).to_dict(),
+        "workload": {"source": workload.source, "stats": workload.stats.__dict__},
+        "policies": policies,
+        "cache_load_tuning": grid,
+        "load": load_rows,
+        "context": context_rows,
+        "staleness": staleness_rows,
+        "segregated": segregated_rows,
+        "headline": _headline(load_rows + context_rows + segregated_rows, slos),
+    }
+    out.write_json(data)
+    _figures(out, data, names)
+    out.write_markdown(_markdown(data, names, out))
+    return data
+
+
+def _headline(rows: list[dict], slos: list[float]) -> dict[str, Any]:
+    """Best and typical gains of netkv and kvrs over the baselines, and TBT overheads."""
+    def mean_ttft(row: dict, name: str) -> float:
+        return row["results"][name]["ttft_s"]["mean"] if name in row["results"] else math.nan
+
+    out: dict[str, Any] = {}
+    for ours in ("netkv", "kvrs"):
+        for base in ("round_robin", "cache_load", "netkv"):
+            if ours == base:
+                continue
+            deltas = [pct_change(mean_ttft(r, ours), mean_ttft(r, base)) for r in rows]
+            deltas = [d for d in deltas if not math.isnan(d)]
+            if deltas:
+                out[f"{ours}_vs_{base}_ttft_pct"] = {"best": min(deltas), "worst": max(deltas),
+                                                     "median": sorted(deltas)[len(deltas) // 2]}
+        gains = []
+        for r in rows:
+            for slo in slos:
+                a = r["results"].get(ours, {}).get("attainment_by_ttft_slo", {}).get(str(slo))
+                b = [r["results"][n]["attainment_by_ttft_slo"][str(slo)]
+                     for n in ("round_robin", "cache_load") if n in r["results"]]
+                if a is not None and b:
+                    gains.append(100.0 * (a - max(b)))
+        if gains:
+            out[f"{ours}_attainment_gain_pp_max"] = max(gains)
+        tbt = [abs(r["results"][ours]["tbt_s"]["mean"] - r["results"][n]["tbt_s"]["mean"]) * 1e3
+               for r in rows for n in ("round_robin", "cache_load")
+               if ours in r["results"] and n in r["results"]]
+        if tbt:
+            out[f"{ours}_tbt_delta_ms_max"] = max(tbt)
+    return out
+
+
+def _figures(out: Output, data: dict, names: list[str]) -> None:
+    levels = sorted({r["scenario"]["background"] for r in data["load"]})
+
+    def draw_load(axes: Any) -> None:
+        for ax, level in zip(axes, levels, strict=True):
+            rows = [r for r in data["load"] if r["scenario"]["background"] == level]
+            for name in names:
+                ax.plot([r["scenario"]["rate_scale"] for r in rows],
+                        [r["results"][name]["ttft_s"]["mean"] for r in rows], marker="o",
+                        label=name)
+            ax.set_title(f"background {level:.0%}")
+            ax.set_xlabel("arrival rate scale")
+            ax.set_ylabel("mean TTFT (s)")
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+
+    out.figure("load", draw_load, size=(4.0 * len(levels), 3.6), ncols=len(levels))
+
+    def draw_context(ax: Any) -> None:
+        rows = data["context"]
+        labels = [str(r["scenario"]["context_cap"] or "native") for r in rows]
+        x = range(len(rows))
+        for offset, base in ((-0.2, "round_robin"), (0.2, "cache_load")):
+            ax.bar([i + offset for i in x],
+                   [-pct_change(r["results"]["netkv"]["ttft_s"]["mean"],
+                                r["results"][base]["ttft_s"]["mean"]) for r in rows],
+                   width=0.4, label=f"netkv vs {base}")
+        ax.set_xticks(list(x), labels)
+        ax.set_xlabel("context cap (tokens)")
+        ax.set_ylabel("mean TTFT reduction (%)")
+        ax.legend()
+        ax.grid(alpha=0.3, axis="y")
+
+    if data["context"] and {"netkv", "round_robin", "cache_load"} <= set(names):
+        out.figure("context", draw_context)
+
+    def draw_staleness(ax: Any) -> None:
+        rows = data["staleness"]
+        periods = [r["scenario"]["link_period_s"] for r in rows]
+        finite = [t for t in periods if 0 < t < math.inf]
+        lo, hi = (min(finite) / 10, max(finite) * 10) if finite else (0.01, 100)
+        xs = [lo if t == 0 else hi if t == math.inf else t for t in periods]
+        for name in rows[0]["results"]:
+            ax.plot(xs, [r["results"][name]["ttft_s"]["mean"] for r in rows], marker="o",
+                    label=name)
+        ax.set_xscale("log")
+        ax.set_xticks(xs, ["0" if t == 0 else "∞" if t == math.inf else f"{t:g}"
+                           for t in periods])
+        ax.set_xlabel("link telemetry period T_tel (s)")
+        ax.set_ylabel("mean TTFT (s)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+
+    if data["staleness"]:
+        out.figure("staleness", draw_staleness)
+
+    def draw_attainment(ax: Any) -> None:
+        row = max(data["load"], key=lambda r: (r["scenario"]["background"],
+                                               r["scenario"]["rate_scale"]))
+        for name in names:
+            by = row["results"][name]["attainment_by_ttft_slo"]
+            ax.plot([float(k) for k in by], list(by.values()), marker="o", label=name)
+        ax.set_xlabel("TTFT SLO (s), TBT SLO 100 ms")
+        ax.set_ylabel("SLO attainment")
+        ax.set_title(f"rate ×{row['scenario']['rate_scale']}, "
+                     f"background {row['scenario']['background']:.0%}")
+        ax.legend()
+        ax.grid(alpha=0.3)
+
+    out.figure("attainment", draw_attainment)
+
+
+def _scenario_rows(rows: list[dict], names: list[str], keys: list[str]) -> list[list[Any]]:
+    table = []
+    for r in rows:
+        s = r["scenario"]
+        res = r["results"]
+        line: list[Any] = [s.get(k) if s.get(k) is not None else "native" for k in keys]
+        line += [res[n]["ttft_s"]["mean"] for n in names]
+        if "netkv" in res and "round_robin" in res:
+            line.append(pct_change(res["netkv"]["ttft_s"]["mean"],
+                                   res["round_robin"]["ttft_s"]["mean"]))
+        if "netkv" in res and "cache_load" in res:
+            line.append(pct_change(res["netkv"]["ttft_s"]["mean"],
+                                   res["cache_load"]["ttft_s"]["mean"]))
+        if "kvrs" in res and "netkv" in res:
+            line.append(pct_change(res["kvrs"]["ttft_s"]["mean"], res["netkv"]["ttft_s"]["mean"]))
+        if "netkv" in res and "round_robin" in res:
+            line.append((res["netkv"]["tbt_s"]["mean"] - res["round_robin"]["tbt_s"]["mean"])
+                        * 1e3)
+        table.append(line)
+    return table
+
+
+def _markdown(data: dict, names: list[str], out: Output) -> str:
+    keys_load = ["background", "rate_scale"]
+    extra = ["netkv vs RR %", "netkv vs tuned %", "kvrs vs netkv %", "ΔTBT netkv−RR (ms)"]
+    head = [*keys_load, *[f"{n} TTFT (s)" for n in names], *extra]
+    parts = [
+        "# netkv experiment",
+        f"Workload: {data['workload']['source']} — {data['workload']['stats']['requests']} "
+        f"requests, mean input {data['workload']['stats']['mean_input_tokens']:.0f} / output "
+        f"{data['workload']['stats']['mean_output_tokens']:.0f} tokens.",
+        f"cache_load weights (grid search): {data['policies'].get('cache_load', {}).get('params')}",
+        "## Load × background", md_table(head, _scenario_rows(data["load"], names, keys_load)),
+        "## Context caps",
+        md_table(["cap", *head[2:]], _scenario_rows(data["context"], names, ["context_cap"])),
+        "## Segregated layout",
+        md_table(head, _scenario_rows(data["segregated"], names, keys_load)),
+    ]
+    if data["staleness"]:
+        stale_names = list(data["staleness"][0]["results"])
+        parts += ["## Telemetry staleness",
+                  md_table(["T_tel (s)", *[f"{n} TTFT (s)" for n in stale_names]],
+                           [[r["scenario"]["link_period_s"],
+                             *[r["results"][n]["ttft_s"]["mean"] for n in stale_names]]
+                            for r in data["staleness"]])]
+    parts += ["## Headline", "```", _dump(data["headline"]), "```"]
+    parts += [f"![{f.stem}]({f.name})" for f in out.figures]
+    return "\n\n".join(parts)
+
+
+def _dump(value: Any) -> str:
+    import json
+
+    return json.dumps(value, indent=2, default=str)

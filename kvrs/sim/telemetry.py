@@ -1,0 +1,181 @@
+"""What the control plane knows: instance state and link load, sampled every T seconds.
+
+Policies never read the simulator's live state. They get a `ClusterView` built from the
+last instance sample and a `NetworkModel` fed from the last link sample, so a period of
+T seconds makes every decision see state up to T seconds old; 0 means a fresh sample at
+every decision, infinity means none after the start (links: topology capacity only).
+
+A link sample is what a switch counter gives: each link's capacity left by background
+traffic, which becomes that link's capacity in the control plane's own copy of the
+topology (so `NetworkModel` computes each link's share with its measured capacity), and
+the KV flows on each link. Three network views, chosen per policy:
+- `topology`: tier capacities only (what a static topology-aware router knows);
+- `telemetry`: measured link capacities and KV flow counts, both as of the last sample;
+- `live`: the same measured capacities, but the KV flows the control plane itself
+  started, counted as they start and end (it launched them, so it needs no sample).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from kvrs.cluster import ClusterView, InstanceState
+from kvrs.errors import InvalidArgument
+from kvrs.estimator import StalenessPolicy
+from kvrs.network import NetworkModel
+from kvrs.sim.engine import EventLoop
+from kvrs.sim.flownet import FlowNetwork
+from kvrs.sim.instances import DecodeInstance, PrefillInstance
+from kvrs.topology import Role, Topology
+
+NETWORK_VIEWS = ("topology", "telemetry", "live")
+
+
+@dataclass(frozen=True)
+class TelemetrySpec:
+    """How often the control plane's picture of the cluster is refreshed."""
+
+    state_period_s: float = 0.1      # instance load, memory, prefix blocks (gossip)
+    link_period_s: float = 1.0       # link capacity left by background, KV flow counts
+    stale_after_s: float = 60.0      # staleness bound handed to the network model
+
+    def __post_init__(self) -> None:
+        if self.state_period_s < 0 or self.link_period_s < 0:
+            raise InvalidArgument("telemetry", "periods must be >= 0 (inf: never)")
+
+
+class Telemetry:
+    """Samples instance and link state on the simulator's clock."""
+
+    def __init__(self, spec: TelemetrySpec, loop: EventLoop, topology: Topology,
+                 build_topology: Callable[[], Topology], flows: FlowNetwork,
+                 prefills: Mapping[str, PrefillInstance],
+                 decodes: Mapping[str, DecodeInstance]) -> None:
+        self.spec = spec
+        self.loop = loop
+        self.topology = topology
+        self.flows = flows
+        self.prefills = prefills
+        self.decodes = decodes
+        self.dead: set[str] = set()
+        self.samples = 0
+        self.link_samples = 0
+        self.stopped = False
+        self._view: ClusterView | None = None
+        self._views: dict[str, ClusterView] = {}
+        # The control plane's copy of the topology, whose link capacities are measured.
+        self._measured = build_topology()
+        self._measured_bps: dict = {}
+        self._models: dict[str, NetworkModel] = {}
+        self._flow_sample: dict = {}
+        self._link_sampled_s = -math.inf
+        self._live_version = -1
+
+    # -- sampling ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Take the first samples and schedule the periodic ones."""
+        self._sample_state()
+        if self.spec.link_period_s < math.inf:
+            self._sample_links()
+        for period, sample in ((self.spec.state_period_s, self._periodic_state),
+                               (self.spec.link_period_s, self._periodic_links)):
+            if 0 < period < math.inf:
+                self.loop.after(period, sample)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def _periodic_state(self) -> None:
+        if not self.stopped:
+            self._sample_state()
+            self.loop.after(self.spec.state_period_s, self._periodic_state)
+
+    def _periodic_links(self) -> None:
+        if not self.stopped:
+            self._sample_links()
+            self.loop.after(self.spec.link_period_s, self._periodic_links)
+
+    def mark_dead(self, instance_id: str) -> None:
+        """Failure events reach the control plane at once (they are not sampled)."""
+        self.dead.add(instance_id)
+        self._sample_state()
+
+    def _sample_state(self) -> None:
+        now_s = self.loop.now_s
+        self.samples += 1
+        states: dict[str, InstanceState] = {}
+        for instance_id, p in self.prefills.items():
+            states[instance_id] = InstanceState(
+                instance_id=instance_id, role=Role.PREFILL, wait_s=p.wait_s(now_s),
+                queue_depth=len(p.queue), running_requests=len(p.batch),
+                resident_blocks=p.pool.as_of(now_s),  # type: ignore[arg-type]
+                alive=p.alive and instance_id not in self.dead)
+        for instance_id, d in self.decodes.items():
+            states[instance_id] = InstanceState(
+                instance_id=instance_id, role=Role.DECODE, wait_s=d.wait_s(now_s),
+                queue_depth=len(d.waiting) + len(d.memory_queue),
+                running_requests=len(d.batch), free_kv_tokens=max(0, d.free_kv_tokens),
+                resident_blocks=d.cache.as_of(now_s),  # type: ignore[arg-type]
+                alive=d.alive and instance_id not in self.dead)
+        self._view = ClusterView(instances=states, now_s=now_s)
+        self._views = {}
+
+    def _sample_links(self) -> None:
+        """Read every link's capacity left by background traffic, and the KV flows."""
+        self._link_sampled_s = self.loop.now_s
+        self.link_samples += 1
+        for link_id, link in self.flows.links.items():
+            free_bps = max(1.0, link.free_bps)
+            if self._measured_bps.get(link_id) != free_bps:
+                self._measured_bps[link_id] = free_bps
+                self._measured.set_link_capacity(link_id, free_bps)
+        self._flow_sample = dict(self.flows.launched)
+        telemetry_model = self._models.get("telemetry")
+        if telemetry_model is not None:
+            telemetry_model.set_flows(self._flow_sample)
+
+    def next_state_sample_s(self) -> float:
+        """When the instance view will next change (now, for a period of 0)."""
+        if self._view is None or not 0 < self.spec.state_period_s < math.inf:
+            return self.loop.now_s
+        return self._view.now_s + self.spec.state_period_s
+
+    # -- what decisions see --------------------------------------------------------------
+
+    def view(self, network_view: str = "") -> ClusterView:
+        """The cluster as of the last instance sample (fresh when the period is 0).
+
+        Decisions cache path terms on a view's instance lists, keyed by the network
+        model's version number only; two network models can share a version number, so
+        each network view gets a view object of its own.
+        """
+        if self.spec.state_period_s == 0 or self._view is None:
+            self._sample_state()
+        assert self._view is not None
+        view = self._views.get(network_view)
+        if view is None:
+            view = self._views[network_view] = ClusterView(
+                instances=self._view.instances, now_s=self._view.now_s)
+        return view
+
+    def network(self, kind: str) -> NetworkModel:
+        """The network model of `kind` as of now (see the module docstring)."""
+        if kind not in NETWORK_VIEWS:
+            raise InvalidArgument("network_view", f"one of {NETWORK_VIEWS}, not {kind!r}")
+        model = self._models.get(kind)
+        if model is None:
+            topology = self.topology if kind == "topology" else self._measured
+            model = self._models[kind] = NetworkModel(
+                topology, StalenessPolicy(self.spec.stale_after_s))
+            if kind == "telemetry":
+                model.set_flows(self._flow_sample)
+        if kind != "topology" and self.spec.link_period_s == 0 \
+                and self._link_sampled_s < self.loop.now_s:
+            self._sample_links()
+        if kind == "live" and self._live_version != self.flows.counts_version:
+            self._live_version = self.flows.counts_version
+            model.set_flows(self.flows.launched)
+        return model
