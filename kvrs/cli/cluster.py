@@ -231,14 +231,15 @@ def _render(report: dict[str, Any]) -> str:
         parts.append(f"  unavailable: {report['gossip_error']}")
     else:
         rows = [
-            [n["instance_id"], n["role"], n["address"], n["state"], f"{n['age_s']:.2f}",
+            [n["instance_id"], n["role"], n["address"], n["node"], n["state"],
+             f"{n['age_s']:.2f}",
              str(n["queue_depth"]), f"{n['queued_work_s']:.3f}", str(n["running_requests"]),
              f"{n['free_kv_blocks']}/{n['kv_capacity_blocks']}"]
             for n in report["instances"]
         ]
         parts.append(_table(
-            ["ID", "ROLE", "ADDRESS", "STATE", "AGE_S", "QUEUE", "QUEUED_WORK_S", "RUNNING",
-             "FREE_KV_BLOCKS"],
+            ["ID", "ROLE", "ADDRESS", "NODE", "STATE", "AGE_S", "QUEUE", "QUEUED_WORK_S",
+             "RUNNING", "FREE_KV_BLOCKS"],
             rows, empty="  (no instances registered)",
         ))
         parts.append("\nlinks (measured by the prober)")
