@@ -16,13 +16,16 @@ from kvrs.network import NetworkModel, PathTable
 if TYPE_CHECKING:
     import numpy as np
 
+    from kvrs._pathmatrix import PathMatrix
+
 _HOLDERS_CACHE_MAX = 4096
 
 
 class Fan:
     """Path terms from one source instance to every instance of a list."""
 
-    __slots__ = ("table", "bps", "rtt", "inv_bps", "rtt_wait", "_arrays")
+    __slots__ = ("table", "bps", "rtt", "inv_bps", "rtt_wait", "min_rtt", "min_inv_bps",
+                 "_arrays")
 
     def __init__(self, table: PathTable, wait: list[float]) -> None:
         self.table = table
@@ -30,6 +33,9 @@ class Fan:
         self.rtt = table.rtt_s
         self.inv_bps = [1.0 / bps for bps in table.bandwidth_bps]
         self.rtt_wait = [r + w for r, w in zip(self.rtt, wait, strict=True)]
+        # Bounds for pruning: no transfer from this source beats min_rtt + bits · min_inv_bps.
+        self.min_rtt = min(self.rtt, default=0.0)
+        self.min_inv_bps = min(self.inv_bps, default=0.0)
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -46,7 +52,8 @@ class Columns:
     """The fields decisions read from a list of instances, read once per list."""
 
     __slots__ = ("states", "ids", "wait", "running", "load", "free", "min_free",
-                 "has_resident", "_arrays", "_holders", "_fans", "_by_wait")
+                 "has_resident", "_arrays", "_holders", "_masks", "_fans", "_by_wait", "_index",
+                 "_matrix")
 
     def __init__(self, states: Sequence[InstanceState]) -> None:
         self.states = states
@@ -59,8 +66,11 @@ class Columns:
         self.has_resident = any(s.resident_blocks for s in states)
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
         self._holders: dict[int, frozenset[int]] = {}
+        self._masks: dict[int, np.ndarray] = {}
         self._fans: dict[str, Fan] = {}
         self._by_wait: list[int] | None = None
+        self._index: dict[str, int] | None = None
+        self._matrix: tuple[Columns, PathMatrix] | None = None
 
     @classmethod
     def of(cls, states: Sequence[InstanceState]) -> Columns:
@@ -87,6 +97,21 @@ class Columns:
             fan = self._fans[src_id] = Fan(network.fan_out(src_id, self.ids, now_s), self.wait)
         return fan
 
+    def matrix(self, network: NetworkModel, sources: Columns, now_s: float) -> PathMatrix:
+        """Paths from every instance of `sources` to every instance here (one cached)."""
+        from kvrs._pathmatrix import PathMatrix  # numpy; only batch planning needs it
+
+        cached = self._matrix
+        if cached is None or cached[0] is not sources or not cached[1].valid(network, now_s):
+            cached = self._matrix = (sources, PathMatrix(network, sources.ids, self.ids, now_s))
+        return cached[1]
+
+    def index(self, instance_id: str) -> int | None:
+        """Position of `instance_id` in the list, None when absent."""
+        if self._index is None:
+            self._index = {instance_id: i for i, instance_id in enumerate(self.ids)}
+        return self._index.get(instance_id)
+
     def by_wait(self) -> list[int]:
         """Indices ordered by wait, then id."""
         if self._by_wait is None:
@@ -102,6 +127,36 @@ class Columns:
             found = self._holders[block_hash] = frozenset(
                 i for i, s in enumerate(self.states) if block_hash in s.resident_blocks)
         return found
+
+    def holder_mask(self, block_hash: int) -> np.ndarray:
+        """A boolean array: which instances hold one prefix block."""
+        found = self._masks.get(block_hash)
+        if found is None:
+            import numpy as np
+
+            if len(self._masks) >= _HOLDERS_CACHE_MAX:
+                self._masks.clear()
+            found = self._masks[block_hash] = np.fromiter(
+                (block_hash in s.resident_blocks for s in self.states), dtype=bool,
+                count=len(self.states))
+        return found
+
+    def hit_array(self, prefix_hashes: Sequence[int], prompt_tokens: int,
+                  block_tokens: int) -> np.ndarray | None:
+        """Prefix-hit tokens of every instance as an array; None when nobody has a hit."""
+        if not prefix_hashes or not self.has_resident:
+            return None
+        holding = None
+        blocks = None
+        for block_hash in prefix_hashes[:-(-prompt_tokens // block_tokens)]:
+            mask = self.holder_mask(block_hash)
+            holding = mask if holding is None else holding & mask
+            if not holding.any():
+                break
+            blocks = holding.astype(int) if blocks is None else blocks + holding
+        if blocks is None:
+            return None
+        return (blocks * block_tokens).clip(max=prompt_tokens)
 
     def hits(self, prefix_hashes: Sequence[int], prompt_tokens: int,
              block_tokens: int) -> dict[int, int]:

@@ -12,9 +12,10 @@ final flow counts, so no two transfers are promised the same link at full speed.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from kvrs._pathmatrix import FlowPlan
 from kvrs.cluster import ClusterView
 from kvrs.costmodel import CostModel
 from kvrs.errors import InvalidArgument
@@ -43,7 +44,7 @@ def plan_batch(
     if migration_slots_free < 0:
         raise InvalidArgument("migration_slots_free", f"must be >= 0, got {migration_slots_free}")
     topology = cost.network.topology
-    flows: dict[LinkId, int] = {}
+    flows = FlowPlan()
     extra_wait: dict[str, float] = {}
     slots_left = migration_slots_free
     decisions: dict[int, RecoveryDecision] = {}
@@ -67,8 +68,7 @@ def plan_batch(
         if chosen.transfer_s > 0.0:
             path = topology.path_links(decision.source_id, decision.target_id)
             paths[index] = path
-            for link in path:
-                flows[link] = flows.get(link, 0) + 1
+            flows.add_path(path)
     final = tuple(_recost(decisions[i], paths.get(i, ()), requests[i], cost, now_s, flows)
                   for i in range(len(requests)))
     makespan = max((d.cost_s for d in final if d.action is not Action.ABORT), default=0.0)
@@ -93,7 +93,7 @@ def _chosen_option(decision: RecoveryDecision) -> OptionCost:
 
 def _recost(
     decision: RecoveryDecision, path: tuple[LinkId, ...], request: RecoveryRequest,
-    cost: CostModel, now_s: float, flows: dict[LinkId, int],
+    cost: CostModel, now_s: float, flows: Mapping[LinkId, int],
 ) -> RecoveryDecision:
     """The decision with its transfer re-costed under every flow of the final plan."""
     if not path:

@@ -19,7 +19,7 @@ from kvrs.estimator import LinkEstimate, StalenessPolicy
 from kvrs.topology import LinkId, Tier, Topology
 from kvrs.units import BITS_PER_BYTE
 
-__all__ = ["DEFAULT_STALENESS", "NetworkModel", "PathTable", "TransferEstimate"]
+__all__ = ["DEFAULT_STALENESS", "NetworkModel", "PathTable", "PathTerms", "TransferEstimate"]
 
 DEFAULT_STALENESS = StalenessPolicy()
 
@@ -66,11 +66,12 @@ class PathTable:
         return self.version == network.version and self.lo_s < now_s <= self.hi_s
 
 
-class _Path:
-    """Everything about one (src, dst) path that does not depend on extra flows.
+class PathTerms:
+    """Everything about one (src, dst) path that does not depend on extra flows (read-only).
 
-    Valid while the model's inputs are unchanged and `lo_s < now_s <= hi_s` (the
-    interval in which the measurement keeps its fresh/stale status).
+    `bps` is the share of the bottleneck with the known flows; `measured_bps` the fresh
+    measurement (0 when none is used). Valid while the model's inputs are unchanged and
+    `lo_s < now_s <= hi_s` (the interval in which the measurement keeps its status).
     """
 
     __slots__ = ("links", "caps", "known", "tier", "rtt_s", "measured_bps", "estimate",
@@ -99,7 +100,7 @@ class NetworkModel:
         self.staleness = staleness
         self._estimates: dict[tuple[str, str], LinkEstimate] = {}
         self._flows: dict[LinkId, int] = {}
-        self._paths: dict[tuple[str, str], _Path] = {}
+        self._paths: dict[tuple[str, str], PathTerms] = {}
         self._inputs_version = 0
         self._topology_version = topology.version
 
@@ -145,6 +146,10 @@ class NetworkModel:
         if not extra_flows or not path.links:
             return path.bps, path.rtt_s
         return _share(path, extra_flows)[0], path.rtt_s
+
+    def path_terms(self, src_id: str, dst_id: str, now_s: float) -> PathTerms:
+        """The cached terms of one path (links, capacities, known flows, RTT, measurement)."""
+        return self._path(src_id, dst_id, now_s)
 
     def fan_out(self, src_id: str, dst_ids: Sequence[str], now_s: float) -> PathTable:
         """The paths from `src_id` to each of `dst_ids` (known flows, no extra ones)."""
@@ -199,7 +204,7 @@ class NetworkModel:
             telemetry_stale=path.stale, flows_on_path=flows if link is not None else 0,
         )
 
-    def _path(self, src_id: str, dst_id: str, now_s: float) -> _Path:
+    def _path(self, src_id: str, dst_id: str, now_s: float) -> PathTerms:
         if self.topology.version != self._topology_version:
             self._paths.clear()
             self._topology_version = self.topology.version
@@ -209,9 +214,9 @@ class NetworkModel:
             path = self._paths[key] = self._build_path(src_id, dst_id, now_s)
         return path
 
-    def _build_path(self, src_id: str, dst_id: str, now_s: float) -> _Path:
+    def _build_path(self, src_id: str, dst_id: str, now_s: float) -> PathTerms:
         topology = self.topology
-        path = _Path()
+        path = PathTerms()
         path.tier = topology.tier(src_id, dst_id)
         path.links = topology.path_links(src_id, dst_id)
         path.caps = tuple(topology.link_capacity_bps(link) for link in path.links)
@@ -235,7 +240,7 @@ class NetworkModel:
         return path
 
 
-def _share(path: _Path, extra_flows: Mapping[LinkId, int] | None) -> tuple[float, LinkId, int]:
+def _share(path: PathTerms, extra_flows: Mapping[LinkId, int] | None) -> tuple[float, LinkId, int]:
     """(bandwidth share, bottleneck link, flows on it) of a path with `extra_flows` added."""
     links = path.links
     if extra_flows:

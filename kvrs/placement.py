@@ -115,12 +115,16 @@ class PlacementPolicy(Protocol):
 
 
 def _netkv_scores(
-    columns: _Columns, fan: _Fan, hits: dict[int, int], prompt_tokens: int, cost: CostModel,
+    columns: _Columns, fan: _Fan, hits: dict[int, int] | np.ndarray | None, prompt_tokens: int,
+    cost: CostModel,
 ) -> list[float] | np.ndarray:
-    """T_x + W of every candidate; infinity where the KV does not fit."""
+    """T_x + W of every candidate; infinity where the KV does not fit.
+
+    `hits` is a dict (index → tokens) for list passes, an array (or None) for numpy.
+    """
     bits_per_token = cost.kv_bits_per_token
     bits = bits_per_token * prompt_tokens
-    if len(columns.ids) < NUMPY_MIN_CANDIDATES:
+    if isinstance(hits, dict):
         if prompt_tokens == 0:
             scores = list(columns.wait)
         else:
@@ -136,17 +140,16 @@ def _netkv_scores(
         return scores
     wait, free = columns.arrays()
     rtt, inv_bps, rtt_wait = fan.arrays()
-    scores = rtt_wait + bits * inv_bps if prompt_tokens else wait.copy()
-    if hits:
-        index = np.fromiter(hits, dtype=np.intp, count=len(hits))
-        need = prompt_tokens - np.fromiter(hits.values(), dtype=np.float64, count=len(hits))
-        moved = np.where(need > 0, rtt[index] + bits_per_token * need * inv_bps[index], 0.0)
-        scores[index] = wait[index] + moved
+    if hits is None:
+        scores = rtt_wait + bits * inv_bps if prompt_tokens else wait.copy()
+        if columns.min_free < prompt_tokens:
+            scores[free < prompt_tokens] = _INF
+        return scores
+    need = prompt_tokens - hits
+    scores = np.where(need > 0, rtt + (bits_per_token * need) * inv_bps, 0.0)
+    scores += wait
     if columns.min_free < prompt_tokens:
-        need_all = np.full(len(columns.ids), float(prompt_tokens))
-        if hits:
-            need_all[index] = need
-        scores[free < need_all] = _INF
+        scores[free < need] = _INF
     return scores
 
 
@@ -207,15 +210,39 @@ class _Decision:
         self.now_s = now_s
         self.columns = _Columns.of(candidates)
         self.fan = self.columns.fan(cost.network, request.prefill_id, now_s)
-        self.hits = self.columns.hits(request.prefix_hashes, request.prompt_tokens,
-                                      cost.model.block_tokens)
+        block_tokens = cost.model.block_tokens
+        self.hits: dict[int, int] | np.ndarray | None
+        if len(self.columns.ids) >= NUMPY_MIN_CANDIDATES:
+            self.hits = self.columns.hit_array(request.prefix_hashes, request.prompt_tokens,
+                                               block_tokens)
+        else:
+            self.hits = self.columns.hits(request.prefix_hashes, request.prompt_tokens,
+                                          block_tokens)
+
+    def hit(self, i: int) -> int:
+        """Prefix-hit tokens of candidate `i`."""
+        hits = self.hits
+        if hits is None:
+            return 0
+        if isinstance(hits, dict):
+            return hits.get(i, 0)
+        return int(hits[i])
+
+    def hit_items(self) -> list[tuple[int, int]]:
+        """(index, tokens) of every candidate with a prefix hit."""
+        hits = self.hits
+        if hits is None:
+            return []
+        if isinstance(hits, dict):
+            return list(hits.items())
+        return [(int(i), int(hits[i])) for i in np.flatnonzero(hits)]
 
     def netkv_scores(self) -> list[float] | np.ndarray:
         return _netkv_scores(self.columns, self.fan, self.hits, self.request.prompt_tokens,
                              self.cost)
 
     def fits(self, i: int) -> bool:
-        return self.columns.free[i] >= self.request.prompt_tokens - self.hits.get(i, 0)
+        return self.columns.free[i] >= self.request.prompt_tokens - self.hit(i)
 
     def tier_key(self, i: int) -> tuple[Tier, int, str]:
         return self.fan.table.tiers[i], self.columns.running[i], self.columns.ids[i]
@@ -230,17 +257,18 @@ class _Decision:
 
     def score(self, i: int) -> CandidateScore:
         """The netkv terms of candidate `i`."""
-        need = self.request.prompt_tokens - self.hits.get(i, 0)
+        hit = self.hit(i)
+        need = self.request.prompt_tokens - hit
         fan = self.fan
         transfer_s = (fan.rtt[i] + self.cost.kv_bits_per_token * need * fan.inv_bps[i]
                       if need else 0.0)
         wait_s = self.columns.wait[i]
-        return CandidateScore(self.columns.ids[i], transfer_s + wait_s, transfer_s, wait_s,
-                              self.hits.get(i, 0), fan.table.tiers[i])
+        return CandidateScore(self.columns.ids[i], transfer_s + wait_s, transfer_s, wait_s, hit,
+                              fan.table.tiers[i])
 
     def placement(self, policy: str, best: int, runner: int | None) -> Placement:
         request, columns = self.request, self.columns
-        hit = self.hits.get(best, 0)
+        hit = self.hit(best)
         kv_bytes = (request.prompt_tokens - hit) * self.cost.kv_bytes_per_token
         transfer = self.cost.network.transfer(request.prefill_id, columns.ids[best], kv_bytes,
                                               self.now_s)
@@ -296,11 +324,11 @@ class CacheLoad:
     def select(self, request: PlacementRequest, candidates: Sequence[InstanceState],
                cost: CostModel, now_s: float) -> Placement:
         decision = _Decision(request, candidates, cost, now_s)
-        columns, hits = decision.columns, decision.hits
+        columns = decision.columns
         prompt_tokens = request.prompt_tokens
         cache_w, load_w = self.cache_weight, self.load_weight
         scores = [cache_w + load_w * w for w in columns.wait]
-        for i, hit in hits.items():
+        for i, hit in decision.hit_items():
             scores[i] = cache_w * (1.0 - hit / prompt_tokens) + load_w * columns.wait[i]
         if columns.min_free < prompt_tokens:
             for i in range(len(scores)):

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvrs._columns import Columns
 from kvrs.cluster import ClusterView
@@ -44,6 +44,9 @@ __all__ = [
     "hybrid_split",
     "make_recovery_policy",
 ]
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _INF = math.inf
 _T = TypeVar("_T")
@@ -164,10 +167,10 @@ def _split(profile: ComputeProfile, prompt_tokens: int, bits_per_token: float, b
     """
     if prompt_tokens == 0:
         return 0, 0.0
-    prefill_s = profile.prefill_s
     # k = 0 is MIGRATE: computed with MIGRATE's arithmetic, so it costs exactly the same.
     best_k, best_s = 0, rtt_s + bits_per_token * prompt_tokens / bps
     if profile.table:
+        prefill_s = profile.prefill_s
         lo, hi = 0, prompt_tokens  # invariant: T_pf(hi) >= T_x(hi) (T_x(L) = 0)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -175,27 +178,35 @@ def _split(profile: ComputeProfile, prompt_tokens: int, bits_per_token: float, b
                 hi = mid
             else:
                 lo = mid + 1
-        candidates: tuple[int, ...] = (hi - 1, hi) if hi > 1 else (hi,)
+        for k in (hi - 1, hi):
+            if k > 0:
+                moved_s = (rtt_s + bits_per_token * (prompt_tokens - k) / bps
+                           if k < prompt_tokens else 0.0)
+                term = max(prefill_s(k), moved_s)
+                if term < best_s:
+                    best_k, best_s = k, term
+        return best_k, best_s
+    # a + b·k + c·k² = rtt + s·(L − k) for k ≥ 1 (T_pf(0) = 0 sits below the curve).
+    a, b, c = profile.a_s, profile.b_s_per_token, profile.c_s_per_token2
+    seconds_per_token = bits_per_token / bps
+    slope = b + seconds_per_token
+    constant = a - rtt_s - seconds_per_token * prompt_tokens
+    if constant >= 0.0:
+        return best_k, best_s
+    if c > 0.0:
+        root = (math.sqrt(slope * slope - 4.0 * c * constant) - slope) / (2.0 * c)
     else:
-        # a + b·k + c·k² = rtt + s·(L − k) for k ≥ 1 (T_pf(0) = 0 sits below the curve).
-        seconds_per_token = bits_per_token / bps
-        a, b, c = profile.a_s, profile.b_s_per_token + seconds_per_token, profile.c_s_per_token2
-        constant = a - rtt_s - seconds_per_token * prompt_tokens
-        if constant >= 0.0:
-            return best_k, best_s
-        if c > 0.0:
-            root = (-b + math.sqrt(b * b - 4.0 * c * constant)) / (2.0 * c)
-        else:
-            root = -constant / b
-        k = min(int(root), prompt_tokens)
-        candidates = (k, k + 1) if k < prompt_tokens else (k,)
-    for k in candidates:
-        if k <= 0:
-            continue
-        moved_s = rtt_s + bits_per_token * (prompt_tokens - k) / bps if k < prompt_tokens else 0.0
-        term = max(prefill_s(k), moved_s)
-        if term < best_s:
-            best_k, best_s = k, term
+        root = -constant / slope
+    below = int(root)
+    for k in (below, below + 1):
+        if 0 < k <= prompt_tokens:
+            # The fit exactly as ComputeProfile.prefill_s evaluates it.
+            prefill_s = a + k * (b + k * c)
+            moved_s = (rtt_s + bits_per_token * (prompt_tokens - k) / bps
+                       if k < prompt_tokens else 0.0)
+            term = prefill_s if prefill_s > moved_s else moved_s
+            if term < best_s:
+                best_k, best_s = k, term
     return best_k, best_s
 
 
@@ -217,10 +228,15 @@ _Raw = tuple[float, str, str, float, float, float, int]
 
 
 class _Options:
-    """The best option per action for one request, evaluated once for every policy."""
+    """The best option per action for one request, evaluated once for every policy.
+
+    Without extra flows, path terms come from per-list caches (one pass over flat
+    lists). With the flows of a batch plan, every (prefill, decode) pair is priced at
+    once from a `PathMatrix`, shared by the MIGRATE, HYBRID and RECOMPUTE searches.
+    """
 
     __slots__ = ("request", "view", "cost", "now_s", "extra_flows", "extra_wait", "decode",
-                 "targets", "migrate_block", "memory_block", "ext_s")
+                 "prefill", "targets", "migrate_block", "memory_block", "ext_s", "_priced")
 
     def __init__(self, request: RecoveryRequest, view: ClusterView, cost: CostModel,
                  now_s: float, slot_free: bool, extra_flows: Mapping[LinkId, int] | None,
@@ -233,6 +249,7 @@ class _Options:
             raise FailedPrecondition("no alive decode instance to recover to",
                                      field="decode_instances")
         self.decode = Columns.of(decode)
+        self.prefill = Columns.of(view.prefill_instances(request.exclude_ids))
         need = request.prompt_tokens + request.generated_tokens
         free = self.decode.free
         self.targets: Sequence[int] = (
@@ -248,6 +265,7 @@ class _Options:
         else:
             self.migrate_block = self.memory_block
         self.ext_s = cost.extend_s(request.prompt_tokens, request.generated_tokens)
+        self._priced: tuple[np.ndarray, np.ndarray] | None = None
 
     def waits(self, columns: Columns) -> list[float]:
         """W(x) of every instance of `columns`, raised by the work a plan assigned."""
@@ -256,19 +274,35 @@ class _Options:
             return columns.wait
         return [w + extra.get(i, 0.0) for w, i in zip(columns.wait, columns.ids, strict=True)]
 
-    def rates(self, src_id: str) -> tuple[Sequence[float], Sequence[float]]:
-        """(bandwidth_bps, rtt_s) from `src_id` to every decode instance."""
+    def priced(self) -> tuple[np.ndarray, np.ndarray]:
+        """(bandwidth_bps, rtt_s) of every prefill → decode pair under the extra flows."""
+        if self._priced is None:
+            matrix = self.decode.matrix(self.cost.network, self.prefill, self.now_s)
+            self._priced = (matrix.bandwidth_bps(self.extra_flows), matrix.rtt_s)
+        return self._priced
+
+    def rates_from(self, src_id: str) -> tuple[Sequence[float], Sequence[float]]:
+        """Exact (bandwidth_bps, rtt_s) from `src_id` to every decode instance."""
+        network = self.cost.network
         if self.extra_flows is None:
-            fan = self.decode.fan(self.cost.network, src_id, self.now_s)
+            fan = self.decode.fan(network, src_id, self.now_s)
             return fan.bps, fan.rtt
-        rate = self.cost.network.rate_and_rtt
-        now_s, flows = self.now_s, self.extra_flows
-        pairs = [rate(src_id, dst_id, now_s, flows) for dst_id in self.decode.ids]
+        row = self.prefill.index(src_id)
+        if row is not None:
+            bps, rtt = self.priced()
+            return bps[row].tolist(), rtt[row].tolist()
+        pairs = [network.rate_and_rtt(src_id, dst_id, self.now_s, self.extra_flows)
+                 for dst_id in self.decode.ids]
         return [bps for bps, _ in pairs], [rtt for _, rtt in pairs]
 
     def migrate_and_hybrid(self, with_hybrid: bool,
                            targets: Sequence[int] | None = None) -> tuple[_Raw | None, _Raw | None]:
-        """Cheapest MIGRATE and HYBRID over the targets (None when none is computable)."""
+        """Cheapest MIGRATE and HYBRID over the targets (None when none is computable).
+
+        W(d) + T_ext bounds both options from below; with a fitted profile, so does the
+        crossing of the split's two terms with T_pf linearised (c ≥ 0 dropped), so most
+        targets are dismissed before their split is searched.
+        """
         request, cost = self.request, self.cost
         targets = self.targets if targets is None else targets
         if not targets or not request.source_kv_available:
@@ -277,70 +311,99 @@ class _Options:
         prompt_tokens = request.prompt_tokens
         bits_per_token = cost.kv_bits_per_token
         ext_s, ids, waits = self.ext_s, self.decode.ids, self.waits(self.decode)
-        bandwidths, rtts = self.rates(source)
+        bandwidths, rtts = self.rates_from(source)
+        bounded = with_hybrid and not cost.compute.table
+        a_s, b_s = cost.compute.a_s, cost.compute.b_s_per_token
         best_m: _Raw | None = None
         best_h: _Raw | None = None
         splits: dict[tuple[float, float], tuple[int, float]] = {}
+
+        def split(bps: float, rtt_s: float) -> tuple[int, float]:
+            found = splits.get((bps, rtt_s))
+            if found is None:
+                found = splits[(bps, rtt_s)] = _split(cost.compute, prompt_tokens,
+                                                      bits_per_token, bps, rtt_s)
+            return found
+
         for i in targets:
-            wait = waits[i]
-            if best_m is not None and wait + ext_s >= best_m[0] and (
-                    best_h is None or wait + ext_s >= best_h[0]):
+            floor = waits[i] + ext_s
+            if best_m is not None and floor >= best_m[0] and (
+                    best_h is None or floor >= best_h[0]):
                 continue
             bps, rtt_s = bandwidths[i], rtts[i]
             transfer = rtt_s + bits_per_token * prompt_tokens / bps if prompt_tokens else 0.0
-            total = wait + transfer + ext_s
+            total = floor + transfer
             if best_m is None or total < best_m[0]:
-                best_m = (total, ids[i], source, wait, transfer, ext_s, 0)
-            if with_hybrid:
-                split = splits.get((bps, rtt_s))
-                if split is None:
-                    split = splits[(bps, rtt_s)] = _split(cost.compute, prompt_tokens,
-                                                          bits_per_token, bps, rtt_s)
-                k, term = split
-                total = wait + term + ext_s
-                if best_h is None or total < best_h[0]:
-                    moved = (rtt_s + bits_per_token * (prompt_tokens - k) / bps
-                             if k < prompt_tokens else 0.0)
-                    best_h = (total, ids[i], source, wait, moved, cost.prefill_s(k) + ext_s, k)
+                best_m = (total, ids[i], source, waits[i], transfer, ext_s, 0)
+            if not with_hybrid:
+                continue
+            if bounded and best_h is not None:
+                # max(a + b·k, rtt + s·(L − k)) is smallest where the two lines cross.
+                per_token_s = bits_per_token / bps
+                crossing = ((a_s * per_token_s + b_s * (rtt_s + per_token_s * prompt_tokens))
+                            / (b_s + per_token_s))
+                # k = 0 costs the transfer; k = L at least a + b·L.
+                if floor + min(crossing, transfer, a_s + b_s * prompt_tokens) >= best_h[0]:
+                    continue
+            k, term = split(bps, rtt_s)
+            total = floor + term
+            if best_h is None or total < best_h[0]:
+                moved = (rtt_s + bits_per_token * (prompt_tokens - k) / bps
+                         if k < prompt_tokens else 0.0)
+                best_h = (total, ids[i], source, waits[i], moved, cost.prefill_s(k) + ext_s, k)
         return best_m, best_h
 
     def recompute(self, targets: Sequence[int] | None = None,
                   only_prefill: int | None = None) -> _Raw | None:
-        """Cheapest RECOMPUTE over (prefill, target) pairs; None without either.
-
-        Prefill instances are tried in order of their wait, and the search stops once
-        W(p') + T_pf alone exceeds the best found: no transfer can make up for it.
-        """
+        """Cheapest RECOMPUTE over (prefill, target) pairs; None without either."""
         request, cost = self.request, self.cost
         targets = self.targets if targets is None else targets
-        prefills = self.view.prefill_instances(request.exclude_ids)
-        if not targets or not prefills:
+        columns = self.prefill
+        if not targets or not columns.ids:
             return None
-        columns = Columns.of(prefills)
         waits = self.waits(columns)
-        if only_prefill is not None:
-            order: Sequence[int] = (only_prefill,)
-        elif self.extra_wait is None:
-            order = columns.by_wait()
-        else:
-            order = sorted(range(len(waits)), key=lambda i: (waits[i], columns.ids[i]))
         tokens = request.prompt_tokens + request.generated_tokens
         prefill_s = cost.prefill_s(tokens)
         bits = cost.kv_bits_per_token * tokens
-        ids = self.decode.ids
+        if self.extra_flows is not None and tokens:
+            return self._recompute_priced(targets, only_prefill, waits, prefill_s, bits)
+        order = columns.by_wait() if only_prefill is None else (only_prefill,)
+        ids, network, now_s = self.decode.ids, cost.network, self.now_s
         best: _Raw | None = None
         for p in order:
-            wait = waits[p]
-            if best is not None and wait + prefill_s >= best[0]:
+            # Prefill instances come in order of reported wait (a plan only adds to it):
+            # once W(p') + T_pf alone loses, no later one can win.
+            if best is not None and columns.wait[p] + prefill_s >= best[0]:
                 break
-            prefill_id = columns.ids[p]
-            bandwidths, rtts = self.rates(prefill_id)
+            base = waits[p] + prefill_s
+            fan = self.decode.fan(network, columns.ids[p], now_s)
+            if best is not None and base + fan.min_rtt + bits * fan.min_inv_bps >= best[0]:
+                continue
             for i in targets:
-                transfer = rtts[i] + bits / bandwidths[i] if tokens else 0.0
-                total = wait + prefill_s + transfer
-                if best is None or total < best[0]:
-                    best = (total, ids[i], prefill_id, wait, transfer, prefill_s, 0)
+                transfer = fan.rtt[i] + bits / fan.bps[i] if tokens else 0.0
+                if best is None or base + transfer < best[0]:
+                    best = (base + transfer, ids[i], columns.ids[p], waits[p], transfer,
+                            prefill_s, 0)
         return best
+
+    def _recompute_priced(self, targets: Sequence[int], only_prefill: int | None,
+                          waits: list[float], prefill_s: float, bits: float) -> _Raw:
+        import numpy as np
+
+        bps, rtt = self.priced()
+        transfer = rtt + bits / bps
+        total = transfer + (np.array(waits) + prefill_s)[:, None]
+        if not isinstance(targets, range):
+            excluded = np.ones(total.shape[1], dtype=bool)
+            excluded[list(targets)] = False
+            total[:, excluded] = _INF
+        if only_prefill is not None:
+            p = only_prefill
+            i = int(total[p].argmin())
+        else:
+            p, i = divmod(int(total.argmin()), total.shape[1])
+        return (float(total[p, i]), self.decode.ids[i], self.prefill.ids[p], waits[p],
+                float(transfer[p, i]), prefill_s, 0)
 
     def option(self, action: Action, raw: _Raw | None, block: str) -> OptionCost:
         """The OptionCost of a raw option; infeasible with `block` as reason when set."""
@@ -445,8 +508,7 @@ class Rom:
         migrate, _ = ctx.migrate_and_hybrid(with_hybrid=False, targets=(target,))
         recompute = None
         if prefills:
-            recompute = ctx.recompute(targets=(target,),
-                                      only_prefill=Columns.of(prefills).by_wait()[0])
+            recompute = ctx.recompute(targets=(target,), only_prefill=ctx.prefill.by_wait()[0])
         block = ctx.migrate_block
         options = (ctx.option(Action.MIGRATE, migrate, block),
                    ctx.option(Action.RECOMPUTE, recompute, "" if prefills else

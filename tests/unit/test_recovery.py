@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -277,3 +278,45 @@ def test_bad_inputs_name_the_field() -> None:
                       view_of(), cost, 0.0)
     with pytest.raises(InvalidArgument):
         hybrid_split(cost, "p0", "d1", -1, 0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    model=st.sampled_from(["opt-13b", "tiny"]),
+    prompt_tokens=st.integers(1, 20_000),
+    planned=st.booleans(),
+)
+def test_pruned_search_finds_the_exhaustive_optimum(
+    seed: int, model: str, prompt_tokens: int, planned: bool,
+) -> None:
+    rng = random.Random(seed)
+    topology = Topology.fat_tree(nodes=4, gpus_per_node=4, nodes_per_rack=2, racks_per_pod=1,
+                                 setup_latency_s=rng.choice([0.0, 5e-3]))
+    cost = CostModel(model_spec(model), compute_profile(model), NetworkModel(topology))
+    cost.network.set_flows({("node-up", "n0"): rng.randrange(4), ("rack-up", "r1"): 2})
+    states = {i: InstanceState(i, spec.role, wait_s=rng.uniform(0.0, 0.3))
+              for i, spec in topology.instances.items()}
+    view = ClusterView(states, 0.0)
+    flows = {("node-down", "n1"): rng.randrange(1, 5)} if planned else None
+    waits = {"decode-1": 0.1, "prefill-2": 0.2} if planned else None
+    request = RecoveryRequest("r", prompt_tokens, rng.randrange(0, 64), "prefill-0")
+    decision = Kvrs().decide(request, view, cost, 0.0, extra_flows=flows, extra_wait_s=waits)
+
+    def wait(instance_id: str) -> float:
+        return states[instance_id].wait_s + (waits or {}).get(instance_id, 0.0)
+
+    ext_s = cost.extend_s(prompt_tokens, request.generated_tokens)
+    decodes = [i for i, s in topology.instances.items() if s.role is Role.DECODE]
+    prefills = [i for i, s in topology.instances.items() if s.role is Role.PREFILL]
+    migrate = min(wait(d) + cost.transfer("prefill-0", d, prompt_tokens, 0.0, flows).transfer_s
+                  + ext_s for d in decodes)
+    hybrid = min(wait(d) + hybrid_split(cost, "prefill-0", d, prompt_tokens, 0.0, flows)[1]
+                 + ext_s for d in decodes)
+    tokens = prompt_tokens + request.generated_tokens
+    recompute = min(wait(p) + cost.prefill_s(tokens)
+                    + cost.transfer(p, d, tokens, 0.0, flows).transfer_s
+                    for p in prefills for d in decodes)
+    assert option(decision, Action.MIGRATE).cost_s == pytest.approx(migrate, rel=1e-9)
+    assert option(decision, Action.HYBRID).cost_s == pytest.approx(hybrid, rel=1e-9)
+    assert option(decision, Action.RECOMPUTE).cost_s == pytest.approx(recompute, rel=1e-9)
