@@ -36,6 +36,7 @@ from kvrs.errors import (
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "CompletionRequest",
+    "RequestAborted",
     "Usage",
     "chunk_body",
     "completion_body",
@@ -65,6 +66,10 @@ _KNOWN_FIELDS = frozenset({
     "model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "n",
     "best_of", "seed", "user", *_UNSUPPORTED_IF_SET, *_ZERO_OR_ABSENT,
 })
+
+
+class RequestAborted(Unavailable):
+    """The router's recovery gave the request up: no option could meet its deadline."""
 
 
 @dataclass(frozen=True)
@@ -289,15 +294,15 @@ def http_error(exc: KvrsError) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error body a kvrs error stands for.
 
     Bad input 400 (naming the parameter), unknown model 404, no capacity 429 (the
-    client may retry later), no instance able to serve or a peer down 503, deadline 504;
-    anything else 500.
+    client may retry later), no instance able to serve, a peer down or a request the
+    recovery aborted 503, deadline 504; anything else 500.
     """
     status, error_type = next(
         ((status, name) for cls, status, name in _HTTP_BY_ERROR if isinstance(exc, cls)),
         (500, "server_error"),
     )
-    return status, error_body(str(exc) or error_type, error_type, exc.field or None,
-                              exc.code.lower())
+    code = "request_aborted" if isinstance(exc, RequestAborted) else exc.code.lower()
+    return status, error_body(str(exc) or error_type, error_type, exc.field or None, code)
 
 
 def json_bytes(body: Any) -> bytes:

@@ -1,0 +1,238 @@
+"""The HTTP handlers: OpenAI's completions and models endpoints over a `Generator`.
+
+A streamed completion answers with server-sent events in OpenAI's chunk format, one
+chunk per piece of text (a multi-byte character is sent once complete), the choice's
+last chunk carrying its `finish_reason`, then `data: [DONE]`. The 200 and the event
+stream start only once the first token is there, so a request that fails before any
+output (bad input, no capacity, nothing alive) gets a real HTTP status; a failure after
+that arrives as a last `data: {"error": ...}` event, without `[DONE]`, which OpenAI's
+clients raise as an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from aiohttp import web
+from opentelemetry.propagate import extract
+from opentelemetry.trace import Span, SpanKind, Tracer
+
+from kvrs.errors import InvalidArgument, KvrsError
+from kvrs.tokenizer import StreamDecoder, decode
+from services.common.metrics import Metrics
+from services.openai_http import protocol
+from services.openai_http.config import Config
+from services.openai_http.generation import Finished, GenerateCall, Generator, Token
+
+log = logging.getLogger(__name__)
+
+Event = tuple[int, Token | Finished]
+"""(prompt index, what happened)."""
+
+
+async def _merged(generator: Generator, calls: Sequence[GenerateCall]) -> AsyncIterator[Event]:
+    """The events of every call, each tagged with its prompt's index, as they come."""
+    if len(calls) == 1:
+        async for event in generator.generate(calls[0]):
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, Token | Finished | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, call: GenerateCall) -> None:
+        try:
+            async for event in generator.generate(call):
+                await queue.put((index, event))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
+            await queue.put((index, exc))
+        else:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class CompletionsApi:
+    """`POST /v1/completions`, `GET /v1/models`, `GET /health`."""
+
+    def __init__(
+        self, config: Config, generator: Generator, tracer: Tracer, metrics: Metrics | None = None
+    ) -> None:
+        self.config = config
+        self.generator = generator
+        self.tracer = tracer
+        self.metrics = metrics
+        self.created_unix_s = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(protocol.models_body(self.config.model, self.created_unix_s))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        base_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        context = extract(dict(request.headers))
+        with self.tracer.start_as_current_span(
+            "openai_http.completions", context=context, kind=SpanKind.SERVER
+        ) as span:
+            span.set_attribute("kvrs.request_id", base_id)
+            try:
+                parsed = protocol.parse_completion_request(
+                    await self._json(request), self.config.model, self.config.max_tokens_limit
+                )
+            except KvrsError as exc:
+                return self._error(exc, span)
+            span.set_attributes({
+                "kvrs.prompt_tokens": sum(len(p) for p in parsed.prompts),
+                "kvrs.openai.prompts": len(parsed.prompts),
+                "kvrs.openai.stream": parsed.stream,
+                "kvrs.openai.max_tokens": parsed.max_tokens,
+            })
+            calls = [
+                GenerateCall(
+                    request_id=base_id if len(parsed.prompts) == 1 else f"{base_id}-{index}",
+                    prompt_token_ids=prompt,
+                    max_new_tokens=parsed.max_tokens,
+                    timeout_s=self.config.request_timeout_s,
+                    ttft_slo_s=self.config.ttft_slo_s,
+                )
+                for index, prompt in enumerate(parsed.prompts)
+            ]
+            completion_id = f"cmpl-{base_id}"
+            if parsed.stream:
+                return await self._stream(request, parsed, calls, completion_id, span)
+            return await self._complete(parsed, calls, completion_id, span)
+
+    @staticmethod
+    async def _json(request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidArgument("body", f"is not JSON: {exc}") from None
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(outcome=outcome).inc()
+
+    def _error(self, exc: KvrsError, span: Span) -> web.Response:
+        status, body = protocol.http_error(exc)
+        span.set_attributes({"kvrs.openai.status": status,
+                             "kvrs.openai.error_code": body["error"]["code"]})
+        if status >= 500:
+            log.warning("completion failed (%d): %s", status, exc)
+        self._count("client_error" if status < 500 else "server_error")
+        return web.json_response(body, status=status)
+
+    async def _complete(
+        self,
+        parsed: protocol.CompletionRequest,
+        calls: Sequence[GenerateCall],
+        completion_id: str,
+        span: Span,
+    ) -> web.Response:
+        tokens: list[list[int]] = [[] for _ in calls]
+        reasons = ["length"] * len(calls)
+        try:
+            async with contextlib.aclosing(_merged(self.generator, calls)) as events:
+                async for index, event in events:
+                    if isinstance(event, Token):
+                        tokens[index].append(event.token_id)
+                    else:
+                        reasons[index] = event.finish_reason
+        except KvrsError as exc:
+            return self._error(exc, span)
+        usage = protocol.Usage(sum(len(p) for p in parsed.prompts), sum(map(len, tokens)))
+        span.set_attributes({"kvrs.generated_tokens": usage.completion_tokens,
+                             "kvrs.openai.status": 200})
+        self._count("ok")
+        return web.json_response(protocol.completion_body(
+            completion_id, parsed.model, [decode(t) for t in tokens], reasons, usage,
+        ))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        parsed: protocol.CompletionRequest,
+        calls: Sequence[GenerateCall],
+        completion_id: str,
+        span: Span,
+    ) -> web.StreamResponse:
+        created_unix_s = int(time.time())
+        decoders = [StreamDecoder() for _ in calls]
+        generated = 0
+        async with contextlib.aclosing(_merged(self.generator, calls)) as events:
+            try:
+                event: Event | None = await anext(events)
+            except KvrsError as exc:
+                return self._error(exc, span)
+            response = web.StreamResponse(headers={
+                "content-type": "text/event-stream; charset=utf-8",
+                "cache-control": "no-cache",
+            })
+            await response.prepare(request)
+            span.set_attribute("kvrs.openai.status", 200)
+
+            async def send(body: dict[str, Any]) -> None:
+                await response.write(b"data: " + protocol.json_bytes(body) + b"\n\n")
+
+            try:
+                while event is not None:
+                    index, item = event
+                    if isinstance(item, Token):
+                        generated += 1
+                        piece = decoders[index].push(item.token_id)
+                        if piece:
+                            await send(protocol.chunk_body(
+                                completion_id, parsed.model, index, piece, None, created_unix_s))
+                    else:
+                        await send(protocol.chunk_body(
+                            completion_id, parsed.model, index, decoders[index].flush(),
+                            item.finish_reason, created_unix_s))
+                    event = await anext(events, None)
+                if parsed.include_usage:
+                    usage = protocol.Usage(sum(len(p) for p in parsed.prompts), generated)
+                    await send(protocol.usage_chunk_body(
+                        completion_id, parsed.model, usage, created_unix_s))
+                await response.write(b"data: [DONE]\n\n")
+                self._count("ok")
+            except KvrsError as exc:
+                status, body = protocol.http_error(exc)
+                log.warning("completion %s failed mid-stream (%d): %s", completion_id, status, exc)
+                span.set_attribute("kvrs.openai.error_code", body["error"]["code"])
+                await send(body)
+                self._count("server_error" if status >= 500 else "client_error")
+            except ConnectionResetError:
+                self._count("cancelled")
+                span.set_attribute("kvrs.openai.error_code", "client_disconnected")
+                return response
+            finally:
+                span.set_attribute("kvrs.generated_tokens", generated)
+        await response.write_eof()
+        return response

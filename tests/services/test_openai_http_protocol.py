@@ -1,0 +1,236 @@
+"""OpenAI request/response translation of the HTTP adapter, over an in-process generator.
+
+Only the translation is checked here (parameters, error shapes, the event stream); the
+completions themselves are tested against a real router in tests/e2e/test_openai_client.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvrs import tokenizer
+from kvrs.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KvrsError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from services.common import Metrics, setup_tracing
+from services.openai_http import protocol
+from services.openai_http.config import Config
+from services.openai_http.generation import Finished, GenerateCall, Token
+from services.openai_http.server import build_server
+
+REPLY = "héllo, wörld €"
+
+
+def parse(**body):
+    return protocol.parse_completion_request(
+        {"model": "tiny", "prompt": "hi", **body}, "tiny", max_tokens_limit=64
+    )
+
+
+def test_prompts_in_every_openai_form_become_token_ids():
+    assert parse().prompts == ((104, 105),)
+    assert parse(prompt=["a", "bc"]).prompts == ((97,), (98, 99))
+    assert parse(prompt=[1, 2, 3]).prompts == ((1, 2, 3),)
+    assert parse(prompt=[[1], [2, 3]]).prompts == ((1,), (2, 3))
+    request = parse(stream=True, stream_options={"include_usage": True}, temperature=0,
+                    max_tokens=5, seed=7, user="u", top_p=1, n=1)
+    assert (request.stream, request.include_usage, request.max_tokens) == (True, True, 5)
+    assert parse().max_tokens == protocol.DEFAULT_MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, 300]}, "prompt[1]"),
+        ({"prompt": ["ok", 5]}, "prompt[1]"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 65}, "max_tokens"),
+        ({"max_tokens": "3"}, "max_tokens"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"top_p": 0.9}, "top_p"),
+        ({"n": 2}, "n"),
+        ({"stop": ["\n"]}, "stop"),
+        ({"echo": True}, "echo"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"model": ""}, "model"),
+    ],
+)
+def test_bad_or_unsupported_parameters_are_named(body, param):
+    with pytest.raises(InvalidArgument) as info:
+        parse(**body)
+    assert info.value.field == param
+
+
+def test_an_unknown_model_is_not_found_naming_the_model():
+    with pytest.raises(NotFound) as info:
+        parse(model="gpt-4")
+    assert info.value.field == "model"
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [
+        (InvalidArgument("prompt", "bad"), 400, "invalid_argument"),
+        (NotFound("no such model", field="model"), 404, "not_found"),
+        (ResourceExhausted("no KV memory"), 429, "resource_exhausted"),
+        (FailedPrecondition("no decode instance"), 503, "failed_precondition"),
+        (Unavailable("router down"), 503, "unavailable"),
+        (protocol.RequestAborted("gave up"), 503, "request_aborted"),
+        (DeadlineExceeded("late"), 504, "deadline_exceeded"),
+        (KvrsError("boom"), 500, "internal"),
+    ],
+)
+def test_errors_map_to_http_status_and_openai_shape(error, status, code):
+    got_status, body = protocol.http_error(error)
+    assert got_status == status
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == code
+    assert body["error"]["param"] == (error.field or None)
+
+
+class ScriptedGenerator:
+    """Answers every prompt with REPLY's tokens, or fails as told."""
+
+    def __init__(self, fail_before: KvrsError | None = None,
+                 fail_after_tokens: tuple[int, KvrsError] | None = None) -> None:
+        self.fail_before = fail_before
+        self.fail_after_tokens = fail_after_tokens
+        self.calls: list[GenerateCall] = []
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[Token | Finished]:
+        self.calls.append(call)
+        if self.fail_before is not None:
+            raise self.fail_before
+        tokens = tokenizer.encode(REPLY)[: call.max_new_tokens]
+        for index, token in enumerate(tokens):
+            if self.fail_after_tokens and index == self.fail_after_tokens[0]:
+                raise self.fail_after_tokens[1]
+            yield Token(index, token)
+        yield Finished("length", len(call.prompt_token_ids), len(tokens))
+
+
+@pytest.fixture
+async def serve():
+    handles = []
+
+    async def start(generator):
+        exporter = InMemorySpanExporter()
+        metrics = Metrics()
+        handle = await build_server(
+            Config(listen_addr="127.0.0.1:0", model="tiny", max_tokens_limit=64),
+            generator, setup_tracing("test-openai-http", exporter=exporter), metrics,
+        )
+        handles.append(handle)
+        return f"http://127.0.0.1:{handle.port}", exporter, metrics
+
+    yield start
+    for handle in handles:
+        await handle.stop()
+
+
+def events_of(raw: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in raw.split("\n\n") if line]
+
+
+async def test_streamed_chunks_add_up_to_the_non_streamed_text(serve):
+    url, exporter, metrics = await serve(ScriptedGenerator())
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 64}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", json=body) as reply:
+            assert reply.status == 200
+            whole = await reply.json()
+        async with session.post(
+            f"{url}/v1/completions",
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        ) as reply:
+            assert reply.status == 200
+            assert reply.headers["content-type"].startswith("text/event-stream")
+            raw = await reply.text()
+    assert whole["object"] == "text_completion"
+    assert whole["choices"] == [
+        {"index": 0, "text": REPLY, "logprobs": None, "finish_reason": "length"}
+    ]
+    n_tokens = len(tokenizer.encode(REPLY))
+    assert whole["usage"] == {"prompt_tokens": 2, "completion_tokens": n_tokens,
+                              "total_tokens": 2 + n_tokens}
+    events = events_of(raw)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == REPLY
+    # A piece never holds half a character: every chunk is valid text on its own.
+    assert all(c["choices"][0]["text"] or c["choices"][0]["finish_reason"]
+               for c in text_chunks)
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    assert metrics.registry.get_sample_value("kvrs_requests_total", {"outcome": "ok"}) == 2
+
+
+async def test_a_batch_of_prompts_gets_one_choice_each(serve):
+    generator = ScriptedGenerator()
+    url, _, _ = await serve(generator)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{url}/v1/completions", headers={"x-request-id": "batch-1"},
+            json={"model": "tiny", "prompt": ["a", "bb"], "max_tokens": 3},
+        ) as reply:
+            whole = await reply.json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    assert [c["text"] for c in whole["choices"]] == ["hé", "hé"]
+    assert whole["id"] == "cmpl-batch-1"
+    assert sorted(call.request_id for call in generator.calls) == ["batch-1-0", "batch-1-1"]
+
+
+async def test_an_error_before_any_token_is_an_http_status(serve):
+    url, exporter, _ = await serve(ScriptedGenerator(fail_before=ResourceExhausted("no KV")))
+    async with aiohttp.ClientSession() as session:
+        for stream in (False, True):
+            async with session.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": "hi", "stream": stream,
+            }) as reply:
+                assert reply.status == 429
+                assert (await reply.json())["error"]["code"] == "resource_exhausted"
+        async with session.post(f"{url}/v1/completions", data=b"{oops") as reply:
+            assert reply.status == 400
+            assert (await reply.json())["error"]["param"] == "body"
+    (span, *_) = [s for s in exporter.get_finished_spans()
+                  if s.name == "openai_http.completions"]
+    assert span.attributes["kvrs.openai.status"] == 429
+
+
+async def test_an_error_mid_stream_is_a_last_error_event_without_done(serve):
+    url, _, _ = await serve(ScriptedGenerator(
+        fail_after_tokens=(3, protocol.RequestAborted("recovery gave up"))))
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", json={
+            "model": "tiny", "prompt": "hi", "stream": True, "max_tokens": 10,
+        }) as reply:
+            assert reply.status == 200
+            events = events_of(await reply.text())
+    assert "[DONE]" not in events
+    assert json.loads(events[-1])["error"]["code"] == "request_aborted"
+
+
+async def test_models_lists_the_served_model(serve):
+    url, _, _ = await serve(ScriptedGenerator())
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{url}/v1/models") as reply:
+            models = await reply.json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
