@@ -16,7 +16,6 @@ Wire format and version history: `libkvxfer._protocol`. Errors: `libkvxfer._erro
 """
 
 from libkvxfer._agent import AgentConfig, TransferAgent
-from libkvxfer._blocks import prefix_block_hashes
 from libkvxfer._errors import (
     ChecksumMismatch,
     KvXferError,
@@ -49,5 +48,4 @@ __all__ = [
     "TransferStats",
     "TransferTicket",
     "TransferTimeout",
-    "prefix_block_hashes",
 ]

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrs.errors import InvalidArgument
+from kvrs.tokenizer import VOCAB_SIZE, validate_token_ids
 
 __all__ = [
     "DTYPES",
@@ -34,8 +35,6 @@ __all__ = [
     "KvCache",
     "Transformer",
     "TransformerConfig",
-    "decode_tokens",
-    "encode_text",
     "resolve_dtype",
 ]
 
@@ -67,8 +66,8 @@ class TransformerConfig:
 MODEL_CONFIGS: dict[str, TransformerConfig] = {
     config.name: config
     for config in (
-        # 256 tokens: one per byte, so any text is a prompt without a tokenizer file.
-        TransformerConfig("tiny", layers=2, heads=2, head_dim=16, vocab_size=256,
+        # The byte-level vocabulary (kvrs.tokenizer): any text is a prompt.
+        TransformerConfig("tiny", layers=2, heads=2, head_dim=16, vocab_size=VOCAB_SIZE,
                           max_positions=8192),
         TransformerConfig("opt-125m", layers=12, heads=12, head_dim=64, vocab_size=50272,
                           max_positions=2048),
@@ -90,17 +89,6 @@ def resolve_dtype(name: str) -> torch.dtype:
     except KeyError:
         raise InvalidArgument("dtype", f"unknown dtype {name!r} (known: {', '.join(DTYPES)})") \
             from None
-
-
-def encode_text(text: str) -> list[int]:
-    """Byte-level tokens: one token per UTF-8 byte (every preset's vocabulary covers 0-255)."""
-    return list(text.encode("utf-8"))
-
-
-def decode_tokens(token_ids: Sequence[int]) -> str:
-    """Inverse of `encode_text`; ids beyond a byte and broken UTF-8 show as U+FFFD."""
-    data = bytes(t if 0 <= t < 256 else 0xFF for t in token_ids)
-    return data.decode("utf-8", errors="replace")
 
 
 class KvCache:
@@ -286,10 +274,7 @@ class Transformer:
     def _extend(self, cache: KvCache, token_ids: Sequence[int]) -> torch.Tensor:
         if len(token_ids) == 0:
             raise InvalidArgument("token_ids", "must not be empty")
-        bad = next((t for t in token_ids if not 0 <= t < self.config.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument("token_ids", f"token {bad} is outside the vocabulary "
-                                  f"[0, {self.config.vocab_size})")
+        validate_token_ids(token_ids, "token_ids", self.config.vocab_size)
         end = cache.length + len(token_ids)
         if end > self.config.max_positions:
             raise InvalidArgument("token_ids", f"sequence of {end} tokens exceeds the model's "

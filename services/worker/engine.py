@@ -1,0 +1,511 @@
+"""What a worker does, without gRPC: prefill, decode, extend, and moving KV in and out.
+
+The servicer translates protobuf to these calls and back. Forward passes go to the
+compute thread, transfers to libkvxfer's threads; the event loop only keeps the books.
+Reaching another worker (the SendKv a pull needs) is a callable passed in, so nothing
+here speaks gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from opentelemetry import trace
+
+from kvrs.errors import FailedPrecondition, InvalidArgument, KvrsError, NotFound
+from kvrs.tokenizer import validate_token_ids
+from libkvxfer import KvLayout, PeerLost, TransferAgent, TransferRejected, TransferTicket
+from services.worker.compute import ComputeQueue, Estimates
+from services.worker.kvstore import KvStore, Resident
+from services.worker.model import Transformer
+
+log = logging.getLogger(__name__)
+
+_MAX_REQUEST_ID_CHARS = 256
+_REJECTION_GRACE_S = 2.0
+"""After a failed SendKv, how long the pending receive may take to see the rejection."""
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """What the source reports after pushing a range (SendKvResponse)."""
+
+    kv_bytes: int
+    transfer_s: float
+    token_ids: list[int]
+
+
+SendKvCall = Callable[[str, TransferTicket, float, float], Awaitable[SendResult]]
+"""(source_address, ticket, pacing_bps, deadline_s) -> the source's SendKv answer."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    prompt_tokens: int
+    kv_bytes: int
+    prefill_s: float
+    queued_s: float
+    lease_expires_unix_ms: int
+
+
+@dataclass(frozen=True)
+class DecodedToken:
+    token_id: int
+    index: int
+    step_s: float
+    last: bool
+
+
+@dataclass(frozen=True)
+class ExtendResult:
+    next_token_id: int
+    resident_tokens: int
+    extend_s: float
+    kv_bytes: int
+
+
+@dataclass(frozen=True)
+class PullResult:
+    resident_tokens: int
+    transferred_kv_bytes: int
+    transfer_s: float
+    transfer_bps: float
+    recomputed_tokens: int
+    recompute_s: float
+    total_s: float
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    resident_requests: int
+    block_tokens: int
+    kv_capacity_blocks: int
+    free_kv_blocks: int
+    used_kv_bytes: int
+    kv_capacity_bytes: int
+    queued_work_s: float
+    queue_depth: int
+    running_requests: int
+    evicted_requests: int
+    expired_requests: int
+    resident_prefix_hashes: list[int]
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id:
+        raise InvalidArgument("request_id", "must not be empty")
+    if len(request_id) > _MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument("request_id", f"longer than {_MAX_REQUEST_ID_CHARS} characters")
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    return int(torch.argmax(logits))
+
+
+class WorkerEngine:
+    """One worker's requests, model, KV memory and transfer agent."""
+
+    def __init__(self, instance_id: str, model_name: str, model: Transformer, store: KvStore,
+                 compute: ComputeQueue, estimates: Estimates, agent: TransferAgent,
+                 send_kv: SendKvCall, lease_s: float, send_kv_deadline_s: float,
+                 pacing_bps: float = 0.0) -> None:
+        self.instance_id = instance_id
+        self.model_name = model_name
+        self.model = model
+        self.store = store
+        self.compute = compute
+        self.estimates = estimates
+        self.agent = agent
+        self._send_kv = send_kv
+        self._lease_s = lease_s
+        self._send_kv_deadline_s = send_kv_deadline_s
+        self._pacing_bps = pacing_bps
+        self._running_decodes = 0
+        config = model.config
+        self.layout = KvLayout(config.layers, config.kv_heads, config.head_dim, model.dtype)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _tokens(self, token_ids: Sequence[int], field: str, allow_empty: bool = False) -> list[int]:
+        ids = list(token_ids)
+        if not ids and not allow_empty:
+            raise InvalidArgument(field, "must not be empty")
+        validate_token_ids(ids, field, self.model.config.vocab_size)
+        return ids
+
+    def _lease(self, lease_s: float) -> float:
+        if lease_s < 0:
+            raise InvalidArgument("lease_s", f"must be >= 0, got {lease_s}")
+        return lease_s or self._lease_s
+
+    def _check_positions(self, tokens: int, field: str) -> None:
+        if tokens > self.model.config.max_positions:
+            raise InvalidArgument(field, f"{tokens} positions exceed the model's "
+                                  f"{self.model.config.max_positions}")
+
+    @contextlib.asynccontextmanager
+    async def _using(self, entry: Resident):
+        """Hold `entry` (serialised per request, pinned against eviction)."""
+        async with entry.lock:
+            if self.store.find(entry.request_id) is not entry:
+                raise NotFound(f"request {entry.request_id!r} was released while waiting",
+                               field="request_id")
+            self.store.pin(entry)
+            try:
+                yield entry
+            finally:
+                self.store.unpin(entry)
+
+    async def _extend(self, entry: Resident, token_ids: list[int]) -> tuple[int, float]:
+        """Append KV for `token_ids` (compute thread); the next greedy token and its time."""
+        cached = entry.resident_tokens
+        self._check_positions(cached + len(token_ids), "token_ids")
+        self.store.grow(entry, cached + len(token_ids))
+        timed = await self.compute.run(lambda: self.model.extend(entry.cache, token_ids)[1],
+                                       self.estimates.extend_s(cached, len(token_ids)))
+        entry.token_ids.extend(token_ids)
+        entry.next_token_id = _argmax(timed.value)
+        return entry.next_token_id, timed.compute_s
+
+    # -- prefill, decode, extend ----------------------------------------------------
+
+    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int],
+                      lease_s: float = 0.0) -> PrefillResult:
+        """KV of the prompt (kept resident) and the first generated token."""
+        _check_request_id(request_id)
+        prompt = self._tokens(prompt_token_ids, "prompt_token_ids")
+        self._check_positions(len(prompt), "prompt_token_ids")
+        lease = self._lease(lease_s)
+        existing = self.store.find(request_id)
+        if existing is not None:
+            async with self._using(existing):
+                if existing.first_token_id is None or existing.token_ids[:len(prompt)] != prompt \
+                        or existing.prompt_tokens != len(prompt):
+                    raise FailedPrecondition(f"request {request_id!r} is already resident here "
+                                             "with other tokens; ReleaseKv it first",
+                                             field="request_id")
+                return self._prefill_result(existing, 0.0, 0.0)
+        entry = self.store.add(request_id, self.model.new_cache(len(prompt)), len(prompt),
+                               lease, prompt_tokens=len(prompt))
+        try:
+            async with entry.lock:
+                timed = await self.compute.run(lambda: self.model.prefill(prompt, entry.cache)[1],
+                                               self.estimates.prefill_s(len(prompt)))
+                entry.token_ids = prompt
+                entry.first_token_id = entry.next_token_id = _argmax(timed.value)
+        except BaseException:
+            self.store.discard(entry)
+            raise
+        finally:
+            self.store.unpin(entry)
+        trace.get_current_span().set_attributes({"kvrs.request_id": request_id,
+                                                 "kvrs.prompt_tokens": len(prompt)})
+        return self._prefill_result(entry, timed.compute_s, timed.queued_s)
+
+    def _prefill_result(self, entry: Resident, prefill_s: float, queued_s: float) -> PrefillResult:
+        expires_unix_ms = int((time.time() + entry.lease_s) * 1000)
+        return PrefillResult(first_token_id=entry.first_token_id, prompt_tokens=entry.prompt_tokens,
+                             kv_bytes=entry.cache.resident_bytes(), prefill_s=prefill_s,
+                             queued_s=queued_s, lease_expires_unix_ms=expires_unix_ms)
+
+    async def decode(self, request_id: str, generated_token_ids: Sequence[int],
+                     max_new_tokens: int, stop_token_id: int | None = None,
+                     release_when_done: bool = False) -> AsyncIterator[DecodedToken]:
+        """Greedy tokens after `generated_token_ids` (see DecodeRequest in worker.proto)."""
+        _check_request_id(request_id)
+        generated = self._tokens(generated_token_ids, "generated_token_ids", allow_empty=True)
+        if max_new_tokens <= 0:
+            raise InvalidArgument("max_new_tokens", f"must be > 0, got {max_new_tokens}")
+        entry = self.store.get(request_id)
+        self._running_decodes += 1
+        finished = False
+        try:
+            async with self._using(entry):
+                token, step_s = await self._catch_up(entry, generated)
+                index = len(generated)
+                for produced in range(max_new_tokens):
+                    last = produced == max_new_tokens - 1 or token == stop_token_id
+                    yield DecodedToken(token_id=token, index=index + produced, step_s=step_s,
+                                       last=last)
+                    if last:
+                        break
+                    token, step_s = await self._step(entry, token)
+                finished = True
+        finally:
+            self._running_decodes -= 1
+        if finished and release_when_done:
+            self.store.release(request_id)
+
+    async def _catch_up(self, entry: Resident, generated: list[int]) -> tuple[int, float]:
+        """Feed generated tokens whose KV is not resident; the next token to emit."""
+        resident_generated = entry.resident_tokens - entry.prompt_tokens
+        if resident_generated < 0:
+            raise FailedPrecondition(f"only {entry.resident_tokens} of the {entry.prompt_tokens} "
+                                     "prompt tokens are resident", field="request_id")
+        if resident_generated > len(generated):
+            raise FailedPrecondition(f"{resident_generated} generated tokens are resident but "
+                                     f"only {len(generated)} were given",
+                                     field="generated_token_ids")
+        known = entry.token_ids[entry.prompt_tokens:entry.resident_tokens]
+        if len(known) == resident_generated and known != generated[:resident_generated]:
+            first = next(i for i, (a, b) in enumerate(zip(known, generated, strict=False))
+                         if a != b)
+            raise FailedPrecondition(f"generated token {first} differs from the resident KV's",
+                                     field="generated_token_ids")
+        missing = generated[resident_generated:]
+        if missing:
+            return await self._extend(entry, missing)
+        if entry.next_token_id is None:
+            raise FailedPrecondition("the KV came from another worker: pass at least the first "
+                                     "generated token", field="generated_token_ids")
+        return entry.next_token_id, 0.0
+
+    async def _step(self, entry: Resident, token: int) -> tuple[int, float]:
+        context = entry.resident_tokens
+        self._check_positions(context + 1, "max_new_tokens")
+        self.store.grow(entry, context + 1)
+        timed = await self.compute.run(lambda: self.model.decode_step(entry.cache, token),
+                                       self.estimates.step_s(context))
+        entry.token_ids.append(token)
+        entry.next_token_id = _argmax(timed.value)
+        self.store.touch(entry)
+        return entry.next_token_id, timed.compute_s
+
+    async def extend(self, request_id: str, token_ids: Sequence[int]) -> ExtendResult:
+        """Append `token_ids` on top of the resident KV."""
+        _check_request_id(request_id)
+        tokens = self._tokens(token_ids, "token_ids")
+        entry = self.store.get(request_id)
+        async with self._using(entry):
+            next_token, extend_s = await self._extend(entry, tokens)
+            return ExtendResult(next_token_id=next_token, resident_tokens=entry.resident_tokens,
+                                extend_s=extend_s, kv_bytes=entry.cache.resident_bytes())
+
+    # -- moving KV --------------------------------------------------------------------
+
+    async def pull_kv(self, request_id: str, source_instance_id: str, source_address: str,
+                      token_start: int, token_end: int, prompt_tokens: int = 0,
+                      prefix_token_ids: Sequence[int] = (), lease_s: float = 0.0,
+                      pacing_bps: float = 0.0, traceparent: str = "",
+                      deadline_s: float | None = None) -> PullResult:
+        """Receive [token_start, token_end) of a request's KV from `source_instance_id`."""
+        _check_request_id(request_id)
+        if not source_instance_id:
+            raise InvalidArgument("source_instance_id", "must not be empty")
+        if source_instance_id == self.instance_id:
+            raise InvalidArgument("source_instance_id", "is this worker itself")
+        if not source_address:
+            raise InvalidArgument("source_address", "must not be empty")
+        if token_start < 0:
+            raise InvalidArgument("token_start", f"must be >= 0, got {token_start}")
+        if token_end <= token_start:
+            raise InvalidArgument("token_end", f"must be > token_start ({token_start}), got "
+                                  f"{token_end}")
+        self._check_positions(token_end, "token_end")
+        if not 0 <= prompt_tokens <= token_end:
+            raise InvalidArgument("prompt_tokens", f"must be in [0, token_end], got "
+                                  f"{prompt_tokens}")
+        if pacing_bps < 0:
+            raise InvalidArgument("pacing_bps", f"must be >= 0, got {pacing_bps}")
+        prefix = self._tokens(prefix_token_ids, "prefix_token_ids", allow_empty=True)
+        if prefix and len(prefix) != token_start:
+            raise InvalidArgument("prefix_token_ids", f"must hold token_start ({token_start}) "
+                                  f"tokens, got {len(prefix)}")
+        lease = self._lease(lease_s)
+        started = time.monotonic()
+        entry = self.store.find(request_id)
+        if entry is not None:
+            async with self._using(entry):
+                if entry.resident_tokens >= token_end:
+                    return PullResult(entry.resident_tokens, 0, 0.0, 0.0, 0, 0.0,
+                                      time.monotonic() - started, "")
+                if prefix or entry.resident_tokens != token_start:
+                    raise FailedPrecondition(
+                        f"request {request_id!r} has {entry.resident_tokens} tokens resident "
+                        f"here; a pull must start there (token_start) without a prefix",
+                        field="token_start")
+                return await self._pull_into(entry, source_instance_id, source_address, (),
+                                             token_end, prompt_tokens, pacing_bps, traceparent,
+                                             deadline_s, started)
+        if token_start > 0 and not prefix:
+            raise FailedPrecondition(f"request {request_id!r} has no KV here: start at 0, or "
+                                     "give prefix_token_ids to recompute [0, token_start)",
+                                     field="token_start")
+        entry = self.store.add(request_id, self.model.new_cache(token_end), token_end, lease)
+        try:
+            async with entry.lock:
+                return await self._pull_into(entry, source_instance_id, source_address, prefix,
+                                             token_end, prompt_tokens, pacing_bps, traceparent,
+                                             deadline_s, started)
+        except BaseException:
+            self.store.discard(entry)
+            raise
+        finally:
+            self.store.unpin(entry)
+
+    async def _pull_into(self, entry: Resident, source_id: str, source_address: str,
+                         prefix: list[int], token_end: int, prompt_tokens: int,
+                         pacing_bps: float, traceparent: str, deadline_s: float | None,
+                         started: float) -> PullResult:
+        start = entry.resident_tokens + len(prefix)
+        self.store.grow(entry, token_end)
+        entry.cache.reserve(token_end)
+        recompute = None
+        if prefix:
+            # HYBRID: the prefix is computed into [0, start) while the rest is received
+            # into [start, token_end) of the same buffers.
+            recompute = asyncio.ensure_future(self.compute.run(
+                lambda: self.model.prefill(prefix, entry.cache), self.estimates.prefill_s(
+                    len(prefix))))
+        try:
+            sent, stats = await self._receive(entry, source_id, source_address, start, token_end,
+                                              pacing_bps, traceparent, deadline_s)
+        except BaseException:
+            if recompute is not None:
+                # The recompute writes into the same buffers: let it finish first.
+                with contextlib.suppress(KvrsError):
+                    await recompute
+            raise
+        recompute_s = 0.0
+        if recompute is not None:
+            recompute_s = (await recompute).compute_s
+        if len(sent.token_ids) != token_end - start:
+            raise FailedPrecondition(f"source sent {len(sent.token_ids)} token ids for "
+                                     f"{token_end - start} positions", field="token_end")
+        entry.cache.commit(token_end)
+        entry.token_ids = [*entry.token_ids, *prefix, *sent.token_ids]
+        entry.prompt_tokens = prompt_tokens or token_end
+        entry.next_token_id = None
+        self.store.touch(entry)
+        trace.get_current_span().set_attributes({
+            "kvrs.request_id": entry.request_id, "kvrs.kv_bytes": stats.kv_bytes,
+            "kvrs.source_instance_id": source_id, "kvrs.recomputed_tokens": len(prefix)})
+        return PullResult(resident_tokens=entry.resident_tokens,
+                          transferred_kv_bytes=stats.kv_bytes, transfer_s=stats.seconds,
+                          transfer_bps=stats.throughput_bps, recomputed_tokens=len(prefix),
+                          recompute_s=recompute_s, total_s=time.monotonic() - started,
+                          transfer_id=stats.transfer_id)
+
+    async def _receive(self, entry: Resident, source_id: str, source_address: str, start: int,
+                       end: int, pacing_bps: float, traceparent: str,
+                       deadline_s: float | None):
+        """One pull attempt, retried once when the pair with the source was stale."""
+        for attempt in (1, 2):
+            try:
+                return await self._receive_once(entry, source_id, source_address, start, end,
+                                                pacing_bps, traceparent, deadline_s)
+            except PeerLost as exc:
+                # A source that restarted answers the old pair's ticket with PeerLost; the
+                # failed attempt closed that pair, so a second ticket gets a fresh one.
+                if attempt == 2:
+                    raise
+                log.info("pull of %s from %s: %s; retrying on a new pair", entry.request_id,
+                         source_id, exc)
+        raise AssertionError("unreachable")
+
+    async def _receive_once(self, entry: Resident, source_id: str, source_address: str,
+                            start: int, end: int, pacing_bps: float, traceparent: str,
+                            deadline_s: float | None):
+        ticket = self.agent.prepare(source_id, entry.request_id, start, end, traceparent)
+        out = entry.cache.views(start, end)
+        received = asyncio.ensure_future(self.agent.recv_async(ticket, self.layout, out))
+        deadline = self._send_kv_deadline_s if deadline_s is None else min(
+            deadline_s, self._send_kv_deadline_s)
+        try:
+            sent = await self._send_kv(source_address, ticket, pacing_bps, deadline)
+        except KvrsError as send_error:
+            raise await self._pull_failure(ticket, received, send_error) from send_error
+        except BaseException:
+            self.agent.abandon(ticket, "pull cancelled")
+            with contextlib.suppress(KvrsError):
+                await received
+            raise
+        return sent, (await received).stats
+
+    async def _pull_failure(self, ticket: TransferTicket, received: asyncio.Future,
+                            send_error: KvrsError) -> KvrsError:
+        """The error a failed SendKv stands for, once the pending receive is settled."""
+        if send_error.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            # The source's handler ran: it sent its refusal over the pair as well.
+            await asyncio.wait({received}, timeout=_REJECTION_GRACE_S)
+        if not received.done():
+            self.agent.abandon(ticket, f"SendKv failed: {send_error}")
+        try:
+            await received
+        except TransferRejected:
+            return send_error
+        except KvrsError as recv_error:
+            # The receiving side's own finding (checksum, layout...) is the precise one;
+            # a pair that broke under a stale ticket is retried as PeerLost.
+            if not isinstance(recv_error, PeerLost):
+                return recv_error
+        if send_error.code == "UNAVAILABLE":
+            return PeerLost(str(send_error))
+        return send_error
+
+    async def send_kv(self, ticket: TransferTicket, pacing_bps: float = 0.0) -> SendResult:
+        """Push the ticket's range of a resident request to the receiver it names."""
+        if pacing_bps < 0:
+            raise InvalidArgument("pacing_bps", f"must be >= 0, got {pacing_bps}")
+        if ticket.sender_id != self.instance_id:
+            # The receiver waits on a pair named after the worker it meant: unreachable.
+            raise InvalidArgument("ticket.sender_instance_id", f"names {ticket.sender_id!r}, "
+                                  f"this is {self.instance_id!r}")
+        try:
+            _check_request_id(ticket.request_id)
+            entry = self.store.get(ticket.request_id)
+            if ticket.token_end > entry.resident_tokens:
+                raise InvalidArgument("token_end", f"{ticket.token_end} is beyond the "
+                                      f"{entry.resident_tokens} tokens resident on "
+                                      f"{self.instance_id}")
+        except KvrsError as exc:
+            await self.agent.reject_async(ticket, exc)
+            raise
+        self.store.pin(entry)
+        try:
+            kv = entry.cache.layers_kv(ticket.token_start, ticket.token_end)
+            token_ids = entry.token_ids[ticket.token_start:ticket.token_end]
+            stats = await self.agent.send_async(ticket, kv, pacing_bps or self._pacing_bps or None)
+        finally:
+            self.store.unpin(entry)
+        return SendResult(kv_bytes=stats.kv_bytes, transfer_s=stats.seconds, token_ids=token_ids)
+
+    # -- lifecycle and load -----------------------------------------------------------
+
+    def release(self, request_id: str) -> tuple[bool, int]:
+        """(released, bytes freed); releasing an absent request is not an error."""
+        _check_request_id(request_id)
+        present = self.store.find(request_id) is not None
+        return present, self.store.release(request_id)
+
+    def stats(self) -> WorkerStats:
+        store = self.store
+        return WorkerStats(
+            resident_requests=len(store), block_tokens=store.block_tokens,
+            kv_capacity_blocks=store.capacity_blocks, free_kv_blocks=store.free_blocks,
+            used_kv_bytes=store.used_bytes,
+            kv_capacity_bytes=store.capacity_blocks * store.block_tokens * store.bytes_per_token,
+            queued_work_s=self.compute.queued_work_s, queue_depth=self.compute.depth,
+            running_requests=self._running_decodes, evicted_requests=store.evicted,
+            expired_requests=store.expired, resident_prefix_hashes=store.prefix_hashes())
+
+    async def canary(self) -> None:
+        """A one-token forward pass: health means the model really runs."""
+        await self.compute.run(lambda: self.model.prefill([0]), self.estimates.prefill_s(1))
+
+    async def expire_forever(self, interval_s: float) -> None:
+        """Drop expired leases every `interval_s` (freeing memory before it is needed)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            gone = self.store.expire()
+            if gone:
+                log.info("leases expired: %s", ", ".join(gone))
+

@@ -1,0 +1,230 @@
+"""Worker server assembly: model, KV store, transfer agent, gRPC server, canary, gossip.
+
+Lifecycle: build the model (in a thread) → start the server NOT_SERVING → one-token
+canary → SERVING and register with gossip. The canary repeats; a failure turns health
+NOT_SERVING until it passes again. On SIGTERM: deregister (the scheduler stops placing
+here) → NOT_SERVING → in-flight RPCs (decode streams) get the grace period → close
+channels, transfer agent and compute thread. `stop` is safe twice and after a partial
+start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, fields
+
+import grpc
+import torch
+from opentelemetry.sdk.trace import TracerProvider
+
+from kvrs.client import error_from_rpc
+from kvrs.model import model_spec
+from kvrs.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from libkvxfer import AgentConfig, TransferAgent, TransferTicket
+from services.common import (
+    GrpcSettings,
+    ServerHandle,
+    open_channel,
+    run_until_signal,
+    start_server,
+)
+from services.gossip.client import GossipClient, HeartbeatLoop
+from services.gossip.records import NodeLoad, Registration
+from services.worker.compute import ComputeQueue, Estimates
+from services.worker.config import Config
+from services.worker.engine import SendResult, WorkerEngine
+from services.worker.kvstore import KvStore
+from services.worker.model import Transformer, resolve_dtype
+from services.worker.servicer import WorkerServicer, send_result_from_pb, ticket_to_pb
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+_LEASE_SWEEP_S = 1.0
+
+
+class WorkerPeers:
+    """Channels to other workers, opened on first use, for the SendKv a pull needs."""
+
+    def __init__(self, settings: GrpcSettings, provider: TracerProvider) -> None:
+        self._settings = settings
+        self._provider = provider
+        self._stubs: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = open_channel(address, self._settings, self._provider)
+            self._channels.append(channel)
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(channel)
+        return stub
+
+    async def send_kv(self, address: str, ticket: TransferTicket, pacing_bps: float,
+                      deadline_s: float) -> SendResult:
+        request = worker_pb2.SendKvRequest(request_id=ticket.request_id,
+                                           ticket=ticket_to_pb(ticket), pacing_bps=pacing_bps)
+        try:
+            reply = await self._stub(address).SendKv(request, timeout=deadline_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, address) from exc
+        return send_result_from_pb(reply)
+
+    async def close(self) -> None:
+        channels, self._channels, self._stubs = self._channels, [], {}
+        for channel in channels:
+            await channel.close()
+
+
+@dataclass
+class WorkerServerHandle(ServerHandle):
+    """A started worker; `stop` deregisters from gossip before draining."""
+
+    engine: WorkerEngine | None = None
+    heartbeat: HeartbeatLoop | None = None
+    advertise_addr: str = ""
+
+    async def stop(self, grace_s: float) -> None:
+        if self.heartbeat is not None:
+            heartbeat, self.heartbeat = self.heartbeat, None
+            await heartbeat.stop(deregister=True, reason="draining")
+        await super().stop(grace_s)
+
+
+def _dtype_name(config: Config) -> str:
+    return config.dtype or ("float64" if config.model == "tiny" else "bfloat16")
+
+
+def _advertise(config: Config, port: int) -> str:
+    if config.advertise_addr:
+        return config.advertise_addr
+    host = config.listen_addr.rpartition(":")[0]
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
+async def _canary_forever(engine: WorkerEngine, handle: ServerHandle, interval_s: float) -> None:
+    """Health is the canary's last verdict: SERVING only while a forward pass works."""
+    serving = True
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await engine.canary()
+            healthy = True
+        except Exception:  # noqa: BLE001 - any failure of the model means "not serving"
+            log.exception("canary forward pass failed")
+            healthy = False
+        if healthy != serving:
+            serving = healthy
+            await handle.set_serving(serving)
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def build_server(config: Config, provider: TracerProvider) -> WorkerServerHandle:
+    """Start a worker on `config.listen_addr`; SERVING once the canary passed."""
+    torch.set_num_threads(config.torch_threads)
+    dtype_name = _dtype_name(config)
+    model = await asyncio.to_thread(Transformer.from_preset, config.model,
+                                    resolve_dtype(dtype_name), config.seed)
+    spec = model_spec(config.model)
+    compute = ComputeQueue()
+    estimates = Estimates(config.model, config.profile_path)
+    store = KvStore(config.kv_capacity_bytes, model.new_cache().bytes_per_token,
+                    spec.block_tokens)
+    host = config.transfer_host or _advertise(config, 0).rpartition(":")[0]
+    agent = TransferAgent(AgentConfig(
+        instance_id=config.instance_id, host=host, port=config.transfer_port,
+        timeout_s=config.transfer_timeout_s,
+        pacing_bps=config.transfer_pacing_bps or None,
+        chunk_tokens=config.transfer_chunk_tokens), provider)
+    peers = WorkerPeers(config.grpc, provider)
+    engine = WorkerEngine(config.instance_id, config.model, model, store, compute, estimates,
+                          agent, peers.send_kv, config.kv_lease_s, config.send_kv_deadline_s,
+                          config.transfer_pacing_bps)
+    location = common_pb2.Location(node=config.location.node, rack=config.location.rack,
+                                   pod=config.location.pod,
+                                   gpu_index=config.location.gpu_index)
+    servicer = WorkerServicer(engine, config.role, dtype_name, location)
+
+    def register(server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+
+    try:
+        base = await start_server(register, [SERVICE_NAME], config.listen_addr, config.grpc,
+                                  provider, serving=False)
+    except BaseException:
+        agent.close()
+        compute.close()
+        raise
+    handle = WorkerServerHandle(**{f.name: getattr(base, f.name) for f in fields(base)},
+                                engine=engine, advertise_addr=_advertise(config, base.port))
+
+    async def close_resources() -> None:
+        await peers.close()
+        agent.close()
+        compute.close()
+
+    handle.cleanups.append(close_resources)
+    try:
+        await engine.canary()
+        await handle.set_serving(True)
+        for task in (asyncio.create_task(_canary_forever(engine, handle,
+                                                         config.canary_interval_s)),
+                     asyncio.create_task(engine.expire_forever(_LEASE_SWEEP_S))):
+            handle.cleanups.append(lambda t=task: _cancel(t))
+        if config.gossip_addr:
+            handle.heartbeat = await _join_gossip(config, handle, engine, provider)
+    except BaseException:
+        await handle.stop(0)
+        raise
+    log.info("worker %s (%s, %s %s) serving on %s, transfers on %s", config.instance_id,
+             config.role, config.model, dtype_name, handle.advertise_addr, agent.address)
+    return handle
+
+
+async def _join_gossip(config: Config, handle: WorkerServerHandle, engine: WorkerEngine,
+                       provider: TracerProvider) -> HeartbeatLoop:
+    client = GossipClient(config.gossip_addr, config.grpc, provider)
+    handle.cleanups.append(client.close)
+    location = config.location
+    registration = Registration(
+        instance_id=config.instance_id, role=config.role, address=handle.advertise_addr,
+        node=location.node, rack=location.rack, pod=location.pod,
+        gpu_index=location.gpu_index, model=config.model,
+        kv_capacity_blocks=engine.store.capacity_blocks,
+        transfer_address=engine.agent.address, heartbeat_ttl_s=config.heartbeat_ttl_s)
+
+    def load() -> NodeLoad:
+        stats = engine.stats()
+        return NodeLoad(queue_depth=stats.queue_depth, queued_work_s=stats.queued_work_s,
+                        running_requests=stats.running_requests,
+                        free_kv_blocks=stats.free_kv_blocks,
+                        resident_prefix_hashes=tuple(stats.resident_prefix_hashes))
+
+    def forget_requests() -> None:
+        # Gossip declared this worker failed: its requests were recovered elsewhere.
+        request_ids = engine.store.request_ids()
+        for request_id in request_ids:
+            engine.store.release(request_id)
+        log.warning("re-registered after being declared failed; released %d requests",
+                    len(request_ids))
+
+    heartbeat = HeartbeatLoop(client, registration, load=load,
+                              interval_s=config.heartbeat_interval_s or None,
+                              on_reregistered=forget_requests)
+    await heartbeat.start()
+    return heartbeat
+
+
+async def serve(config: Config, provider: TracerProvider) -> None:
+    """Run a worker until SIGTERM/SIGINT, then drain and shut down."""
+    handle = await build_server(config, provider)
+    await run_until_signal(handle, config.grpc, provider)

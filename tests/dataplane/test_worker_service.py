@@ -1,0 +1,297 @@
+"""WorkerService over real gRPC between worker processes: hand-off, migration, HYBRID,
+RECOMPUTE, errors, health, draining."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from worker_procs import WorkerProcess, stub
+
+from kvrs.tokenizer import encode
+from kvrs.v1 import worker_pb2 as pb
+from services.worker.model import Transformer
+
+PROMPT = encode("Network-aware placement of the decode phase, and recovery of its KV.")
+L = len(PROMPT)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """prefill-a, decode-b, decode-c: started together (each start imports torch)."""
+    started = [WorkerProcess.start("prefill-a", "prefill"),
+               WorkerProcess.start("decode-b", "decode"),
+               WorkerProcess.start("decode-c", "decode")]
+    try:
+        yield {w.instance_id: w.ready() for w in started}
+    finally:
+        for worker in started:
+            worker.stop()
+
+
+@pytest.fixture
+async def stubs(workers):
+    channels = {}
+    stubs = {}
+    for name, worker in workers.items():
+        channels[name], stubs[name] = stub(worker.address)
+    yield stubs
+    for channel in channels.values():
+        await channel.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """What a single process computes for PROMPT: first token and the next 24 tokens."""
+    model = Transformer.from_preset("tiny", torch.float64, seed=0)
+    cache, logits = model.prefill(PROMPT)
+    first = int(torch.argmax(logits))
+    return model, [first, *model.greedy(cache, first, 24)]
+
+
+async def decode(worker_stub, request_id, generated, max_new_tokens, **kwargs):
+    request = pb.DecodeRequest(request_id=request_id, generated_token_ids=generated,
+                               max_new_tokens=max_new_tokens, **kwargs)
+    return [m async for m in worker_stub.Decode(request, timeout=60)]
+
+
+async def pull(worker_stub, source, request_id, start, end, **kwargs):
+    return await worker_stub.PullKv(pb.PullKvRequest(
+        request_id=request_id, source_instance_id=source.instance_id,
+        source_address=source.address, token_start=start, token_end=end, **kwargs), timeout=60)
+
+
+async def test_handoff_decodes_exactly_what_one_process_would(workers, stubs, reference):
+    _, expected = reference
+    a, b = stubs["prefill-a"], stubs["decode-b"]
+    prefill = await a.Prefill(pb.PrefillRequest(request_id="r-handoff", prompt_token_ids=PROMPT))
+    assert prefill.first_token_id == expected[0]
+    assert prefill.kv_bytes == L * 1024
+    pulled = await pull(b, workers["prefill-a"], "r-handoff", 0, L)
+    assert (pulled.resident_tokens, pulled.transferred_kv_bytes) == (L, L * 1024)
+    tokens = await decode(b, "r-handoff", [prefill.first_token_id], 12)
+    assert [t.token_id for t in tokens] == expected[1:13]
+    assert [t.index for t in tokens] == list(range(1, 13))
+    assert tokens[-1].last and not tokens[0].last
+    # The prefill side still holds the prompt's KV (for a migration) until released.
+    stats = await a.GetWorkerStats(pb.GetWorkerStatsRequest())
+    assert stats.resident_requests >= 1
+    released = await a.ReleaseKv(pb.ReleaseKvRequest(request_id="r-handoff"))
+    assert released.released and released.freed_kv_bytes == L * 1024
+    again = await a.ReleaseKv(pb.ReleaseKvRequest(request_id="r-handoff"))
+    assert not again.released
+
+
+async def test_decode_right_after_prefill_on_the_same_worker(stubs, reference):
+    _, expected = reference
+    a = stubs["prefill-a"]
+    await a.Prefill(pb.PrefillRequest(request_id="r-local", prompt_token_ids=PROMPT))
+    tokens = await decode(a, "r-local", [], 5, release_when_done=True)
+    assert [t.token_id for t in tokens] == expected[:5]
+    assert [t.index for t in tokens] == list(range(5))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await decode(a, "r-local", expected[:5], 1)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_migration_after_a_decode_worker_dies_continues_exactly(workers, stubs, reference):
+    """MIGRATE: the prompt KV still on the prefill worker goes to a new decode worker,
+    which rebuilds the generated tokens' KV (extend) and continues."""
+    _, expected = reference
+    a, c = stubs["prefill-a"], stubs["decode-c"]
+    victim = WorkerProcess.start("decode-victim", "decode").ready()
+    channel, v = stub(victim.address)
+    try:
+        first = (await a.Prefill(pb.PrefillRequest(request_id="r-migrate",
+                                                   prompt_token_ids=PROMPT))).first_token_id
+        await pull(v, workers["prefill-a"], "r-migrate", 0, L)
+        received = [first]
+        stream = v.Decode(pb.DecodeRequest(request_id="r-migrate", generated_token_ids=[first],
+                                           max_new_tokens=100), timeout=60)
+        async for message in stream:
+            received.append(message.token_id)
+            if len(received) == 7:
+                break
+        stream.cancel()
+        victim.kill()
+    finally:
+        await channel.close()
+        victim.stop()
+    assert received == expected[:7]
+    await pull(c, workers["prefill-a"], "r-migrate", 0, L)
+    tokens = await decode(c, "r-migrate", received, 6)
+    assert [t.token_id for t in tokens] == expected[7:13]
+    assert tokens[0].index == 7
+
+
+async def test_extend_rebuilds_generated_tokens_after_a_pull(workers, stubs, reference):
+    _, expected = reference
+    a, b = stubs["prefill-a"], stubs["decode-b"]
+    await a.Prefill(pb.PrefillRequest(request_id="r-extend", prompt_token_ids=PROMPT))
+    await pull(b, workers["prefill-a"], "r-extend", 0, L)
+    extended = await b.Extend(pb.ExtendRequest(request_id="r-extend", token_ids=expected[:4]))
+    assert extended.next_token_id == expected[4]
+    assert extended.resident_tokens == L + 4
+    tokens = await decode(b, "r-extend", expected[:5], 3)
+    assert [t.token_id for t in tokens] == expected[5:8]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await decode(b, "r-extend", [expected[0], (expected[1] + 1) % 256, *expected[2:8]], 1)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "generated_token_ids" in info.value.details()
+
+
+async def test_hybrid_recomputes_a_prefix_while_the_rest_streams(workers, stubs, reference):
+    _, expected = reference
+    a, c = stubs["prefill-a"], stubs["decode-c"]
+    first = (await a.Prefill(pb.PrefillRequest(request_id="r-hybrid",
+                                               prompt_token_ids=PROMPT))).first_token_id
+    k = 29
+    pulled = await pull(c, workers["prefill-a"], "r-hybrid", k, L, prefix_token_ids=PROMPT[:k])
+    assert pulled.recomputed_tokens == k
+    assert pulled.transferred_kv_bytes == (L - k) * 1024
+    assert pulled.resident_tokens == L
+    tokens = await decode(c, "r-hybrid", [first], 10)
+    assert [t.token_id for t in tokens] == expected[1:11]
+
+
+async def test_recompute_on_a_prefill_worker_then_pull(workers, stubs, reference):
+    """RECOMPUTE: prefill prompt + generated tokens anew, pull that, continue."""
+    _, expected = reference
+    a, b = stubs["prefill-a"], stubs["decode-b"]
+    g = 5
+    sequence = PROMPT + expected[:g]
+    recomputed = await a.Prefill(pb.PrefillRequest(request_id="r-recompute",
+                                                   prompt_token_ids=sequence))
+    assert recomputed.first_token_id == expected[g]
+    await pull(b, workers["prefill-a"], "r-recompute", 0, L + g, prompt_tokens=L)
+    tokens = await decode(b, "r-recompute", expected[:g + 1], 4)
+    assert [t.token_id for t in tokens] == expected[g + 1:g + 5]
+
+
+async def test_bad_input_is_invalid_argument_naming_the_field(workers, stubs):
+    a, b = stubs["prefill-a"], stubs["decode-b"]
+    cases = [
+        (a.Prefill(pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[])),
+         "prompt_token_ids"),
+        (a.Prefill(pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[1, 2, 100000])),
+         "prompt_token_ids[2]"),
+        (a.Prefill(pb.PrefillRequest(request_id="", prompt_token_ids=[1])), "request_id"),
+        (a.Prefill(pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[1], lease_s=-1)),
+         "lease_s"),
+        (pull(b, workers["prefill-a"], "r-bad", 5, 5), "token_end"),
+        (pull(b, workers["prefill-a"], "r-bad", 2, 5, prefix_token_ids=[1]), "prefix_token_ids"),
+        (b.PullKv(pb.PullKvRequest(request_id="r-bad", source_instance_id="prefill-a",
+                                   token_end=4)), "source_address"),
+    ]
+    for call, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert info.value.details().startswith(f"{field}:"), info.value.details()
+    await a.Prefill(pb.PrefillRequest(request_id="r-bad-decode", prompt_token_ids=[1, 2]))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await decode(a, "r-bad-decode", [], 0)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("max_new_tokens:")
+
+
+async def test_unknown_request_is_not_found(workers, stubs):
+    a, b = stubs["prefill-a"], stubs["decode-b"]
+    for call in (decode(b, "r-nobody", [1], 3),
+                 b.Extend(pb.ExtendRequest(request_id="r-nobody", token_ids=[1]))):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "r-nobody" in info.value.details()
+    # The source does not hold it: the pull fails with the source's NOT_FOUND, and the
+    # pair between the two workers keeps working afterwards.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await pull(b, workers["prefill-a"], "r-nobody", 0, 8)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    await a.Prefill(pb.PrefillRequest(request_id="r-after-missing", prompt_token_ids=PROMPT))
+    pulled = await pull(b, workers["prefill-a"], "r-after-missing", 0, L)
+    assert pulled.resident_tokens == L
+
+
+async def test_pull_of_a_range_beyond_the_source_is_rejected(workers, stubs):
+    a, b = stubs["prefill-a"], stubs["decode-b"]
+    await a.Prefill(pb.PrefillRequest(request_id="r-short", prompt_token_ids=PROMPT[:10]))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await pull(b, workers["prefill-a"], "r-short", 0, 20)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_end" in info.value.details()
+
+
+async def test_health_is_serving_and_stats_describe_the_worker(workers, stubs):
+    worker = workers["decode-c"]
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service="kvrs.v1.WorkerService"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    stats = await stubs["decode-c"].GetWorkerStats(pb.GetWorkerStatsRequest())
+    assert (stats.instance_id, stats.model, stats.dtype) == ("decode-c", "tiny", "float64")
+    assert stats.transfer_address == worker.transfer_address
+    assert stats.kv_capacity_blocks == (1 << 30) // (512 * 1024)
+    assert stats.free_kv_blocks == stats.kv_capacity_blocks - stats.resident_requests
+
+
+async def test_sigterm_drains_a_running_decode_stream():
+    """SIGTERM: health turns NOT_SERVING and new calls are refused, while the decode
+    stream already running is served to its end; then the process exits 0."""
+    env = dict(os.environ, WORKER_INSTANCE_ID="drain-me", WORKER_LISTEN_ADDR="127.0.0.1:0",
+               KVRS_SHUTDOWN_GRACE_S="30", KVRS_LOG_LEVEL="INFO")
+    process = subprocess.Popen([sys.executable, "-m", "services.worker", "--role", "decode"],
+                               env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        address = await asyncio.wait_for(asyncio.to_thread(_serving_address, process), 90)
+        channel, worker = stub(address)
+        async with channel:
+            await worker.Prefill(pb.PrefillRequest(request_id="r-drain", prompt_token_ids=PROMPT))
+            stream = worker.Decode(pb.DecodeRequest(request_id="r-drain", max_new_tokens=2000),
+                                   timeout=120)
+            tokens = [await stream.read()]
+            process.send_signal(signal.SIGTERM)
+            health = health_pb2_grpc.HealthStub(channel)
+            while await _serving(health):
+                await asyncio.sleep(0.01)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await worker.GetWorkerStats(pb.GetWorkerStatsRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            while (message := await stream.read()) is not grpc.aio.EOF:
+                tokens.append(message)
+            assert len(tokens) == 2000 and tokens[-1].last
+        assert await asyncio.to_thread(process.wait, 30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+async def _serving(health: health_pb2_grpc.HealthStub) -> bool:
+    """Health says SERVING (a server already refusing calls is not serving)."""
+    try:
+        reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _serving_address(process: subprocess.Popen) -> str:
+    """The address from the worker's "serving on" log line; its log is drained afterwards."""
+    for line in process.stderr:
+        found = re.search(r"serving on (\S+), transfers on", line)
+        if found:
+            threading.Thread(target=process.stderr.read, daemon=True).start()
+            return found.group(1)
+    raise RuntimeError("worker exited before serving")
