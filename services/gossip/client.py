@@ -1,0 +1,311 @@
+"""Async client of the gossip service and the heartbeat loop every instance runs.
+
+    async with GossipClient("gossip:50051", GrpcSettings.from_env(), provider) as gossip:
+        loop = HeartbeatLoop(gossip, Registration("decode-0", "decode", "w0:50060"),
+                             load=lambda: NodeLoad(queue_depth=len(queue)))
+        await loop.start()
+        ...
+        await loop.stop()
+
+Callers deal only in `services.gossip.records` types and `kvrs.errors` exceptions: a
+failed RPC raises the `KvrsError` subclass matching its status code (NotFound,
+FailedPrecondition, InvalidArgument, Unavailable, DeadlineExceeded, ...), with the
+`grpc.aio.AioRpcError` chained as its cause. Every call carries a deadline; the channel
+retries UNAVAILABLE, since every gossip RPC is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+from opentelemetry.sdk.trace import TracerProvider
+
+from kvrs import errors
+from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
+from services.common import DEFAULT_RPC_TIMEOUT_S, GrpcSettings, open_channel
+from services.gossip import convert
+from services.gossip.records import (
+    LinkRecord,
+    LinkSample,
+    NodeEvent,
+    NodeLoad,
+    NodeRecord,
+    Registration,
+)
+
+__all__ = ["GossipClient", "HeartbeatLoop", "LinkSample", "NodeLoad", "Registration"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = gossip_pb2.DESCRIPTOR.services_by_name["GossipService"].full_name
+
+_ERRORS_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        errors.InvalidArgument,
+        errors.NotFound,
+        errors.FailedPrecondition,
+        errors.ResourceExhausted,
+        errors.Unavailable,
+        errors.DeadlineExceeded,
+    )
+}
+_WATCH_RECONNECT_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+)
+_MAX_RECONNECT_BACKOFF_S = 2.0
+
+
+def domain_error(exc: grpc.aio.AioRpcError) -> errors.KvrsError:
+    """The `kvrs.errors` exception matching a failed RPC's status code."""
+    cls = _ERRORS_BY_CODE.get(exc.code().name)
+    details = exc.details() or exc.code().name
+    if cls is errors.InvalidArgument:
+        field, _, message = details.partition(": ")
+        return errors.InvalidArgument(field, message) if message else errors.KvrsError(details)
+    if cls is None:
+        return errors.KvrsError(f"{exc.code().name}: {details}")
+    return cls(details)
+
+
+def _request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class GossipClient:
+    """Calls the gossip service at `address`; one channel, closed by `close()`."""
+
+    def __init__(
+        self,
+        address: str,
+        settings: GrpcSettings | None = None,
+        provider: TracerProvider | None = None,
+        *,
+        timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        watch_stream_s: float = 60.0,
+    ) -> None:
+        """`timeout_s` bounds each unary call; `watch_stream_s` each WatchEvents stream,
+        which `watch_events` then reopens from the last event seen."""
+        self._channel = open_channel(
+            address, settings or GrpcSettings(), provider, idempotent_services=(SERVICE_NAME,)
+        )
+        self._stub = gossip_pb2_grpc.GossipServiceStub(self._channel)
+        self._timeout_s = timeout_s
+        self._watch_stream_s = watch_stream_s
+        self._closed = False
+
+    async def close(self) -> None:
+        """Closes the channel; open `watch_events` iterators end. Safe to call twice."""
+        self._closed = True
+        await self._channel.close()
+
+    async def __aenter__(self) -> GossipClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _call(self, method: Callable[..., Awaitable], request):
+        try:
+            return await method(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise domain_error(exc) from exc
+
+    async def register(self, registration: Registration) -> NodeRecord:
+        """Registers or refreshes an instance; returns it as stored (TTL resolved)."""
+        reply = await self._call(
+            self._stub.RegisterNode, convert.registration_to_pb(registration, _request_id())
+        )
+        return convert.node_from_pb(reply.node)
+
+    async def heartbeat(self, instance_id: str, load: NodeLoad | None = None) -> int:
+        """Reports liveness and load; returns when the instance expires (unix ms).
+
+        NotFound: the registry does not know the instance; FailedPrecondition: it was
+        declared failed or left. Register again in both cases (HeartbeatLoop does).
+        """
+        request = convert.heartbeat_to_pb(instance_id, load or NodeLoad(), _request_id())
+        reply = await self._call(self._stub.Heartbeat, request)
+        return reply.expires_unix_ms
+
+    async def deregister(self, instance_id: str, reason: str = "") -> None:
+        """Leaves cleanly (a "left" event, not "failed"); NotFound for an unknown id."""
+        request = gossip_pb2.DeregisterNodeRequest(
+            request_id=_request_id(), instance_id=instance_id, reason=reason
+        )
+        await self._call(self._stub.DeregisterNode, request)
+
+    async def report_link_sample(self, sample: LinkSample) -> None:
+        """Publishes the newest bandwidth estimate of the path src -> dst."""
+        await self._call(
+            self._stub.ReportLinkSample, convert.link_sample_to_pb(sample, _request_id())
+        )
+
+    async def list_nodes(
+        self, role: str | None = None, include_down: bool = False
+    ) -> list[NodeRecord]:
+        """Alive instances ("prefill" / "decode" / None = all), each with its age_s."""
+        request = gossip_pb2.ListNodesRequest(
+            role=convert.ROLE_TO_PB[role] if role else 0, include_down=include_down
+        )
+        reply = await self._call(self._stub.ListNodes, request)
+        return [convert.node_from_pb(info) for info in reply.nodes]
+
+    async def list_links(self) -> list[LinkRecord]:
+        """The newest sample of every measured link, each with its age_s."""
+        reply = await self._call(self._stub.ListLinks, gossip_pb2.ListLinksRequest())
+        return [convert.link_from_pb(info) for info in reply.links]
+
+    async def watch_events(self, after_event_id: str = "") -> AsyncIterator[NodeEvent]:
+        """Yields joined / failed / left events until the client is closed.
+
+        `after_event_id`: "" = only events from now on, "0" = all retained history, or
+        the `event_id` of the last event already handled. When the stream breaks (server
+        restart, network, the periodic `watch_stream_s` deadline) it is reopened after the
+        last event yielded, so none is lost while the history retains it. Before any
+        event was seen, a reopened "" stream resumes from this call's start time (stream
+        ids are Redis-clock milliseconds). InvalidArgument for a malformed id.
+        """
+        after = after_event_id
+        started_ms = int(time.time() * 1000)
+        backoff_s = 0.05
+        while not self._closed:
+            call = self._stub.WatchEvents(
+                gossip_pb2.WatchEventsRequest(after_event_id=after), timeout=self._watch_stream_s
+            )
+            try:
+                async for message in call:
+                    event = convert.event_from_pb(message)
+                    after = event.event_id
+                    backoff_s = 0.05
+                    yield event
+            except grpc.aio.AioRpcError as exc:
+                if self._closed:
+                    return
+                if exc.code() not in _WATCH_RECONNECT_CODES:
+                    raise domain_error(exc) from exc
+                log.debug("event stream broke (%s); reopening", exc.code().name)
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue
+            finally:
+                call.cancel()
+                if after == "":
+                    after = f"{started_ms}-0"
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(2 * backoff_s, _MAX_RECONNECT_BACKOFF_S)
+
+
+LoadSource = Callable[[], "NodeLoad | Awaitable[NodeLoad]"]
+
+
+class HeartbeatLoop:
+    """Keeps one instance registered: register, then heartbeat every `interval_s`.
+
+    Each heartbeat carries `load()` (sync or async; when it raises, the last good load
+    is sent, so a broken metric never makes a healthy instance look dead). When the
+    registry answers NotFound or FailedPrecondition — it forgot the instance, or already
+    declared it failed and told the cluster — the loop registers again at once and calls
+    `on_reregistered`: the instance's in-flight requests have been recovered elsewhere,
+    so it should drop them. Other errors are logged and retried at the next beat.
+    """
+
+    def __init__(
+        self,
+        client: GossipClient,
+        registration: Registration,
+        load: LoadSource | None = None,
+        interval_s: float | None = None,
+        on_reregistered: Callable[[], Awaitable[None] | None] | None = None,
+    ) -> None:
+        """`interval_s` defaults to a quarter of the registration's TTL, else 0.5 s (a
+        quarter of the server's default 2 s TTL)."""
+        self._client = client
+        self._registration = registration
+        self._load_source = load
+        self._interval_s = interval_s or (registration.heartbeat_ttl_s / 4 or 0.5)
+        self._on_reregistered = on_reregistered
+        self._last_load = NodeLoad()
+        self._task: asyncio.Task[None] | None = None
+        self.registrations = 0
+        """Successful registrations: 1 after `start`, +1 per re-registration."""
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> NodeRecord:
+        """Registers (errors propagate: the instance is not announced) and starts beating."""
+        record = await self._register()
+        self._task = asyncio.create_task(
+            self._run(), name=f"heartbeat-{record.registration.instance_id}"
+        )
+        return record
+
+    async def stop(self, deregister: bool = True, reason: str = "shutdown") -> None:
+        """Stops beating; with `deregister`, leaves cleanly ("left", not "failed").
+
+        Safe to call twice and before `start`.
+        """
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+            if deregister:
+                try:
+                    await self._client.deregister(self._registration.instance_id, reason)
+                except errors.KvrsError as exc:
+                    log.warning("deregistering %s failed: %s", self._registration.instance_id, exc)
+
+    async def _register(self) -> NodeRecord:
+        record = await self._client.register(self._registration)
+        self.registrations += 1
+        return record
+
+    async def _current_load(self) -> NodeLoad:
+        if self._load_source is None:
+            return self._last_load
+        try:
+            load = self._load_source()
+            if inspect.isawaitable(load):
+                load = await load
+        except Exception:  # noqa: BLE001 - any metric bug: keep beating with the last load
+            log.exception("load callback of %s failed", self._registration.instance_id)
+            return self._last_load
+        self._last_load = load
+        return load
+
+    async def _beat(self) -> None:
+        instance_id = self._registration.instance_id
+        load = await self._current_load()
+        try:
+            try:
+                await self._client.heartbeat(instance_id, load)
+                return
+            except (errors.NotFound, errors.FailedPrecondition) as exc:
+                log.warning("registering %s again: %s", instance_id, exc)
+            await self._register()
+            await self._client.heartbeat(instance_id, load)
+            if self._on_reregistered is not None:
+                outcome = self._on_reregistered()
+                if inspect.isawaitable(outcome):
+                    await outcome
+        except errors.KvrsError as exc:
+            log.warning("heartbeat of %s failed, retrying: %s", instance_id, exc)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_beat_s = loop.time()
+        while True:
+            next_beat_s = max(next_beat_s + self._interval_s, loop.time())
+            await asyncio.sleep(next_beat_s - loop.time())
+            await self._beat()

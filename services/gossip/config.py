@@ -1,0 +1,69 @@
+"""Configuration of the gossip service, read from the environment."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.common import (
+    DEFAULT_KEY_PREFIX,
+    ConfigError,
+    GrpcSettings,
+    env_float,
+    env_int,
+    env_str,
+)
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `python -m services.gossip` needs; `from_env` names any bad variable."""
+
+    listen_addr: str = "0.0.0.0:50051"
+    """GOSSIP_LISTEN_ADDR: host:port the gRPC server binds ("127.0.0.1:0" in tests)."""
+    redis_url: str = DEFAULT_REDIS_URL
+    """REDIS_URL: the Redis holding the registry (redis://, rediss://, with AUTH)."""
+    redis_prefix: str = DEFAULT_KEY_PREFIX
+    """KVRS_REDIS_PREFIX: hash-tagged prefix of every key; replicas share it."""
+    heartbeat_ttl_s: float = 2.0
+    """GOSSIP_HEARTBEAT_TTL_S: silence after which an instance is declared failed, unless
+    it registered with its own TTL."""
+    sweep_interval_s: float = 0.1
+    """GOSSIP_SWEEP_INTERVAL_S: how often expired instances are looked for; a failure is
+    reported at most this long after its TTL."""
+    events_maxlen: int = 10_000
+    """GOSSIP_EVENTS_MAXLEN: events retained for replay (approximate stream MAXLEN)."""
+    down_retention_s: float = 600.0
+    """GOSSIP_DOWN_RETENTION_S: how long failed/left instances stay listable and link
+    samples are kept."""
+    grpc: GrpcSettings = field(default_factory=GrpcSettings)
+    """TLS, message size and shutdown grace (KVRS_TLS_*, KVRS_MAX_MESSAGE_BYTES, ...)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        config = cls(
+            listen_addr=env_str("GOSSIP_LISTEN_ADDR", "0.0.0.0:50051", env),
+            redis_url=env_str("REDIS_URL", DEFAULT_REDIS_URL, env),
+            redis_prefix=env_str("KVRS_REDIS_PREFIX", DEFAULT_KEY_PREFIX, env),
+            heartbeat_ttl_s=env_float("GOSSIP_HEARTBEAT_TTL_S", 2.0, env),
+            sweep_interval_s=env_float("GOSSIP_SWEEP_INTERVAL_S", 0.1, env),
+            events_maxlen=env_int("GOSSIP_EVENTS_MAXLEN", 10_000, env),
+            down_retention_s=env_float("GOSSIP_DOWN_RETENTION_S", 600.0, env),
+            grpc=GrpcSettings.from_env(env),
+        )
+        for name, value in (
+            ("GOSSIP_HEARTBEAT_TTL_S", config.heartbeat_ttl_s),
+            ("GOSSIP_SWEEP_INTERVAL_S", config.sweep_interval_s),
+            ("GOSSIP_EVENTS_MAXLEN", config.events_maxlen),
+            ("GOSSIP_DOWN_RETENTION_S", config.down_retention_s),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if "{" not in config.redis_prefix or "}" not in config.redis_prefix:
+            raise ConfigError(
+                f"KVRS_REDIS_PREFIX must contain a hash tag like '{{kvrs}}:', "
+                f"got {config.redis_prefix!r}"
+            )
+        return config

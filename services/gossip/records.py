@@ -1,0 +1,145 @@
+"""Domain records of the gossip store and the validation every write goes through.
+
+Roles are the strings "prefill" / "decode" (the values of `kvrs.topology.Role`), node
+states "alive" / "failed" / "left", event types "joined" / "failed" / "left"; neither
+gRPC nor Redis appears here, so the store, the servicer and the client share them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvrs.errors import InvalidArgument
+
+ROLES = ("prefill", "decode")
+ALIVE, FAILED, LEFT = "alive", "failed", "left"
+JOINED = "joined"
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What an instance tells the registry about itself when it joins."""
+
+    instance_id: str
+    role: str
+    """"prefill" or "decode"."""
+    address: str
+    """host:port of the instance's WorkerService."""
+    node: str = ""
+    rack: str = ""
+    pod: str = ""
+    gpu_index: int = 0
+    model: str = ""
+    kv_capacity_blocks: int = 0
+    transfer_address: str = ""
+    """host:port of the instance's KV transfer rendezvous."""
+    heartbeat_ttl_s: float = 0.0
+    """Silence after which the instance is declared failed; 0 = the server default."""
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """The load an instance reports with every heartbeat."""
+
+    queue_depth: int = 0
+    queued_work_s: float = 0.0
+    """W(x): seconds of work queued ahead of a new request."""
+    running_requests: int = 0
+    free_kv_blocks: int = 0
+    resident_prefix_hashes: tuple[int, ...] = ()
+    """Hashes of the prefix blocks resident on the instance."""
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One instance as the registry sees it."""
+
+    registration: Registration
+    state: str
+    load: NodeLoad
+    last_seen_unix_ms: int
+    """Time (Redis clock) of the last heartbeat or registration."""
+    age_s: float
+    """Seconds between `last_seen_unix_ms` and the listing."""
+    heartbeat_ttl_s: float
+
+
+@dataclass(frozen=True)
+class LinkSample:
+    """A bandwidth measurement of the path src -> dst, as the prober reports it."""
+
+    src_instance_id: str
+    dst_instance_id: str
+    bandwidth_bps: float
+    """Smoothed (EWMA) estimate."""
+    sample_bandwidth_bps: float = 0.0
+    """The raw measurement behind the estimate."""
+    rtt_s: float = 0.0
+    probe_bytes: int = 0
+    samples: int = 0
+
+
+@dataclass(frozen=True)
+class LinkRecord:
+    """A link sample with the time it was stored and its age at listing."""
+
+    sample: LinkSample
+    measured_unix_ms: int
+    age_s: float
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """A membership change, identified by its Redis stream id."""
+
+    event_id: str
+    type: str
+    """"joined", "failed" or "left"."""
+    instance_id: str
+    role: str
+    address: str
+    unix_ms: int
+    reason: str = ""
+
+
+def require_id(field_name: str, value: str) -> None:
+    if not value:
+        raise InvalidArgument(field_name, "must not be empty")
+
+
+def require_non_negative(field_name: str, value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(field_name, f"must be a finite number >= 0, got {value}")
+
+
+def validate_registration(registration: Registration) -> None:
+    require_id("instance_id", registration.instance_id)
+    if registration.role not in ROLES:
+        raise InvalidArgument("role", f"must be one of {ROLES}, got {registration.role!r}")
+    require_id("address", registration.address)
+    require_non_negative("location.gpu_index", registration.gpu_index)
+    require_non_negative("kv_capacity_blocks", registration.kv_capacity_blocks)
+    require_non_negative("heartbeat_ttl_s", registration.heartbeat_ttl_s)
+
+
+def validate_load(load: NodeLoad) -> None:
+    require_non_negative("queue_depth", load.queue_depth)
+    require_non_negative("queued_work_s", load.queued_work_s)
+    require_non_negative("running_requests", load.running_requests)
+    require_non_negative("free_kv_blocks", load.free_kv_blocks)
+
+
+def validate_link_sample(sample: LinkSample) -> None:
+    require_id("src_instance_id", sample.src_instance_id)
+    require_id("dst_instance_id", sample.dst_instance_id)
+    if sample.src_instance_id == sample.dst_instance_id:
+        raise InvalidArgument("dst_instance_id", "must differ from src_instance_id")
+    if not math.isfinite(sample.bandwidth_bps) or sample.bandwidth_bps <= 0:
+        raise InvalidArgument(
+            "bandwidth_bps", f"must be a finite number > 0, got {sample.bandwidth_bps}"
+        )
+    require_non_negative("sample_bandwidth_bps", sample.sample_bandwidth_bps)
+    require_non_negative("rtt_s", sample.rtt_s)
+    require_non_negative("probe_bytes", sample.probe_bytes)
+    require_non_negative("samples", sample.samples)

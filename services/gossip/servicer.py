@@ -1,0 +1,70 @@
+"""GossipService: protobuf in, `GossipStore` call, protobuf out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
+from services.gossip import convert
+from services.gossip.store import GossipStore
+
+WATCH_BLOCK_S = 0.25
+"""Longest wait on the event stream before a watcher re-checks for server shutdown."""
+
+
+class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
+    def __init__(self, store: GossipStore) -> None:
+        self._store = store
+        self._closing = asyncio.Event()
+        self.active_watchers = 0
+        """WatchEvents streams open now (each holds a Redis connection while it waits)."""
+
+    def close(self) -> None:
+        """Ends every open WatchEvents stream with OK within `WATCH_BLOCK_S`."""
+        self._closing.set()
+
+    async def RegisterNode(self, request, context: grpc.aio.ServicerContext):
+        record = await self._store.register(convert.registration_from_pb(request))
+        return gossip_pb2.RegisterNodeResponse(node=convert.node_to_pb(record))
+
+    async def Heartbeat(self, request, context: grpc.aio.ServicerContext):
+        expires_ms = await self._store.heartbeat(request.instance_id, convert.load_from_pb(request))
+        return gossip_pb2.HeartbeatResponse(expires_unix_ms=expires_ms)
+
+    async def DeregisterNode(self, request, context: grpc.aio.ServicerContext):
+        await self._store.deregister(request.instance_id, request.reason)
+        return gossip_pb2.DeregisterNodeResponse()
+
+    async def ReportLinkSample(self, request, context: grpc.aio.ServicerContext):
+        await self._store.report_link(convert.link_sample_from_pb(request))
+        return gossip_pb2.ReportLinkSampleResponse()
+
+    async def ListNodes(self, request, context: grpc.aio.ServicerContext):
+        records, now_ms = await self._store.list_nodes(
+            convert.role_from_pb(request.role) or None, request.include_down
+        )
+        return gossip_pb2.ListNodesResponse(
+            nodes=[convert.node_to_pb(record) for record in records], server_unix_ms=now_ms
+        )
+
+    async def ListLinks(self, request, context: grpc.aio.ServicerContext):
+        records, now_ms = await self._store.list_links()
+        return gossip_pb2.ListLinksResponse(
+            links=[convert.link_to_pb(record) for record in records], server_unix_ms=now_ms
+        )
+
+    async def WatchEvents(
+        self, request, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gossip_pb2.NodeEvent]:
+        after = await self._store.resolve_after(request.after_event_id)
+        self.active_watchers += 1
+        try:
+            while not self._closing.is_set():
+                for event in await self._store.read_events(after, WATCH_BLOCK_S):
+                    yield convert.event_to_pb(event)
+                    after = event.event_id
+        finally:
+            self.active_watchers -= 1

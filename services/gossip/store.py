@@ -1,0 +1,438 @@
+"""The gossip registry in Redis: node hashes, a liveness sorted set, links, an event stream.
+
+Keys (all under one hash-tagged prefix, so every script touches a single slot):
+
+    gossip:node:<id>   hash    registration, load, state, last_seen_unix_ms, ttl_ms
+    gossip:nodes       set     every remembered instance id
+    gossip:live        zset    alive instance id -> expiry (unix ms, Redis clock)
+    gossip:links       hash    json([src, dst]) -> "<measured_unix_ms> <json sample>"
+    gossip:events      stream  joined / failed / left, trimmed to about `events_maxlen`
+
+Every state change runs as one Lua script reading the Redis clock (`TIME`), so several
+gossip replicas share one clock and one truth: the script that removes an instance from
+the live set is the only one that reports it failed, and it does so exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Awaitable
+from dataclasses import asdict
+from typing import TypeVar
+
+import redis.asyncio as redis_async
+import redis.exceptions
+
+from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.redis_store import Keys
+from services.gossip.records import (
+    ALIVE,
+    LinkRecord,
+    LinkSample,
+    NodeEvent,
+    NodeLoad,
+    NodeRecord,
+    Registration,
+    require_id,
+    validate_link_sample,
+    validate_load,
+    validate_registration,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_EVENT_ID = re.compile(r"^\d+(-\d+)?$")
+
+# Shared by the scripts below. ARGV[1] is the node-key prefix, ARGV[2] the stream MAXLEN,
+# ARGV[3] how long a down node stays listed; KEYS[1] is the live set, KEYS[2] the stream.
+_LUA_COMMON = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function emit(kind, id, node, now, reason)
+  local f = redis.call('HMGET', node, 'role', 'address')
+  return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'type', kind,
+    'instance_id', id, 'role', f[1] or '', 'address', f[2] or '',
+    'unix_ms', now, 'reason', reason)
+end
+local function go_down(node, state, now)
+  redis.call('HSET', node, 'state', state, 'down_unix_ms', now)
+  redis.call('PEXPIRE', node, ARGV[3])
+end
+-- Declares `id` failed if it is still live; false when another caller already did.
+local function fail(id, now)
+  if redis.call('ZREM', KEYS[1], id) == 0 then
+    return false
+  end
+  local node = ARGV[1] .. id
+  local ttl_s = (tonumber(redis.call('HGET', node, 'ttl_ms')) or 0) / 1000
+  go_down(node, 'failed', now)
+  emit('failed', id, node, now, 'no heartbeat for ' .. ttl_s .. ' s')
+  return true
+end
+local function expired(id, now)
+  local expiry = redis.call('ZSCORE', KEYS[1], id)
+  return (not expiry) or tonumber(expiry) <= now
+end
+"""
+
+# KEYS: live, events, nodes. ARGV: common, id, ttl_ms, field/value pairs...
+_REGISTER = _LUA_COMMON + """
+local id, ttl_ms = ARGV[4], tonumber(ARGV[5])
+local node = ARGV[1] .. id
+local now = now_ms()
+local state = redis.call('HGET', node, 'state')
+if state == 'alive' and expired(id, now) then
+  fail(id, now)
+  state = 'failed'
+end
+local fields = {}
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', node, unpack(fields))
+if state ~= 'alive' then
+  redis.call('HSET', node, 'queue_depth', 0, 'queued_work_s', 0, 'running_requests', 0,
+    'free_kv_blocks', 0, 'resident_prefix_hashes', '[]')
+end
+redis.call('HSET', node, 'state', 'alive', 'last_seen_unix_ms', now, 'ttl_ms', ttl_ms)
+redis.call('HDEL', node, 'down_unix_ms')
+redis.call('PERSIST', node)
+redis.call('ZADD', KEYS[1], now + ttl_ms, id)
+redis.call('SADD', KEYS[3], id)
+if state ~= 'alive' then
+  emit('joined', id, node, now, state and ('re-registered after ' .. state) or '')
+end
+return redis.call('HGETALL', node)
+"""
+
+# KEYS: live, events. ARGV: common, id, load field/value pairs...
+# Returns {expiry} or {-1} (unknown) or {-2, state} (not alive: re-register).
+_HEARTBEAT = _LUA_COMMON + """
+local id = ARGV[4]
+local node = ARGV[1] .. id
+local now = now_ms()
+local state = redis.call('HGET', node, 'state')
+if not state then
+  return {-1}
+end
+if state ~= 'alive' then
+  return {-2, state}
+end
+if expired(id, now) then
+  fail(id, now)
+  return {-2, 'failed'}
+end
+local fields = {}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', node, 'last_seen_unix_ms', now, unpack(fields))
+local expiry = now + tonumber(redis.call('HGET', node, 'ttl_ms'))
+redis.call('ZADD', KEYS[1], expiry, id)
+return {expiry}
+"""
+
+# KEYS: live, events. ARGV: common, id, reason. Returns 0 for an unknown instance.
+_DEREGISTER = _LUA_COMMON + """
+local id = ARGV[4]
+local node = ARGV[1] .. id
+local now = now_ms()
+local state = redis.call('HGET', node, 'state')
+if not state then
+  return 0
+end
+redis.call('ZREM', KEYS[1], id)
+if state == 'alive' then
+  emit('left', id, node, now, ARGV[5])
+end
+go_down(node, 'left', now)
+return 1
+"""
+
+# KEYS: live, events. ARGV: common, limit. Returns the ids this call declared failed.
+_SWEEP = _LUA_COMMON + """
+local now = now_ms()
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[4]))
+local failed = {}
+for _, id in ipairs(ids) do
+  if fail(id, now) then failed[#failed + 1] = id end
+end
+return failed
+"""
+
+# KEYS: links. ARGV: field, sample json.
+_REPORT_LINK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], ARGV[1], now .. ' ' .. ARGV[2])
+return now
+"""
+
+_LOAD_FIELDS = ("queue_depth", "queued_work_s", "running_requests", "free_kv_blocks")
+SWEEP_BATCH = 500
+
+
+def _text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _decode_hash(raw: dict) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in raw.items()}
+
+
+def _node_record(fields: dict[str, str], now_ms: int) -> NodeRecord:
+    registration = Registration(
+        instance_id=fields["instance_id"],
+        role=fields["role"],
+        address=fields["address"],
+        node=fields.get("node", ""),
+        rack=fields.get("rack", ""),
+        pod=fields.get("pod", ""),
+        gpu_index=int(fields.get("gpu_index", 0)),
+        model=fields.get("model", ""),
+        kv_capacity_blocks=int(fields.get("kv_capacity_blocks", 0)),
+        transfer_address=fields.get("transfer_address", ""),
+        heartbeat_ttl_s=int(fields["ttl_ms"]) / 1000,
+    )
+    load = NodeLoad(
+        queue_depth=int(fields.get("queue_depth", 0)),
+        queued_work_s=float(fields.get("queued_work_s", 0)),
+        running_requests=int(fields.get("running_requests", 0)),
+        free_kv_blocks=int(fields.get("free_kv_blocks", 0)),
+        resident_prefix_hashes=tuple(json.loads(fields.get("resident_prefix_hashes", "[]"))),
+    )
+    last_seen_ms = int(fields["last_seen_unix_ms"])
+    return NodeRecord(
+        registration=registration,
+        state=fields["state"],
+        load=load,
+        last_seen_unix_ms=last_seen_ms,
+        age_s=max(0.0, (now_ms - last_seen_ms) / 1000),
+        heartbeat_ttl_s=registration.heartbeat_ttl_s,
+    )
+
+
+def _event(event_id: bytes | str, raw: dict) -> NodeEvent:
+    fields = _decode_hash(raw)
+    return NodeEvent(
+        event_id=_text(event_id),
+        type=fields["type"],
+        instance_id=fields["instance_id"],
+        role=fields.get("role", ""),
+        address=fields.get("address", ""),
+        unix_ms=int(fields["unix_ms"]),
+        reason=fields.get("reason", ""),
+    )
+
+
+def _retrieve_exception(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("abandoned Redis read failed: %s", task.exception())
+
+
+async def _shielded(command: Awaitable[T]) -> T:
+    """Runs a Redis read so that cancelling the caller always raises CancelledError.
+
+    redis-py can swallow a CancelledError that lands inside a command
+    (redis/redis-py#2028); a watch loop whose client went away would then poll forever.
+    Here the cancel hits only the wait; the read itself finishes (within its block time)
+    and its result is dropped.
+    """
+    read = asyncio.ensure_future(command)
+    read.add_done_callback(_retrieve_exception)
+    return await asyncio.shield(read)
+
+
+class GossipStore:
+    """Registry operations; each raises `kvrs.errors` exceptions the servers map to codes."""
+
+    def __init__(
+        self,
+        client: redis_async.Redis,
+        prefix: str,
+        default_ttl_s: float,
+        events_maxlen: int = 10_000,
+        down_retention_s: float = 600.0,
+    ) -> None:
+        keys = Keys(prefix)
+        self._redis = client
+        self._default_ttl_s = default_ttl_s
+        self._node_prefix = keys("gossip", "node", "")
+        self._nodes = keys("gossip", "nodes")
+        self._live = keys("gossip", "live")
+        self._links = keys("gossip", "links")
+        self._events = keys("gossip", "events")
+        self._down_retention_s = down_retention_s
+        self._common = [self._node_prefix, str(events_maxlen), str(int(down_retention_s * 1000))]
+        self._register = client.register_script(_REGISTER)
+        self._heartbeat = client.register_script(_HEARTBEAT)
+        self._deregister = client.register_script(_DEREGISTER)
+        self._sweep = client.register_script(_SWEEP)
+        self._report_link = client.register_script(_REPORT_LINK)
+
+    async def register(self, registration: Registration) -> NodeRecord:
+        """Adds or refreshes an instance; "joined" only when it was not alive before."""
+        validate_registration(registration)
+        ttl_ms = max(1, round((registration.heartbeat_ttl_s or self._default_ttl_s) * 1000))
+        fields = asdict(registration)
+        del fields["heartbeat_ttl_s"]
+        pairs = [str(part) for item in fields.items() for part in item]
+        flat = await self._register(
+            keys=[self._live, self._events, self._nodes],
+            args=[*self._common, registration.instance_id, ttl_ms, *pairs],
+        )
+        stored = {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return _node_record(stored, int(stored["last_seen_unix_ms"]))
+
+    async def heartbeat(self, instance_id: str, load: NodeLoad) -> int:
+        """Records liveness and load; returns the new expiry (unix ms).
+
+        NotFound for an unknown instance and FailedPrecondition for one already declared
+        failed (or gone): either way the caller registers again.
+        """
+        require_id("instance_id", instance_id)
+        validate_load(load)
+        pairs: list[str] = []
+        for name in _LOAD_FIELDS:
+            pairs += [name, str(getattr(load, name))]
+        pairs += ["resident_prefix_hashes", json.dumps(list(load.resident_prefix_hashes))]
+        reply = await self._heartbeat(
+            keys=[self._live, self._events], args=[*self._common, instance_id, *pairs]
+        )
+        code = int(reply[0])
+        if code == -1:
+            raise NotFound(f"instance {instance_id!r} is not registered")
+        if code == -2:
+            raise FailedPrecondition(
+                f"instance {instance_id!r} is {_text(reply[1])}; register it again"
+            )
+        return code
+
+    async def deregister(self, instance_id: str, reason: str) -> None:
+        """Marks an instance as left; repeating it is harmless, an unknown id is NotFound."""
+        require_id("instance_id", instance_id)
+        found = await self._deregister(
+            keys=[self._live, self._events],
+            args=[*self._common, instance_id, reason or "deregistered"],
+        )
+        if not int(found):
+            raise NotFound(f"instance {instance_id!r} is not registered")
+
+    async def sweep(self) -> list[str]:
+        """Declares every instance whose TTL passed failed; returns the ids this call failed."""
+        failed: list[str] = []
+        while True:
+            batch = await self._sweep(
+                keys=[self._live, self._events], args=[*self._common, SWEEP_BATCH]
+            )
+            failed += [_text(item) for item in batch]
+            if len(batch) < SWEEP_BATCH:
+                return failed
+
+    async def list_nodes(
+        self, role: str | None = None, include_down: bool = False
+    ) -> tuple[list[NodeRecord], int]:
+        """Instances (alive only unless `include_down`) and the Redis time of the listing."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.time()
+            pipe.smembers(self._nodes)
+            (seconds, micros), members = await pipe.execute()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        ids = sorted(_text(member) for member in members)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for instance_id in ids:
+                pipe.hgetall(self._node_prefix + instance_id)
+            hashes = await pipe.execute()
+        records: list[NodeRecord] = []
+        forgotten: list[str] = []
+        for instance_id, raw in zip(ids, hashes, strict=True):
+            if not raw:
+                forgotten.append(instance_id)
+                continue
+            record = _node_record(_decode_hash(raw), now_ms)
+            if role and record.registration.role != role:
+                continue
+            if record.state == ALIVE or include_down:
+                records.append(record)
+        if forgotten:
+            await self._redis.srem(self._nodes, *forgotten)
+        return records, now_ms
+
+    async def report_link(self, sample: LinkSample) -> int:
+        """Stores the newest sample of a link; returns its time (unix ms, Redis clock)."""
+        validate_link_sample(sample)
+        link = json.dumps([sample.src_instance_id, sample.dst_instance_id])
+        return int(
+            await self._report_link(
+                keys=[self._links], args=[link, json.dumps(asdict(sample))]
+            )
+        )
+
+    async def list_links(self) -> tuple[list[LinkRecord], int]:
+        """Every link sample younger than the down retention, with its age."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.time()
+            pipe.hgetall(self._links)
+            (seconds, micros), raw = await pipe.execute()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        records: list[LinkRecord] = []
+        outdated: list[str] = []
+        for field, value in sorted(_decode_hash(raw).items()):
+            measured, _, body = value.partition(" ")
+            age_s = max(0.0, (now_ms - int(measured)) / 1000)
+            if age_s > self._down_retention_s:
+                outdated.append(field)
+                continue
+            records.append(LinkRecord(LinkSample(**json.loads(body)), int(measured), age_s))
+        if outdated:
+            await self._redis.hdel(self._links, *outdated)
+        return records, now_ms
+
+    async def resolve_after(self, after_event_id: str) -> str:
+        """The concrete stream id to read after: "" = the newest event now, "0" = the start."""
+        if after_event_id == "":
+            newest = await _shielded(self._redis.xrevrange(self._events, count=1))
+            return _text(newest[0][0]) if newest else "0-0"
+        if not _EVENT_ID.match(after_event_id):
+            raise InvalidArgument(
+                "after_event_id", f"must be '', '0' or a stream id like '1700000000000-0', "
+                f"got {after_event_id!r}"
+            )
+        return after_event_id
+
+    async def read_events(
+        self, after_event_id: str, block_s: float, count: int = 100
+    ) -> list[NodeEvent]:
+        """Events after `after_event_id`, waiting up to `block_s` for the first one."""
+        reply = await _shielded(
+            self._redis.xread(
+                {self._events: after_event_id}, count=count, block=max(1, int(block_s * 1000))
+            )
+        )
+        if not reply:
+            return []
+        return [_event(event_id, raw) for event_id, raw in reply[0][1]]
+
+
+async def sweep_forever(store: GossipStore, interval_s: float, stop: asyncio.Event) -> None:
+    """Runs `store.sweep()` every `interval_s` until `stop` is set; Redis outages are logged.
+
+    Every gossip replica runs one: the sweep script is atomic, so they never
+    double-report, and any surviving replica keeps detecting failures. It stops on an
+    event rather than by cancellation because redis-py can swallow a CancelledError that
+    lands inside a command (redis/redis-py#2028), which would leave the loop running.
+    """
+    while not stop.is_set():
+        try:
+            for instance_id in await store.sweep():
+                log.info("instance %s failed: heartbeats stopped", instance_id)
+        except redis.exceptions.RedisError as exc:
+            log.warning("failure sweep skipped: %s", exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)

@@ -1,0 +1,438 @@
+"""Gossip service against the real Redis and real gRPC servers (registry, links, events)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvrs import errors
+from kvrs.v1 import common_pb2, gossip_pb2, gossip_pb2_grpc
+from services.common import ConfigError, GrpcSettings, open_channel, setup_tracing
+from services.gossip.client import GossipClient, HeartbeatLoop
+from services.gossip.config import Config
+from services.gossip.records import LinkSample, NodeLoad, Registration
+from services.gossip.server import build_server
+
+TTL_S = 0.4
+
+
+def gossip_config(redis_url: str, redis_prefix: str, listen_addr: str = "127.0.0.1:0") -> Config:
+    return Config(
+        listen_addr=listen_addr,
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+        heartbeat_ttl_s=TTL_S,
+        sweep_interval_s=0.05,
+    )
+
+
+async def start_gossip(redis_url: str, redis_prefix: str, listen_addr: str = "127.0.0.1:0"):
+    provider = setup_tracing("test-gossip", exporter=InMemorySpanExporter())
+    return await build_server(gossip_config(redis_url, redis_prefix, listen_addr), provider)
+
+
+@pytest.fixture
+async def server(redis_url, redis_prefix):
+    handle = await start_gossip(redis_url, redis_prefix)
+    yield handle
+    await handle.stop(0)
+
+
+@pytest.fixture
+async def client(server):
+    gossip = GossipClient(f"127.0.0.1:{server.port}", timeout_s=5)
+    yield gossip
+    await gossip.close()
+
+
+@pytest.fixture
+async def stub(server):
+    channel = open_channel(f"127.0.0.1:{server.port}", GrpcSettings())
+    yield gossip_pb2_grpc.GossipServiceStub(channel)
+    await channel.close()
+
+
+def decode(instance_id: str, ttl_s: float = 0.0) -> Registration:
+    return Registration(
+        instance_id=instance_id,
+        role="decode",
+        address=f"{instance_id}:50060",
+        node="n0",
+        rack="r0",
+        pod="p0",
+        gpu_index=1,
+        model="tiny",
+        kv_capacity_blocks=64,
+        transfer_address=f"{instance_id}:29500",
+        heartbeat_ttl_s=ttl_s,
+    )
+
+
+async def collect(client: GossipClient, after: str, count: int, timeout_s: float = 3.0):
+    events = []
+
+    async def take() -> None:
+        async for event in client.watch_events(after):
+            events.append(event)
+            if len(events) == count:
+                return
+
+    await asyncio.wait_for(take(), timeout_s)
+    return events
+
+
+async def test_register_heartbeat_and_list(client):
+    prefill = Registration("prefill-0", "prefill", "p0:50060", heartbeat_ttl_s=5.0)
+    record = await client.register(prefill)
+    assert record.state == "alive"
+    assert record.heartbeat_ttl_s == 5.0
+    stored = await client.register(decode("decode-0"))
+    assert stored.heartbeat_ttl_s == TTL_S
+    assert stored.registration.transfer_address == "decode-0:29500"
+
+    load = NodeLoad(
+        queue_depth=3, queued_work_s=0.25, running_requests=2, free_kv_blocks=40,
+        resident_prefix_hashes=(7, 2**64 - 1),
+    )
+    expires_ms = await client.heartbeat("decode-0", load)
+    nodes = {node.registration.instance_id: node for node in await client.list_nodes()}
+    assert set(nodes) == {"prefill-0", "decode-0"}
+    assert nodes["decode-0"].load == load
+    assert nodes["decode-0"].registration.rack == "r0"
+    assert expires_ms == nodes["decode-0"].last_seen_unix_ms + int(TTL_S * 1000)
+    assert 0 <= nodes["decode-0"].age_s < TTL_S
+    decodes = await client.list_nodes(role="decode")
+    assert [node.registration.instance_id for node in decodes] == ["decode-0"]
+
+    await asyncio.sleep(0.15)
+    aged = {n.registration.instance_id: n for n in await client.list_nodes(role="prefill")}
+    assert aged["prefill-0"].age_s >= 0.15
+
+
+async def test_registration_is_idempotent_and_joined_once(client):
+    await client.register(decode("decode-0", ttl_s=5.0))
+    await client.heartbeat("decode-0", NodeLoad(queue_depth=4))
+    again = await client.register(decode("decode-0", ttl_s=5.0))
+    assert again.load.queue_depth == 4, "refreshing a live registration keeps its load"
+    await client.deregister("decode-0")
+    events = await collect(client, "0", 2)
+    assert [(e.type, e.instance_id) for e in events] == [
+        ("joined", "decode-0"),
+        ("left", "decode-0"),
+    ]
+
+
+async def test_unknown_instance_is_not_found(client, stub):
+    with pytest.raises(grpc.aio.AioRpcError) as raw:
+        await stub.Heartbeat(gossip_pb2.HeartbeatRequest(instance_id="ghost"), timeout=5)
+    assert raw.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(errors.NotFound):
+        await client.heartbeat("ghost")
+    with pytest.raises(errors.NotFound):
+        await client.deregister("ghost")
+
+
+async def test_stopped_heartbeats_are_reported_failed(client):
+    watcher = asyncio.create_task(collect(client, "", 2, timeout_s=TTL_S + 3))
+    await asyncio.sleep(0.2)
+    await client.register(decode("decode-0"))
+    for _ in range(3):
+        await asyncio.sleep(TTL_S / 3)
+        await client.heartbeat("decode-0")
+    loop = asyncio.get_running_loop()
+    last_beat_s = loop.time()
+    joined, failed = await watcher
+    detected_s = loop.time() - last_beat_s
+    print(f"failure detected {detected_s * 1000:.0f} ms after the last heartbeat (TTL {TTL_S} s)")
+    assert (joined.type, failed.type) == ("joined", "failed")
+    assert failed.instance_id == "decode-0" and failed.role == "decode"
+    assert failed.address == "decode-0:50060"
+    assert TTL_S * 0.8 <= detected_s < TTL_S + 1.5
+    with pytest.raises(errors.FailedPrecondition):
+        await client.heartbeat("decode-0")
+    assert await client.list_nodes() == []
+    [down] = await client.list_nodes(include_down=True)
+    assert down.state == "failed"
+
+
+async def test_late_heartbeat_before_the_sweep_still_fails(redis_url, redis_prefix):
+    provider = setup_tracing("test-gossip", exporter=InMemorySpanExporter())
+    config = Config(
+        listen_addr="127.0.0.1:0", redis_url=redis_url, redis_prefix=redis_prefix,
+        heartbeat_ttl_s=0.2, sweep_interval_s=30.0,
+    )
+    handle = await build_server(config, provider)
+    try:
+        async with GossipClient(f"127.0.0.1:{handle.port}") as client:
+            await asyncio.sleep(0.1)
+            await client.register(decode("decode-0"))
+            await asyncio.sleep(0.3)
+            with pytest.raises(errors.FailedPrecondition):
+                await client.heartbeat("decode-0")
+            events = await collect(client, "0", 2)
+            assert [e.type for e in events] == ["joined", "failed"]
+    finally:
+        await handle.stop(0)
+
+
+async def test_two_gossip_replicas_report_one_failure(redis_url, redis_prefix):
+    first = await start_gossip(redis_url, redis_prefix)
+    second = await start_gossip(redis_url, redis_prefix)
+    clients = [GossipClient(f"127.0.0.1:{h.port}") for h in (first, second)]
+    try:
+        watchers = [asyncio.create_task(collect(c, "", 2, TTL_S + 3)) for c in clients]
+        await asyncio.sleep(0.2)
+        for index in range(5):
+            await clients[index % 2].register(decode(f"decode-{index}"))
+        seen = await asyncio.gather(*watchers)
+        for events in seen:
+            assert [e.type for e in events] == ["joined", "joined"]
+        await asyncio.sleep(TTL_S + 0.5)
+        history = await collect(clients[1], "0", 10)
+        failed = sorted(e.instance_id for e in history if e.type == "failed")
+        assert failed == [f"decode-{i}" for i in range(5)], "each failure reported exactly once"
+        with pytest.raises(TimeoutError):
+            await collect(clients[0], "0", 11, timeout_s=0.5)
+    finally:
+        for client in clients:
+            await client.close()
+        await first.stop(0)
+        await second.stop(0)
+
+
+def register_request(**overrides) -> gossip_pb2.RegisterNodeRequest:
+    fields = dict(
+        request_id="r1", instance_id="decode-0", role=common_pb2.ROLE_DECODE,
+        address="d0:50060", heartbeat_ttl_s=1.0,
+    )
+    fields.update(overrides)
+    return gossip_pb2.RegisterNodeRequest(**fields)
+
+
+def link_request(**overrides) -> gossip_pb2.ReportLinkSampleRequest:
+    fields = dict(src_instance_id="p0", dst_instance_id="d0", bandwidth_bps=1e9, rtt_s=1e-4)
+    fields.update(overrides)
+    return gossip_pb2.ReportLinkSampleRequest(**fields)
+
+
+BAD_INPUTS = [
+    ("RegisterNode", register_request(instance_id=""), "instance_id"),
+    ("RegisterNode", register_request(role=common_pb2.ROLE_UNSPECIFIED), "role"),
+    ("RegisterNode", register_request(address=""), "address"),
+    ("RegisterNode", register_request(heartbeat_ttl_s=-1.0), "heartbeat_ttl_s"),
+    ("RegisterNode", register_request(heartbeat_ttl_s=float("nan")), "heartbeat_ttl_s"),
+    ("RegisterNode", register_request(kv_capacity_blocks=-5), "kv_capacity_blocks"),
+    ("RegisterNode", register_request(location=common_pb2.Location(gpu_index=-1)),
+     "location.gpu_index"),
+    ("Heartbeat", gossip_pb2.HeartbeatRequest(instance_id=""), "instance_id"),
+    ("Heartbeat", gossip_pb2.HeartbeatRequest(instance_id="d0", queue_depth=-1), "queue_depth"),
+    ("Heartbeat", gossip_pb2.HeartbeatRequest(instance_id="d0", queued_work_s=float("inf")),
+     "queued_work_s"),
+    ("Heartbeat", gossip_pb2.HeartbeatRequest(instance_id="d0", free_kv_blocks=-1),
+     "free_kv_blocks"),
+    ("DeregisterNode", gossip_pb2.DeregisterNodeRequest(instance_id=""), "instance_id"),
+    ("ReportLinkSample", link_request(src_instance_id=""), "src_instance_id"),
+    ("ReportLinkSample", link_request(dst_instance_id="p0"), "dst_instance_id"),
+    ("ReportLinkSample", link_request(bandwidth_bps=float("nan")), "bandwidth_bps"),
+    ("ReportLinkSample", link_request(bandwidth_bps=float("inf")), "bandwidth_bps"),
+    ("ReportLinkSample", link_request(bandwidth_bps=-1.0), "bandwidth_bps"),
+    ("ReportLinkSample", link_request(rtt_s=-0.1), "rtt_s"),
+    ("ReportLinkSample", link_request(sample_bandwidth_bps=float("nan")), "sample_bandwidth_bps"),
+]
+
+
+@pytest.mark.parametrize(("method", "request_message", "field"), BAD_INPUTS)
+async def test_bad_input_is_invalid_argument_naming_the_field(
+    stub, method, request_message, field
+):
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await getattr(stub, method)(request_message, timeout=5)
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert failure.value.details().startswith(f"{field}:"), failure.value.details()
+
+
+async def test_bad_event_id_is_invalid_argument(client):
+    with pytest.raises(errors.InvalidArgument) as failure:
+        await collect(client, "yesterday", 1)
+    assert failure.value.field == "after_event_id"
+
+
+async def test_events_replay_after_an_id(client):
+    for name in ("a", "b"):
+        await client.register(decode(name, ttl_s=5.0))
+    await client.deregister("a", reason="drained")
+    history = await collect(client, "0", 3)
+    assert [(e.type, e.instance_id) for e in history] == [
+        ("joined", "a"), ("joined", "b"), ("left", "a"),
+    ]
+    assert history[2].reason == "drained"
+    assert history[0].unix_ms <= history[2].unix_ms
+    replayed = await collect(client, history[0].event_id, 2)
+    assert replayed == history[1:]
+    live = asyncio.create_task(collect(client, history[2].event_id, 1))
+    await client.deregister("b")
+    [left] = await live
+    assert (left.type, left.instance_id) == ("left", "b")
+
+
+async def test_reregistration_after_failure_joins_again(client):
+    await client.register(decode("decode-0"))
+    await asyncio.sleep(TTL_S + 0.3)
+    record = await client.register(decode("decode-0"))
+    assert record.state == "alive"
+    events = await collect(client, "0", 3)
+    assert [e.type for e in events] == ["joined", "failed", "joined"]
+    assert events[2].reason == "re-registered after failed"
+
+
+async def test_link_samples_with_age(client):
+    sample = LinkSample("p0", "d0", bandwidth_bps=8e9, sample_bandwidth_bps=7.5e9, rtt_s=2e-4,
+                        probe_bytes=1 << 20, samples=3)
+    await client.report_link_sample(sample)
+    await client.report_link_sample(LinkSample("d0", "p0", bandwidth_bps=1e9))
+    await asyncio.sleep(0.2)
+    links = {
+        (link.sample.src_instance_id, link.sample.dst_instance_id): link
+        for link in await client.list_links()
+    }
+    assert set(links) == {("p0", "d0"), ("d0", "p0")}
+    forward = links[("p0", "d0")]
+    assert forward.sample.bandwidth_bps == 8e9
+    assert forward.sample.sample_bandwidth_bps == 7.5e9
+    assert forward.sample.rtt_s == 2e-4 and forward.sample.samples == 3
+    assert 0.2 <= forward.age_s < 5
+    await client.report_link_sample(LinkSample("p0", "d0", bandwidth_bps=4e9))
+    [fresh] = [link for link in await client.list_links() if link.sample.src_instance_id == "p0"]
+    assert fresh.sample.bandwidth_bps == 4e9 and fresh.age_s < forward.age_s
+
+
+async def test_watch_stream_ends_cleanly_on_shutdown(redis_url, redis_prefix):
+    handle = await start_gossip(redis_url, redis_prefix)
+    channel = open_channel(f"127.0.0.1:{handle.port}", GrpcSettings())
+    try:
+        call = gossip_pb2_grpc.GossipServiceStub(channel).WatchEvents(
+            gossip_pb2.WatchEventsRequest(after_event_id=""), timeout=30
+        )
+        await asyncio.sleep(0.2)
+        loop = asyncio.get_running_loop()
+        started_s = loop.time()
+        stopping = asyncio.create_task(handle.stop(10))
+        received = [event async for event in call]
+        assert received == []
+        assert await call.code() == grpc.StatusCode.OK
+        await stopping
+        assert loop.time() - started_s < 2, "watchers must not hold shutdown for the grace"
+    finally:
+        await channel.close()
+
+
+async def test_client_watch_resumes_across_a_server_restart(redis_url, redis_prefix):
+    handle = await start_gossip(redis_url, redis_prefix)
+    port = handle.port
+    other = await start_gossip(redis_url, redis_prefix)
+    writer = GossipClient(f"127.0.0.1:{other.port}")
+    watcher_client = GossipClient(f"127.0.0.1:{port}")
+    try:
+        received = []
+
+        async def watch() -> None:
+            async for event in watcher_client.watch_events(""):
+                received.append(event)
+                if len(received) == 3:
+                    return
+
+        watching = asyncio.create_task(watch())
+        await asyncio.sleep(0.2)
+        await writer.register(decode("a", ttl_s=5.0))
+        await asyncio.sleep(0.3)
+        await handle.stop(1)
+        await writer.register(decode("b", ttl_s=5.0))
+        await writer.register(decode("c", ttl_s=5.0))
+        handle = await start_gossip(redis_url, redis_prefix, f"127.0.0.1:{port}")
+        await asyncio.wait_for(watching, 10)
+        assert [e.instance_id for e in received] == ["a", "b", "c"]
+    finally:
+        await writer.close()
+        await watcher_client.close()
+        await handle.stop(0)
+        await other.stop(0)
+
+
+def test_config_from_env_names_the_bad_variable():
+    config = Config.from_env({"GOSSIP_HEARTBEAT_TTL_S": "0.5", "KVRS_REDIS_PREFIX": "{t}:"})
+    assert config.heartbeat_ttl_s == 0.5 and config.listen_addr == "0.0.0.0:50051"
+    with pytest.raises(ConfigError, match="GOSSIP_SWEEP_INTERVAL_S"):
+        Config.from_env({"GOSSIP_SWEEP_INTERVAL_S": "0"})
+    with pytest.raises(ConfigError, match="GOSSIP_HEARTBEAT_TTL_S"):
+        Config.from_env({"GOSSIP_HEARTBEAT_TTL_S": "soon"})
+    with pytest.raises(ConfigError, match="KVRS_REDIS_PREFIX"):
+        Config.from_env({"KVRS_REDIS_PREFIX": "kvrs:"})
+
+
+async def test_cancelled_watchers_do_not_linger(server, stub):
+    calls = [
+        stub.WatchEvents(gossip_pb2.WatchEventsRequest(after_event_id=""), timeout=30)
+        for _ in range(3)
+    ]
+    readers = [asyncio.create_task(call.read()) for call in calls]
+    await asyncio.sleep(0.3)
+    assert server.servicer.active_watchers == 3
+    for call in calls:
+        call.cancel()
+    for delay_s in [0.0, 0.001, 0.003, 0.01, 0.02, 0.05] * 5:
+        call = stub.WatchEvents(gossip_pb2.WatchEventsRequest(after_event_id="0"), timeout=30)
+        readers.append(asyncio.create_task(call.read()))
+        await asyncio.sleep(delay_s)
+        call.cancel()
+    await asyncio.gather(*readers, return_exceptions=True)
+    for _ in range(40):
+        if server.servicer.active_watchers == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert server.servicer.active_watchers == 0
+
+
+async def test_heartbeat_loop_keeps_an_instance_alive_and_rejoins_after_failure(client):
+    stall = asyncio.Event()
+    beats = 0
+    reregistered = []
+
+    async def load() -> NodeLoad:
+        nonlocal beats
+        beats += 1
+        if stall.is_set():
+            stall.clear()
+            await asyncio.sleep(TTL_S + 0.3)
+        if beats == 3:
+            raise RuntimeError("metric source broken")
+        return NodeLoad(queue_depth=beats)
+
+    loop = HeartbeatLoop(
+        client, decode("decode-0", ttl_s=TTL_S), load=load, interval_s=0.1,
+        on_reregistered=lambda: reregistered.append(True),
+    )
+    record = await loop.start()
+    assert record.state == "alive" and loop.running
+    await asyncio.sleep(3 * TTL_S)
+    [node] = await client.list_nodes()
+    assert node.load.queue_depth >= 4, "a failing load callback must not stop the beats"
+    assert loop.registrations == 1
+
+    stall.set()
+    for _ in range(40):
+        if reregistered:
+            break
+        await asyncio.sleep(0.05)
+    assert reregistered and loop.registrations == 2
+    [node] = await client.list_nodes()
+    assert node.state == "alive"
+
+    await loop.stop(reason="drained")
+    await loop.stop()
+    assert not loop.running
+    events = await collect(client, "0", 4)
+    assert [e.type for e in events] == ["joined", "failed", "joined", "left"]
+    assert events[3].reason == "drained"
