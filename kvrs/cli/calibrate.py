@@ -1,0 +1,130 @@
+"""`kvrs calibrate`: measure a worker model's prefill (and extend) time on this machine.
+
+Runs the workers' own transformer (services.worker.model, same dtype and threads as a
+worker) over a sweep of prompt lengths, fits T_pf(L) = a + b·L + c·L², checks the fit's
+extend prediction T_ext(L0, g) against measured extends, and writes the profile JSON
+(`kvrs.profile.ComputeProfile.save`) that the scheduler, the cost oracle and the workers
+(WORKER_PROFILE_PATH) load. The report goes to stdout as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+from kvrs.errors import InvalidArgument, KvrsError
+from kvrs.profile import ComputeProfile
+
+DEFAULT_LENGTHS = "16,32,64,128,256,512,1024"
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Add the `kvrs calibrate` arguments."""
+    parser.add_argument("--model", default="tiny", help="worker model preset (tiny, opt-125m)")
+    parser.add_argument("--dtype", default="",
+                        help="float64, float32, bfloat16 (default: what a worker uses)")
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS,
+                        help=f"comma-separated prompt lengths, tokens (default {DEFAULT_LENGTHS})")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per length; the median is kept")
+    parser.add_argument("--extend-new-tokens", type=int, default=16,
+                        help="tokens appended in each measured extend (g)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (as WORKER_TORCH_THREADS)")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed")
+    parser.add_argument("--output", required=True, help="where to write the profile JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, fit, write the profile, print the report; exit 2 (naming the flag) on bad input."""
+    try:
+        report = calibrate(args)
+    except KvrsError as exc:
+        flag = f"--{exc.field.replace('_', '-')}" if exc.field else ""
+        print(f"kvrs calibrate: {flag + ': ' if flag else ''}{exc.message or exc}",
+              file=sys.stderr)
+        return 2
+    json.dump(report, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _lengths(text: str, max_positions: int) -> list[int]:
+    try:
+        lengths = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise InvalidArgument("lengths", f"must be comma-separated integers, got {text!r}") \
+            from None
+    if not lengths or lengths[0] <= 0:
+        raise InvalidArgument("lengths", "needs at least one length, every length > 0")
+    if lengths[-1] > max_positions:
+        raise InvalidArgument("lengths", f"{lengths[-1]} exceeds the model's {max_positions} "
+                              "positions")
+    return lengths
+
+
+def calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    """The measurements, the fit and the extend check; writes the profile to args.output."""
+    import torch
+
+    from services.worker.model import MODEL_CONFIGS, Transformer, resolve_dtype
+
+    if args.model not in MODEL_CONFIGS:
+        raise InvalidArgument("model", f"unknown worker model {args.model!r} (known: "
+                              f"{', '.join(MODEL_CONFIGS)})")
+    for field in ("repeats", "threads", "extend_new_tokens"):
+        if getattr(args, field) <= 0:
+            raise InvalidArgument(field, f"must be > 0, got {getattr(args, field)}")
+    config = MODEL_CONFIGS[args.model]
+    lengths = _lengths(args.lengths, config.max_positions)
+    dtype_name = args.dtype or ("float64" if args.model == "tiny" else "bfloat16")
+    torch.set_num_threads(args.threads)
+    model = Transformer(config, dtype=resolve_dtype(dtype_name), seed=args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+
+    def prompt(tokens: int) -> list[int]:
+        return torch.randint(0, config.vocab_size, (tokens,), generator=generator).tolist()
+
+    def timed(fn) -> float:
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+
+    model.prefill(prompt(min(lengths)))  # warm-up: first-call allocations and kernel choice
+    table = []
+    for tokens in lengths:
+        samples = []
+        for _ in range(args.repeats):
+            tokens_in = prompt(tokens)
+            samples.append(timed(lambda t=tokens_in: model.prefill(t)))
+        table.append((tokens, statistics.median(samples)))
+    profile = ComputeProfile.fit(args.model, table)
+    profile.save(args.output)
+
+    extend_check = []
+    g = args.extend_new_tokens
+    for cached in sorted({lengths[0], lengths[len(lengths) // 2]}):
+        if cached + g > config.max_positions:
+            continue
+        samples = []
+        for _ in range(args.repeats):
+            cache, _ = model.prefill(prompt(cached))
+            new = prompt(g)
+            samples.append(timed(lambda c=cache, n=new: model.extend(c, n)))
+        extend_check.append({"cached_tokens": cached, "new_tokens": g,
+                             "measured_s": statistics.median(samples),
+                             "predicted_s": profile.extend_s(cached, g)})
+    return {
+        "model": args.model,
+        "dtype": dtype_name,
+        "threads": args.threads,
+        "output": str(args.output),
+        "profile": profile.to_json(),
+        "fit_vs_measured": [{"tokens": tokens, "measured_s": seconds,
+                             "fit_s": profile.fit_s(tokens)} for tokens, seconds in table],
+        "extend_check": extend_check,
+    }
