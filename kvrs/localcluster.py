@@ -25,6 +25,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,6 +40,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TOPOLOGY_FILE = REPO_ROOT / "deploy" / "topology.yaml"
 GEN_CERTS = REPO_ROOT / "deploy" / "gen-certs.sh"
 LOG_TAIL_LINES = 30
+SERVING = "SERVING"
 
 
 class ClusterError(RuntimeError):
@@ -104,6 +107,8 @@ class ServiceSpec:
     args: tuple[str, ...] = ()
     env: EnvBuilder = field(default=lambda wiring: {})
     """Service-specific variables, beyond those every process gets."""
+    health_path: str = ""
+    """HTTP path answering 200 when ready; empty = the gRPC health service says SERVING."""
 
 
 def _worker(name: str, role: str, port: int) -> ServiceSpec:
@@ -147,6 +152,10 @@ SERVICES: tuple[ServiceSpec, ...] = (
     _worker("decode-1", "decode", 50063),
     ServiceSpec("prober", "services.prober", "PROBER_LISTEN_ADDR", stage=2, port=50055),
     ServiceSpec("router", "services.router", "ROUTER_LISTEN_ADDR", stage=2, port=50056),
+    ServiceSpec(
+        "openai-http", "services.openai_http", "OPENAI_HTTP_LISTEN_ADDR", stage=3, port=8000,
+        health_path="/health",
+    ),
 )
 """The cluster, in start order: adding a service is adding a row."""
 
@@ -217,6 +226,8 @@ class ProcessRecord:
     start_ticks: int
     """The process' start time in clock ticks (/proc/<pid>/stat), so a recycled pid is
     never mistaken for it; -1 where /proc is unavailable."""
+    health_path: str = ""
+    """See ServiceSpec.health_path."""
 
 
 @dataclass
@@ -341,6 +352,7 @@ def spawn(
     address: str,
     env: Mapping[str, str],
     run_dir: Path,
+    health_path: str = "",
 ) -> ProcessRecord:
     """Starts `command` in its own session (it outlives `kvrs up`), logging to a file."""
     log_file = run_dir / "logs" / f"{name}.log"
@@ -364,6 +376,7 @@ def spawn(
         log_file=str(log_file),
         started_unix_ms=int(time.time() * 1000),
         start_ticks=_start_ticks(process.pid),
+        health_path=health_path,
     )
 
 
@@ -400,6 +413,10 @@ def layout_ports(base_port: int, services: Sequence[ServiceSpec]) -> list[int]:
     already taken."""
     ports = [spec.port - STANDARD_BASE_PORT + base_port for spec in services]
     for spec, port in zip(services, ports, strict=True):
+        if not 1024 <= port <= 65535:
+            raise ClusterError(
+                f"--base-port {base_port} puts {spec.name} on port {port}, outside 1024-65535"
+            )
         with socket.socket() as sock:
             # As gRPC servers do, so a port left in TIME_WAIT by the last cluster counts as free.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -492,11 +509,31 @@ def generate_certs(run_dir: Path) -> Path:
     return tls_dir
 
 
+def _http_health(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as reply:
+            return SERVING if reply.status == 200 else f"HTTP {reply.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except OSError as exc:
+        return f"unreachable ({exc})"
+
+
+async def probe_health(record: ProcessRecord, settings) -> str:
+    """SERVING when the process is ready, else what its health check answered."""
+    from services.common.healthcheck import check_health
+
+    if record.health_path:
+        return await asyncio.to_thread(
+            _http_health, f"http://{record.address}{record.health_path}"
+        )
+    return await check_health(record.address, settings, timeout_s=0.5)
+
+
 async def _wait_serving(
     records: Sequence[ProcessRecord], tls_dir: Path | None, timeout_s: float
 ) -> None:
     from services.common.config import GrpcSettings, TlsConfig
-    from services.common.healthcheck import SERVING, check_health
 
     settings = GrpcSettings()
     if tls_dir is not None:
@@ -512,7 +549,7 @@ async def _wait_serving(
                     f"{log_tail(record.log_file)}"
                 )
         statuses = await asyncio.gather(
-            *(check_health(r.address, settings, timeout_s=0.5) for r in pending.values())
+            *(probe_health(record, settings) for record in pending.values())
         )
         for name, status in zip(list(pending), statuses, strict=True):
             last_status[name] = status
@@ -606,7 +643,7 @@ def start_cluster(
                 command = [sys.executable, "-m", spec.module, *spec.args]
                 batch.append(
                     spawn(spec.name, spec.kind, command, spec.module, addresses[spec.name],
-                          env, run_dir)
+                          env, run_dir, spec.health_path)
                 )
             started.extend(batch)
             state.save()

@@ -31,8 +31,9 @@ CONFIGURATION_DOC = ROOT / "docs" / "configuration.md"
 
 KVRS_SERVICES = {
     "gossip", "slot-broker", "cost-oracle", "prober", "scheduler-1", "scheduler-2", "router",
-    "prefill-0", "prefill-1", "decode-0", "decode-1",
+    "openai-http", "prefill-0", "prefill-1", "decode-0", "decode-1",
 }
+HTTP_SERVICES = {"openai-http"}
 # Read outside the Config classes: by setup_tracing / configure_logging / Python itself.
 PROCESS_ENV = {
     "OTEL_SERVICE_NAME", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_INSECURE",
@@ -136,8 +137,11 @@ def test_each_service_command_port_and_variables_match_its_config(compose, name)
     port = default_port(module)
     assert port_of(environment.get(listen, f"0.0.0.0:{port}")) == port
     healthcheck = service["healthcheck"]["test"]
-    assert healthcheck[1:4] == ["python", "-m", "services.common.healthcheck"]
-    assert port_of(healthcheck[4]) == port
+    if name in HTTP_SERVICES:
+        assert f"http://localhost:{port}/health" in healthcheck[-1]
+    else:
+        assert healthcheck[1:4] == ["python", "-m", "services.common.healthcheck"]
+        assert port_of(healthcheck[4]) == port
     assert any(str(p).endswith(f":{port}") for p in service["ports"])
     assert environment["OTEL_SERVICE_NAME"] == f"kvrs-{name}"
     assert service["env_file"] == ".env"
