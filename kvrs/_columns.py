@@ -163,15 +163,22 @@ class Columns:
         """Prefix-hit tokens of every instance that has any (index → tokens)."""
         if not prefix_hashes or not self.has_resident:
             return {}
-        hits: dict[int, int] = {}
+        # Holders of blocks 0..j shrink as j grows; each instance is written once, at the
+        # deepest level it reaches.
+        levels: list[frozenset[int]] = []
         holding: frozenset[int] | None = None
-        max_blocks = -(-prompt_tokens // block_tokens)
-        for blocks, block_hash in enumerate(prefix_hashes[:max_blocks], start=1):
+        for block_hash in prefix_hashes[:-(-prompt_tokens // block_tokens)]:
             found = self.holders(block_hash)
             holding = found if holding is None else holding & found
             if not holding:
                 break
-            tokens = min(blocks * block_tokens, prompt_tokens)
-            for i in holding:
+            levels.append(holding)
+        hits: dict[int, int] = {}
+        deeper: frozenset[int] = frozenset()
+        for depth in range(len(levels), 0, -1):
+            tokens = min(depth * block_tokens, prompt_tokens)
+            level = levels[depth - 1]
+            for i in level - deeper if deeper else level:
                 hits[i] = tokens
+            deeper = level
         return hits

@@ -70,7 +70,7 @@ class PathMatrix:
     """Paths from every source to every destination, as link-index arrays."""
 
     __slots__ = ("network", "src_ids", "dst_ids", "link_index", "capacity_bps", "known_flows",
-                 "incidence", "path_capacity_bps", "rtt_s", "measured_bps", "has_measured",
+                 "incidence", "rtt_s", "measured_at", "measured_incidence", "measured_bps",
                  "version", "lo_s", "hi_s")
 
     def __init__(self, network: NetworkModel, src_ids: Sequence[str], dst_ids: Sequence[str],
@@ -100,13 +100,15 @@ class PathMatrix:
                     incidence[k, i, j] = index
         self.incidence = incidence
         self.capacity_bps = np.array(capacity)
-        self.path_capacity_bps = self.capacity_bps[incidence]
         self.known_flows = np.array(known)
         self.rtt_s = np.array([[t.rtt_s for t in row] for row in terms]).reshape(
             len(src_ids), len(dst_ids))
-        self.measured_bps = np.array([[t.measured_bps for t in row] for row in terms]).reshape(
+        # The few pairs with a fresh measurement, kept apart: their base is the measurement.
+        measured = np.array([[t.measured_bps for t in row] for row in terms]).reshape(
             len(src_ids), len(dst_ids))
-        self.has_measured = bool(self.measured_bps.any())
+        self.measured_at = np.nonzero(measured)
+        self.measured_incidence = incidence[:, self.measured_at[0], self.measured_at[1]]
+        self.measured_bps = measured[self.measured_at]
         self.lo_s = max((t.lo_s for row in terms for t in row), default=-math.inf)
         self.hi_s = min((t.hi_s for row in terms for t in row), default=math.inf)
 
@@ -126,9 +128,8 @@ class PathMatrix:
                 i = self.link_index.get(link)
                 if i is not None:
                     flows[i] += count
-        on_path = flows[self.incidence]
-        bps = (self.path_capacity_bps / (on_path + 1.0)).min(axis=0)
-        if self.has_measured:
-            measured = self.measured_bps / (on_path.max(axis=0) + 1.0)
-            bps = np.where(self.measured_bps > 0.0, measured, bps)
+        bps = (self.capacity_bps / (flows + 1.0))[self.incidence].min(axis=0)
+        if len(self.measured_bps):
+            busiest = flows[self.measured_incidence].max(axis=0)
+            bps[self.measured_at] = self.measured_bps / (busiest + 1.0)
         return bps

@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvrs._frozen import build
 from kvrs.errors import InvalidArgument
 from kvrs.estimator import LinkEstimate, StalenessPolicy
 from kvrs.topology import LinkId, Tier, Topology
@@ -101,6 +102,7 @@ class NetworkModel:
         self._estimates: dict[tuple[str, str], LinkEstimate] = {}
         self._flows: dict[LinkId, int] = {}
         self._paths: dict[tuple[str, str], PathTerms] = {}
+        self._tables: dict[str, PathTable] = {}
         self._inputs_version = 0
         self._topology_version = topology.version
 
@@ -152,11 +154,19 @@ class NetworkModel:
         return self._path(src_id, dst_id, now_s)
 
     def fan_out(self, src_id: str, dst_ids: Sequence[str], now_s: float) -> PathTable:
-        """The paths from `src_id` to each of `dst_ids` (known flows, no extra ones)."""
+        """The paths from `src_id` to each of `dst_ids` (known flows, no extra ones).
+
+        The last table per source is kept: views are rebuilt on every gossip refresh, but
+        the set of instances rarely changes between two of them.
+        """
+        dst_ids = tuple(dst_ids)
+        cached = self._tables.get(src_id)
+        if cached is not None and cached.dst_ids == dst_ids and cached.valid(self, now_s):
+            return cached
         paths = [self._path(src_id, dst_id, now_s) for dst_id in dst_ids]
-        return PathTable(
+        table = self._tables[src_id] = PathTable(
             src_id=src_id,
-            dst_ids=tuple(dst_ids),
+            dst_ids=dst_ids,
             bandwidth_bps=tuple(path.bps for path in paths),
             rtt_s=tuple(path.rtt_s if path.links else 0.0 for path in paths),
             tiers=tuple(path.tier for path in paths),
@@ -164,6 +174,7 @@ class NetworkModel:
             lo_s=max((path.lo_s for path in paths), default=-math.inf),
             hi_s=min((path.hi_s for path in paths), default=math.inf),
         )
+        return table
 
     def tier(self, src_id: str, dst_id: str) -> Tier:
         """The topology tier of the path."""
@@ -197,9 +208,10 @@ class NetworkModel:
         else:
             seconds = path.rtt_s + BITS_PER_BYTE * kv_bytes / bps
         estimate = path.estimate
-        return TransferEstimate(
-            src_id=src_id, dst_id=dst_id, kv_bytes=kv_bytes, transfer_s=seconds,
-            tier=path.tier, bottleneck_bps=bps, rtt_s=path.rtt_s if path.links else 0.0,
+        return build(
+            TransferEstimate, src_id=src_id, dst_id=dst_id, kv_bytes=kv_bytes,
+            transfer_s=seconds, tier=path.tier, bottleneck_bps=bps,
+            rtt_s=path.rtt_s if path.links else 0.0,
             telemetry_age_s=-1.0 if estimate is None else estimate.age_s(now_s),
             telemetry_stale=path.stale, flows_on_path=flows if link is not None else 0,
         )

@@ -27,6 +27,7 @@ import numpy as np
 
 from kvrs._columns import Columns as _Columns
 from kvrs._columns import Fan as _Fan
+from kvrs._frozen import build
 from kvrs.cluster import InstanceState
 from kvrs.costmodel import CostModel, prefix_hit_tokens
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -50,6 +51,8 @@ __all__ = [
 
 NUMPY_MIN_CANDIDATES = 32
 """From this many candidates on, scores are computed with numpy instead of list passes."""
+HIT_ARRAY_MIN_CANDIDATES = 512
+"""From this many candidates on, prefix hits are found with boolean arrays, not sets."""
 
 _INF = math.inf
 
@@ -120,11 +123,12 @@ def _netkv_scores(
 ) -> list[float] | np.ndarray:
     """T_x + W of every candidate; infinity where the KV does not fit.
 
-    `hits` is a dict (index → tokens) for list passes, an array (or None) for numpy.
+    `hits` maps index → prefix-hit tokens (a dict, or an array for the largest sets).
     """
     bits_per_token = cost.kv_bits_per_token
     bits = bits_per_token * prompt_tokens
-    if isinstance(hits, dict):
+    if len(columns.ids) < NUMPY_MIN_CANDIDATES:
+        hits = hits or {}
         if prompt_tokens == 0:
             scores = list(columns.wait)
         else:
@@ -140,16 +144,27 @@ def _netkv_scores(
         return scores
     wait, free = columns.arrays()
     rtt, inv_bps, rtt_wait = fan.arrays()
-    if hits is None:
+    if not isinstance(hits, np.ndarray) and not hits:
         scores = rtt_wait + bits * inv_bps if prompt_tokens else wait.copy()
         if columns.min_free < prompt_tokens:
             scores[free < prompt_tokens] = _INF
         return scores
-    need = prompt_tokens - hits
-    scores = np.where(need > 0, rtt + (bits_per_token * need) * inv_bps, 0.0)
-    scores += wait
+    if isinstance(hits, np.ndarray):
+        need = prompt_tokens - hits
+        scores = np.where(need > 0, rtt + (bits_per_token * need) * inv_bps, 0.0)
+        scores += wait
+        if columns.min_free < prompt_tokens:
+            scores[free < need] = _INF
+        return scores
+    scores = rtt_wait + bits * inv_bps
+    index = np.fromiter(hits, dtype=np.intp, count=len(hits))
+    need = prompt_tokens - np.fromiter(hits.values(), dtype=np.float64, count=len(hits))
+    scores[index] = wait[index] + np.where(
+        need > 0, rtt[index] + (bits_per_token * need) * inv_bps[index], 0.0)
     if columns.min_free < prompt_tokens:
-        scores[free < need] = _INF
+        need_all = np.full(len(columns.ids), float(prompt_tokens))
+        need_all[index] = need
+        scores[free < need_all] = _INF
     return scores
 
 
@@ -165,17 +180,17 @@ def _two_best(
         low = scores[best]
         if low == _INF:
             return -1, None
-        tied = np.flatnonzero(scores == low)
-        if len(tied) > 1:
-            ordered = sorted(tied.tolist(), key=tie_key)
-            return ordered[0], ordered[1]
         scores[best] = _INF
         second = int(scores.argmin())
         low2 = scores[second]
         if low2 == _INF:
             return best, None
-        tied = np.flatnonzero(scores == low2)
-        return best, (second if len(tied) == 1 else min(tied.tolist(), key=tie_key))
+        if low2 == low:
+            ordered = sorted([best, *np.flatnonzero(scores == low).tolist()], key=tie_key)
+            return ordered[0], ordered[1]
+        if np.count_nonzero(scores == low2) > 1:
+            second = min(np.flatnonzero(scores == low2).tolist(), key=tie_key)
+        return best, second
     low = min(scores)
     if low == _INF:
         return -1, None
@@ -212,7 +227,7 @@ class _Decision:
         self.fan = self.columns.fan(cost.network, request.prefill_id, now_s)
         block_tokens = cost.model.block_tokens
         self.hits: dict[int, int] | np.ndarray | None
-        if len(self.columns.ids) >= NUMPY_MIN_CANDIDATES:
+        if len(self.columns.ids) >= HIT_ARRAY_MIN_CANDIDATES:
             self.hits = self.columns.hit_array(request.prefix_hashes, request.prompt_tokens,
                                                block_tokens)
         else:
@@ -263,8 +278,9 @@ class _Decision:
         transfer_s = (fan.rtt[i] + self.cost.kv_bits_per_token * need * fan.inv_bps[i]
                       if need else 0.0)
         wait_s = self.columns.wait[i]
-        return CandidateScore(self.columns.ids[i], transfer_s + wait_s, transfer_s, wait_s, hit,
-                              fan.table.tiers[i])
+        return build(CandidateScore, instance_id=self.columns.ids[i], score_s=transfer_s + wait_s,
+                     transfer_s=transfer_s, wait_s=wait_s, prefix_hit_tokens=hit,
+                     tier=fan.table.tiers[i])
 
     def placement(self, policy: str, best: int, runner: int | None) -> Placement:
         request, columns = self.request, self.columns
@@ -273,7 +289,8 @@ class _Decision:
         transfer = self.cost.network.transfer(request.prefill_id, columns.ids[best], kv_bytes,
                                               self.now_s)
         wait_s = columns.wait[best]
-        return Placement(
+        return build(
+            Placement,
             instance_id=columns.ids[best],
             predicted_ttft_s=transfer.transfer_s + wait_s,
             transfer=transfer,

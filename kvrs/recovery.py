@@ -21,9 +21,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 from kvrs._columns import Columns
+from kvrs._frozen import build
 from kvrs.cluster import ClusterView
 from kvrs.costmodel import CostModel
 from kvrs.errors import FailedPrecondition, InvalidArgument
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
     import numpy as np
 
 _INF = math.inf
-_T = TypeVar("_T")
 TIE_TOLERANCE_S = 1e-9
 """Costs closer than this are a tie (then MIGRATE, which moves no compute, wins)."""
 
@@ -140,18 +140,6 @@ class RecoveryPolicy(Protocol):
         migration_slot_free: bool = True, extra_flows: Mapping[LinkId, int] | None = None,
         extra_wait_s: Mapping[str, float] | None = None,
     ) -> RecoveryDecision: ...
-
-
-def _build(cls: type[_T], **values: object) -> _T:
-    """A frozen dataclass instance made without its generated `__init__`.
-
-    That `__init__` sets each field through `object.__setattr__` and costs about as much
-    as the rest of a decision; decisions build four of these per request from values
-    they computed themselves, so they fill the instance dictionary directly.
-    """
-    instance = object.__new__(cls)
-    instance.__dict__.update(values)
-    return instance
 
 
 # -- HYBRID split -----------------------------------------------------------------------
@@ -409,11 +397,11 @@ class _Options:
         """The OptionCost of a raw option; infeasible with `block` as reason when set."""
         if raw is None:
             reason = block or self.memory_block or "no alive prefill instance"
-            return _build(OptionCost, action=action, target_id="", source_id="", cost_s=_INF,
+            return build(OptionCost, action=action, target_id="", source_id="", cost_s=_INF,
                           wait_s=_INF, transfer_s=_INF, compute_s=_INF, split_tokens=0,
                           feasible=False, infeasible_reason=reason)
         total, target, source, wait, transfer, compute, split = raw
-        return _build(OptionCost, action=action, target_id=target, source_id=source,
+        return build(OptionCost, action=action, target_id=target, source_id=source,
                       cost_s=total, wait_s=wait, transfer_s=transfer, compute_s=compute,
                       split_tokens=split, feasible=not block, infeasible_reason=block)
 
@@ -437,7 +425,7 @@ class _Options:
             if option is not chosen and option.feasible and (
                     runner_up is None or option.cost_s < runner_up.cost_s):
                 runner_up = option
-        return _build(RecoveryDecision, request_id=request.request_id, action=chosen.action,
+        return build(RecoveryDecision, request_id=request.request_id, action=chosen.action,
                       target_id=chosen.target_id, source_id=chosen.source_id,
                       cost_s=chosen.cost_s, split_tokens=chosen.split_tokens, options=options,
                       reason=reason, slack_s=slack, runner_up=runner_up, policy=policy)
