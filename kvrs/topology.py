@@ -23,8 +23,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import yaml
-
 from kvrs.errors import InvalidArgument, NotFound
 from kvrs.units import gbps_to_bps
 
@@ -137,6 +135,8 @@ class Topology:
     @classmethod
     def from_yaml(cls, path: str | Path) -> Topology:
         """Load the YAML format of docs/topology.md."""
+        import yaml  # only files need it; `kvrs cost` builds its topology in code
+
         try:
             data = yaml.safe_load(Path(path).read_text())
         except yaml.YAMLError as exc:

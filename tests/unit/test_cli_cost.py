@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvrs.cli import main
 from kvrs.cli.cost import DECODE_ID, PREFILL_ID, two_instance_topology
 from kvrs.cluster import ClusterView, InstanceState
 from kvrs.costmodel import CostModel
@@ -73,20 +74,21 @@ def test_deadline_and_infeasible_migration() -> None:
     assert report["migrate_s"] is None
 
 
-def test_fast_link_ties_to_migrate() -> None:
-    result = kvrs_cost("--model", "opt-13b", "--prompt-tokens", "512", "--bandwidth-gbps", "3600")
-    report = json.loads(result.stdout)
+def test_fast_link_ties_to_migrate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cost", "--model", "opt-13b", "--prompt-tokens", "512", "--bandwidth-gbps",
+                 "3600"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["hybrid_split_tokens"] == 0
     assert report["decision"] == "migrate"
 
 
-def test_calibrated_profile_file(tmp_path: Path) -> None:
+def test_calibrated_profile_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     profile = ComputeProfile.fit("opt-13b", [(128, 0.03), (1024, 0.2), (4096, 1.0)])
     path = tmp_path / "profile.json"
     profile.save(path)
-    result = kvrs_cost("--model", "opt-13b", "--prompt-tokens", "1024", "--bandwidth-gbps", "1",
-                       "--profile", str(path))
-    assert json.loads(result.stdout)["prefill_s"] == pytest.approx(0.2)
+    assert main(["cost", "--model", "opt-13b", "--prompt-tokens", "1024", "--bandwidth-gbps",
+                 "1", "--profile", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["prefill_s"] == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize(("flags", "named"), [
@@ -96,8 +98,15 @@ def test_calibrated_profile_file(tmp_path: Path) -> None:
     (["--model", "opt-13b", "--prompt-tokens", "3", "--bandwidth-gbps", "1",
       "--generated-tokens", "-1"], "--generated-tokens"),
 ])
-def test_bad_flags_are_named(flags: list[str], named: str) -> None:
-    result = kvrs_cost(*flags)
+def test_bad_flags_are_named(flags: list[str], named: str,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cost", *flags]) == 2
+    captured = capsys.readouterr()
+    assert named in captured.err
+    assert captured.out == ""
+
+
+def test_bad_flag_exit_status_through_the_command() -> None:
+    result = kvrs_cost("--model", "gpt-9", "--prompt-tokens", "10", "--bandwidth-gbps", "1")
     assert result.returncode == 2
-    assert named in result.stderr
-    assert result.stdout == ""
+    assert "--model" in result.stderr
