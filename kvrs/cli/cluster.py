@@ -266,7 +266,7 @@ def _render(report: dict[str, Any]) -> str:
         )
         if slots["links"]:
             rows = [[s["src_instance_id"], s["dst_instance_id"], str(s["in_use"]),
-                     str(s["cap"])] for s in slots["links"]]
+                     str(s["cap"]) if s["cap"] else "-"] for s in slots["links"]]
             parts.append(_table(["SRC", "DST", "IN_USE", "CAP"], rows))
     return "\n".join(parts)
 
