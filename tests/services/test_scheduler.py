@@ -1,0 +1,574 @@
+"""Scheduler over a real gossip store and slot broker: placement, recovery, staleness, spans."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvrs.model import model_spec
+from kvrs.profile import compute_profile
+from kvrs.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, slots_pb2, slots_pb2_grpc
+from services.common import GrpcSettings, open_channel, setup_tracing
+from services.gossip.client import GossipClient
+from services.gossip.config import Config as GossipConfig
+from services.gossip.records import LinkSample, NodeLoad, Registration
+from services.gossip.server import build_server as build_gossip
+from services.scheduler.config import Config
+from services.scheduler.inputs import InputsConfig
+from services.scheduler.server import build_server
+from services.slot_broker.config import Config as BrokerConfig
+from services.slot_broker.server import build_server as build_broker
+
+MODEL = "opt-125m"
+PROFILE = compute_profile(MODEL)
+BYTES_PER_TOKEN = model_spec(MODEL).kv_bytes_per_token
+MIGRATE = common_pb2.RECOVERY_ACTION_MIGRATE
+RECOMPUTE = common_pb2.RECOVERY_ACTION_RECOMPUTE
+HYBRID = common_pb2.RECOVERY_ACTION_HYBRID
+ABORT = common_pb2.RECOVERY_ACTION_ABORT
+TELEMETRY_DOC = Path(__file__).resolve().parents[2] / "docs" / "telemetry.md"
+
+# (instance id, role, node, rack, pod)
+CLUSTER = (
+    ("prefill-0", "prefill", "n0", "r0", "p0"),
+    ("prefill-1", "prefill", "n2", "r1", "p0"),
+    ("decode-near", "decode", "n0", "r0", "p0"),
+    ("decode-rack", "decode", "n1", "r0", "p0"),
+    ("decode-far", "decode", "n9", "r9", "p9"),
+)
+
+
+class Plane:
+    """A real gossip store and slot broker on loopback; schedulers started on demand."""
+
+    def __init__(self, redis_url: str, redis_prefix: str) -> None:
+        self.redis_url = redis_url
+        self.redis_prefix = redis_prefix
+        self.exporter = InMemorySpanExporter()
+        self.provider = setup_tracing("test-scheduler", exporter=self.exporter)
+        self._closers: list = []
+
+    async def start(self, slot_cap: int = 32) -> None:
+        await self.start_gossip()
+        await self.start_broker(slot_cap)
+        self.gossip = GossipClient(f"127.0.0.1:{self.gossip_port}", timeout_s=5)
+        self._closers.append(self.gossip.close)
+
+    async def start_gossip(self, port: int = 0) -> None:
+        self.gossip_handle = await build_gossip(
+            GossipConfig(
+                listen_addr=f"127.0.0.1:{port}",
+                redis_url=self.redis_url,
+                redis_prefix=self.redis_prefix,
+            ),
+            self.provider,
+        )
+        self.gossip_port = self.gossip_handle.port
+
+    async def start_broker(self, slot_cap: int) -> None:
+        self.broker_handle = await build_broker(
+            BrokerConfig(
+                listen_addr="127.0.0.1:0",
+                redis_url=self.redis_url,
+                redis_prefix=self.redis_prefix,
+                cluster_cap=slot_cap,
+            ),
+            self.provider,
+        )
+        channel = open_channel(f"127.0.0.1:{self.broker_handle.port}", GrpcSettings())
+        self._closers.append(channel.close)
+        self.broker = slots_pb2_grpc.SlotBrokerServiceStub(channel)
+
+    async def register(
+        self, cluster=CLUSTER, kv_capacity_blocks: int = 0, loads: dict | None = None
+    ) -> None:
+        for instance_id, role, node, rack, pod in cluster:
+            await self.gossip.register(Registration(
+                instance_id=instance_id, role=role, address=f"{instance_id}:50060",
+                node=node, rack=rack, pod=pod, kv_capacity_blocks=kv_capacity_blocks,
+                transfer_address=f"{instance_id}:29500", heartbeat_ttl_s=600.0,
+            ))
+            load = (loads or {}).get(instance_id)
+            if load is not None:
+                await self.gossip.heartbeat(instance_id, load)
+
+    async def link(self, src: str, dst: str, bandwidth_bps: float, rtt_s: float = 1e-4) -> None:
+        await self.gossip.report_link_sample(LinkSample(
+            src_instance_id=src, dst_instance_id=dst, bandwidth_bps=bandwidth_bps,
+            rtt_s=rtt_s, samples=4,
+        ))
+
+    async def scheduler(self, **overrides) -> scheduler_pb2_grpc.SchedulerServiceStub:
+        """A scheduler over this plane; its first view already holds what is registered."""
+        settings = {
+            "listen_addr": "127.0.0.1:0",
+            "gossip_addr": f"127.0.0.1:{self.gossip_port}",
+            "slot_broker_addr": f"127.0.0.1:{self.broker_handle.port}",
+            "view_refresh_s": 0.05,
+            "view_stale_after_s": 0.3,
+            "holder_id": "test-scheduler",
+            "inputs": InputsConfig(model=MODEL),
+        }
+        config = Config(**{**settings, **overrides})
+        self.scheduler_handle = await build_server(config, self.provider)
+        channel = open_channel(f"127.0.0.1:{self.scheduler_handle.port}", GrpcSettings())
+        self._closers.append(lambda: self.scheduler_handle.stop(0))
+        self._closers.append(channel.close)
+        return scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+    async def refresh(self) -> None:
+        assert await self.scheduler_handle.view.refresh()
+
+    async def slots_in_use(self) -> int:
+        stats = await self.broker.GetSlotStats(slots_pb2.GetSlotStatsRequest(), timeout=5)
+        return stats.slots_in_use
+
+    async def close(self) -> None:
+        while self._closers:
+            await self._closers.pop()()
+        await self.broker_handle.stop(0)
+        await self.gossip_handle.stop(0)
+
+    def spans(self, name: str) -> list:
+        return [span for span in self.exporter.get_finished_spans() if span.name == name]
+
+
+@pytest.fixture
+async def plane(redis_url, redis_prefix):
+    plane = Plane(redis_url, redis_prefix)
+    await plane.start()
+    yield plane
+    await plane.close()
+
+
+def select(request_id: str = "req-1", prefill: str = "prefill-0", prompt_tokens: int = 2048,
+           **fields) -> scheduler_pb2.SelectDecodeRequest:
+    return scheduler_pb2.SelectDecodeRequest(
+        request_id=request_id, prefill_instance_id=prefill, prompt_tokens=prompt_tokens,
+        **fields,
+    )
+
+
+def recover(request_id: str = "req-1", failed: str = "decode-near", source: str = "prefill-0",
+            prompt_tokens: int = 1000, generated_tokens: int = 20,
+            **fields) -> scheduler_pb2.RecoverRequest:
+    return scheduler_pb2.RecoverRequest(
+        request_id=request_id, failed_instance_id=failed, source_prefill_instance_id=source,
+        prompt_tokens=prompt_tokens, generated_tokens=generated_tokens, **fields,
+    )
+
+
+async def expect_error(call, request, code: grpc.StatusCode, field: str) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await call(request, timeout=5)
+    assert failure.value.code() == code, failure.value.details()
+    assert failure.value.details().startswith(f"{field}:"), failure.value.details()
+    return failure.value.details()
+
+
+# -- SelectDecode -----------------------------------------------------------------------
+
+
+async def test_select_decode_picks_the_near_idle_instance_and_reports_the_runner_up(plane):
+    await plane.register()
+    stub = await plane.scheduler()
+    reply = await stub.SelectDecode(select(), timeout=5)
+    assert reply.decode_instance_id == "decode-near"
+    assert reply.decode_address == "decode-near:50060"
+    assert reply.decode_transfer_address == "decode-near:29500"
+    assert reply.runner_up_instance_id == "decode-rack"
+    assert reply.candidates_considered == 3
+    assert reply.policy == "netkv"
+    assert reply.transfer.tier == 0 and reply.transfer.kv_bytes == 2048 * BYTES_PER_TOKEN
+    assert reply.predicted_ttft_s == pytest.approx(reply.transfer_s + reply.wait_s)
+    assert reply.predicted_ttft_s < reply.runner_up_ttft_s
+    assert not reply.view_stale
+
+
+async def test_select_decode_leaves_a_busy_instance_for_an_idle_one(plane):
+    await plane.register(loads={"decode-near": NodeLoad(queued_work_s=5.0, queue_depth=9)})
+    stub = await plane.scheduler()
+    reply = await stub.SelectDecode(select(), timeout=5)
+    assert reply.decode_instance_id == "decode-rack"
+    assert reply.runner_up_instance_id == "decode-far"
+
+
+async def test_netkv_avoids_a_congested_path_that_cache_load_cannot_see(plane):
+    twins = (
+        ("prefill-0", "prefill", "n0", "r0", "p0"),
+        ("decode-a", "decode", "n1", "r1", "p0"),
+        ("decode-b", "decode", "n2", "r2", "p0"),
+    )
+    await plane.register(twins)
+    stub = await plane.scheduler()
+    before = await stub.SelectDecode(select(), timeout=5)
+    assert before.decode_instance_id == "decode-a"  # equal paths: the id breaks the tie
+    await plane.link("prefill-0", "decode-a", bandwidth_bps=1e9)
+    await plane.link("prefill-0", "decode-b", bandwidth_bps=100e9)
+    await plane.refresh()
+    after = await stub.SelectDecode(select(), timeout=5)
+    assert after.decode_instance_id == "decode-b"
+    assert after.transfer.bottleneck_bandwidth_bps == pytest.approx(100e9)
+    assert 0 <= after.transfer.telemetry_age_s < 5 and not after.transfer.telemetry_stale
+    assert after.runner_up_instance_id == "decode-a"
+    assert after.runner_up_ttft_s > 10 * after.predicted_ttft_s
+    blind = await stub.SelectDecode(select(policy="cache_load"), timeout=5)
+    assert blind.decode_instance_id == "decode-a" and blind.policy == "cache_load"
+    assert blind.predicted_ttft_s == pytest.approx(after.runner_up_ttft_s)
+
+
+async def test_select_decode_honours_exclusions_and_candidate_lists(plane):
+    await plane.register()
+    stub = await plane.scheduler()
+    excluded = await stub.SelectDecode(select(exclude_instance_ids=["decode-near"]), timeout=5)
+    assert excluded.decode_instance_id == "decode-rack"
+    assert excluded.candidates_considered == 2
+    only = await stub.SelectDecode(select(candidate_instance_ids=["decode-far"]), timeout=5)
+    assert only.decode_instance_id == "decode-far"
+    assert only.runner_up_instance_id == "" and only.candidates_considered == 1
+    await expect_error(
+        stub.SelectDecode, select(candidate_instance_ids=["decode-far", "ghost"]),
+        grpc.StatusCode.NOT_FOUND, "candidate_instance_ids",
+    )
+    await expect_error(
+        stub.SelectDecode,
+        select(exclude_instance_ids=["decode-near", "decode-rack", "decode-far"]),
+        grpc.StatusCode.FAILED_PRECONDITION, "candidates",
+    )
+
+
+async def test_select_decode_skips_instances_without_free_kv_memory(plane):
+    blocks = model_spec(MODEL).block_tokens
+    await plane.register(kv_capacity_blocks=64, loads={
+        "decode-near": NodeLoad(free_kv_blocks=1),
+        "decode-rack": NodeLoad(free_kv_blocks=64),
+        "decode-far": NodeLoad(free_kv_blocks=64),
+    })
+    stub = await plane.scheduler()
+    reply = await stub.SelectDecode(select(prompt_tokens=4 * blocks), timeout=5)
+    assert reply.decode_instance_id == "decode-rack"
+    await expect_error(stub.SelectDecode, select(prompt_tokens=65 * blocks),
+                       grpc.StatusCode.RESOURCE_EXHAUSTED, "free_kv_tokens")
+
+
+async def test_a_failure_event_removes_the_instance_before_the_next_refresh(plane):
+    await plane.register()
+    stub = await plane.scheduler(view_refresh_s=60.0, view_stale_after_s=120.0)
+    assert (await stub.SelectDecode(select(), timeout=5)).decode_instance_id == "decode-near"
+    await asyncio.sleep(0.2)  # the event stream is open
+    await plane.gossip.deregister("decode-near", "drained")
+    deadline = time.monotonic() + 5
+    while (await stub.SelectDecode(select(), timeout=5)).decode_instance_id == "decode-near":
+        assert time.monotonic() < deadline, "the left event never reached the view"
+        await asyncio.sleep(0.02)
+    assert plane.scheduler_handle.view.state.age_s(time.time()) < 60.0
+
+
+@pytest.mark.parametrize(
+    ("request_", "code", "field"),
+    [
+        (select(request_id=""), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+        (select(prompt_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens"),
+        (select(prefill="ghost"), grpc.StatusCode.NOT_FOUND, "prefill_instance_id"),
+        (select(prefill=""), grpc.StatusCode.INVALID_ARGUMENT, "prefill_instance_id"),
+        (select(policy="fastest"), grpc.StatusCode.INVALID_ARGUMENT, "policy"),
+    ],
+)
+async def test_select_decode_rejects_bad_input_naming_the_field(plane, request_, code, field):
+    await plane.register()
+    stub = await plane.scheduler()
+    await expect_error(stub.SelectDecode, request_, code, field)
+
+
+# -- Recover ----------------------------------------------------------------------------
+
+
+async def test_recover_migrates_over_a_fast_path_and_holds_a_slot(plane):
+    await plane.register()
+    stub = await plane.scheduler()
+    reply = await stub.Recover(recover(), timeout=5)
+    assert reply.action == MIGRATE, reply.reason
+    assert reply.target_instance_id == "decode-rack"  # decode-near is the failed one
+    assert reply.source_instance_id == "prefill-0"
+    assert reply.target_address == "decode-rack:50060"
+    assert reply.source_transfer_address == "prefill-0:29500"
+    assert reply.slot_lease.lease_id and reply.slot_lease.request_id == "req-1"
+    assert reply.slot_lease.src_instance_id == "prefill-0"
+    assert reply.slot_lease.dst_instance_id == "decode-rack"
+    assert reply.slot_lease.holder_id == "test-scheduler"
+    assert await plane.slots_in_use() == 1
+    assert {o.action for o in reply.options} == {MIGRATE, RECOMPUTE, HYBRID}
+    migrate = next(o for o in reply.options if o.action == MIGRATE)
+    assert reply.predicted_cost_s == pytest.approx(migrate.cost_s)
+    assert migrate.compute_s == pytest.approx(PROFILE.extend_s(1000, 20))
+    assert reply.slo_slack_s == float("inf")
+
+
+async def test_recover_recomputes_when_every_migration_path_is_congested(plane):
+    await plane.register()
+    for decode in ("decode-rack", "decode-far"):
+        await plane.link("prefill-0", decode, bandwidth_bps=1e6)
+    stub = await plane.scheduler()
+    reply = await stub.Recover(recover(), timeout=5)
+    assert reply.action == RECOMPUTE, reply.reason
+    assert reply.source_instance_id == "prefill-1"
+    assert not reply.slot_lease.lease_id and await plane.slots_in_use() == 0
+    lost = await stub.Recover(recover("req-2", source_kv_lost=True), timeout=5)
+    assert lost.action == RECOMPUTE
+    migrate = next(o for o in lost.options if o.action == MIGRATE)
+    assert not migrate.feasible and "source KV lost" in migrate.infeasible_reason
+
+
+async def test_recover_splits_into_hybrid_when_transfer_and_prefill_take_as_long(plane):
+    prompt_tokens = 4096
+    bandwidth_bps = 8 * prompt_tokens * BYTES_PER_TOKEN / PROFILE.prefill_s(prompt_tokens)
+    await plane.register()
+    for prefill in ("prefill-0", "prefill-1"):
+        for decode in ("decode-rack", "decode-far"):
+            await plane.link(prefill, decode, bandwidth_bps=bandwidth_bps)
+    stub = await plane.scheduler()
+    reply = await stub.Recover(recover(prompt_tokens=prompt_tokens), timeout=5)
+    assert reply.action == HYBRID, reply.reason
+    assert 0 < reply.hybrid_split_tokens < prompt_tokens
+    assert reply.slot_lease.lease_id
+    costs = {o.action: o.cost_s for o in reply.options}
+    assert costs[HYBRID] < min(costs[MIGRATE], costs[RECOMPUTE])
+
+
+async def test_recover_aborts_early_when_no_option_meets_the_deadline(plane):
+    await plane.register()
+    stub = await plane.scheduler()
+    deadline_unix_ms = int(time.time() * 1000) + 1
+    reply = await stub.Recover(recover(deadline_unix_ms=deadline_unix_ms), timeout=5)
+    assert reply.action == ABORT
+    assert "deadline" in reply.reason
+    assert reply.slo_slack_s < 0
+    assert not reply.slot_lease.lease_id and await plane.slots_in_use() == 0
+
+
+async def test_recover_falls_back_to_recompute_when_the_slot_cap_is_reached(plane):
+    await plane.register()
+    await plane.broker_handle.stop(0)
+    await plane.start_broker(slot_cap=1)
+    stub = await plane.scheduler()
+    first = await stub.Recover(recover("req-1"), timeout=5)
+    assert first.action == MIGRATE and first.slot_lease.lease_id
+    second = await stub.Recover(recover("req-2"), timeout=5)
+    assert second.action == RECOMPUTE
+    assert "no migration slot" in second.reason
+    assert not second.slot_lease.lease_id
+    retry = await stub.Recover(recover("req-1"), timeout=5)
+    assert retry.action == MIGRATE
+    assert retry.slot_lease.lease_id == first.slot_lease.lease_id
+    assert await plane.slots_in_use() == 1
+
+
+async def test_concurrent_retries_of_one_recover_share_one_decision(plane):
+    await plane.register()
+    stub = await plane.scheduler()
+    replies = await asyncio.gather(*(stub.Recover(recover("req-7"), timeout=5) for _ in range(3)))
+    assert len({reply.slot_lease.lease_id for reply in replies}) == 1
+    assert all(reply.action == MIGRATE for reply in replies)
+    assert await plane.slots_in_use() == 1
+    replayed = [span.attributes["kvrs.replayed"] for span in plane.spans("kvrs.recover")]
+    assert sorted(replayed) == [False, True, True]
+    # Different inputs under the same id are a new decision, not a replay.
+    await stub.Recover(recover("req-7", generated_tokens=21), timeout=5)
+    assert plane.spans("kvrs.recover")[-1].attributes["kvrs.replayed"] is False
+
+
+async def test_recover_decides_without_the_broker_when_it_is_unreachable(plane):
+    await plane.register()
+    stub = await plane.scheduler()
+    await plane.broker_handle.stop(0)
+    reply = await stub.Recover(recover(), timeout=5)
+    assert reply.action == RECOMPUTE
+    assert "slot broker unreachable" in reply.reason
+    skipped = await stub.Recover(recover("req-2", skip_slot=True), timeout=5)
+    assert skipped.action == MIGRATE and not skipped.slot_lease.lease_id
+
+
+@pytest.mark.parametrize(
+    ("request_", "code", "field"),
+    [
+        (recover(request_id=""), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+        (recover(prompt_tokens=-4), grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens"),
+        (recover(generated_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT, "generated_tokens"),
+        (recover(failed="ghost"), grpc.StatusCode.NOT_FOUND, "failed_instance_id"),
+        (recover(source="ghost"), grpc.StatusCode.NOT_FOUND, "source_prefill_instance_id"),
+        (recover(policy="coinflip"), grpc.StatusCode.INVALID_ARGUMENT, "policy"),
+    ],
+)
+async def test_recover_rejects_bad_input_naming_the_field(plane, request_, code, field):
+    await plane.register()
+    stub = await plane.scheduler()
+    await expect_error(stub.Recover, request_, code, field)
+
+
+# -- RecoverBatch -----------------------------------------------------------------------
+
+
+def batch(size: int, **fields) -> scheduler_pb2.RecoverBatchRequest:
+    return scheduler_pb2.RecoverBatchRequest(
+        batch_id="b-1",
+        failed_instance_id="decode-near",
+        items=[
+            scheduler_pb2.RecoverItem(
+                request_id=f"b-1-{i}",
+                source_prefill_instance_id=f"prefill-{i % 2}",
+                prompt_tokens=512 + 32 * i,
+                generated_tokens=i % 7,
+            )
+            for i in range(size)
+        ],
+        **fields,
+    )
+
+
+async def test_recover_batch_never_plans_more_migrations_than_free_slots(plane):
+    await plane.register()
+    await plane.broker_handle.stop(0)
+    await plane.start_broker(slot_cap=10)
+    held = await plane.broker.ReserveSlot(
+        slots_pb2.ReserveSlotRequest(request_id="elsewhere", holder_id="other",
+                                     src_instance_id="prefill-1", dst_instance_id="decode-far"),
+        timeout=5,
+    )
+    assert held.lease.lease_id
+    stub = await plane.scheduler()
+    reply = await stub.RecoverBatch(batch(100), timeout=30)
+    assert [d.request_id for d in reply.decisions] == [f"b-1-{i}" for i in range(100)]
+    moving = [d for d in reply.decisions if d.action in (MIGRATE, HYBRID)]
+    assert 0 < len(moving) <= 9
+    assert all(d.slot_lease.lease_id for d in moving)
+    assert len({d.slot_lease.lease_id for d in moving}) == len(moving)
+    assert all(not d.slot_lease.lease_id for d in reply.decisions if d not in moving)
+    assert await plane.slots_in_use() == len(moving) + 1
+    assert all(d.target_instance_id != "decode-near" for d in reply.decisions)
+    assert reply.planned_makespan_s >= max(d.predicted_cost_s for d in reply.decisions)
+
+
+async def test_recover_batch_without_slots_spreads_over_links(plane):
+    await plane.register()
+    stub = await plane.scheduler()
+    reply = await stub.RecoverBatch(batch(40, skip_slot=True), timeout=30)
+    assert await plane.slots_in_use() == 0
+    assert all(not d.slot_lease.lease_id for d in reply.decisions)
+    assert len({d.target_instance_id for d in reply.decisions}) > 1
+
+
+@pytest.mark.parametrize(
+    ("mutate", "code", "field"),
+    [
+        (lambda r: setattr(r.items[3], "prompt_tokens", -1),
+         grpc.StatusCode.INVALID_ARGUMENT, "items[3].prompt_tokens"),
+        (lambda r: setattr(r.items[1], "request_id", "b-1-0"),
+         grpc.StatusCode.INVALID_ARGUMENT, "items[1].request_id"),
+        (lambda r: setattr(r.items[2], "source_prefill_instance_id", "ghost"),
+         grpc.StatusCode.NOT_FOUND, "items[2].source_prefill_instance_id"),
+        (lambda r: setattr(r, "failed_instance_id", "ghost"),
+         grpc.StatusCode.NOT_FOUND, "failed_instance_id"),
+    ],
+)
+async def test_recover_batch_rejects_bad_items_naming_them(plane, mutate, code, field):
+    await plane.register()
+    stub = await plane.scheduler()
+    request = batch(5)
+    mutate(request)
+    await expect_error(stub.RecoverBatch, request, code, field)
+
+
+# -- staleness ----------------------------------------------------------------------------
+
+
+async def test_decisions_continue_on_a_stale_view_while_gossip_is_down(plane):
+    await plane.register()
+    stub = await plane.scheduler()
+    fresh = await stub.SelectDecode(select(), timeout=5)
+    assert not fresh.view_stale
+    port = plane.gossip_port
+    await plane.gossip_handle.stop(0)
+    await asyncio.sleep(0.5)  # past view_stale_after_s = 0.3
+    stale = await stub.SelectDecode(select(), timeout=5)
+    assert stale.decode_instance_id == "decode-near"
+    assert stale.view_stale and stale.view_age_s > 0.3
+    recovered = await stub.Recover(recover(), timeout=5)
+    assert recovered.action == MIGRATE and recovered.view_stale
+    assert plane.spans("kvrs.select_decode")[-1].attributes["kvrs.view_stale"] is True
+    await plane.start_gossip(port)
+    deadline = time.monotonic() + 5
+    while (await stub.SelectDecode(select(), timeout=5)).view_stale:
+        assert time.monotonic() < deadline, "the view never became fresh again"
+        await asyncio.sleep(0.05)
+
+
+# -- spans --------------------------------------------------------------------------------
+
+
+def documented_attributes() -> dict[str, set[str]]:
+    """attribute name -> the span letters (S, R, B, O) docs/telemetry.md lists it for."""
+    documented: dict[str, set[str]] = {}
+    for line in TELEMETRY_DOC.read_text().splitlines():
+        match = re.match(r"\| `(kvrs\.[^`]+)` \| \w+ \| ([SRBO ]+) \|", line)
+        if match is None:
+            continue
+        name, spans = match.group(1), set(match.group(2).split())
+        for expanded in expand(name):
+            documented[expanded] = spans
+    return documented
+
+
+def expand(name: str) -> list[str]:
+    if "<option>" in name:
+        return [name.replace("<option>", a) for a in ("migrate", "recompute", "hybrid")]
+    if "<action>" in name:
+        return [name.replace("<action>", a)
+                for a in ("migrate", "recompute", "hybrid", "abort")]
+    return [name]
+
+
+def custom_attributes(span) -> set[str]:
+    return {key for key in span.attributes if key.startswith("kvrs.")}
+
+
+async def test_decision_spans_carry_the_documented_attributes(plane):
+    documented = documented_attributes()
+    by_letter = {
+        letter: {name for name, spans in documented.items() if letter in spans}
+        for letter in "SRB"
+    }
+    await plane.register()
+    stub = await plane.scheduler()
+    await stub.SelectDecode(select(), timeout=5)
+    deadline_unix_ms = int(time.time() * 1000) + 60_000
+    await stub.Recover(recover(deadline_unix_ms=deadline_unix_ms), timeout=5)
+    await stub.Recover(recover("req-2", source_kv_lost=True), timeout=5)
+    await stub.RecoverBatch(batch(20), timeout=30)
+
+    (select_span,) = plane.spans("kvrs.select_decode")
+    assert custom_attributes(select_span) == by_letter["S"]
+    migrated, recomputed = plane.spans("kvrs.recover")
+    assert migrated.attributes["kvrs.action"] == "migrate"
+    assert migrated.attributes["kvrs.slot.outcome"] == "granted"
+    optional = {name for name in by_letter["R"] if name.endswith(".infeasible_reason")}
+    assert by_letter["R"] - optional <= custom_attributes(migrated)
+    assert custom_attributes(migrated) <= by_letter["R"]
+    assert recomputed.attributes["kvrs.slot.outcome"] == "not_needed"
+    assert "kvrs.option.migrate.infeasible_reason" in custom_attributes(recomputed)
+    assert custom_attributes(recomputed) <= by_letter["R"]
+    (batch_span,) = plane.spans("kvrs.recover_batch")
+    assert custom_attributes(batch_span) == by_letter["B"]
+    assert batch_span.attributes["kvrs.batch.requests"] == 20
+    assert sum(batch_span.attributes[f"kvrs.batch.{a}"]
+               for a in ("migrate", "recompute", "hybrid", "abort")) == 20
+    # The slot reservation is traced as a child of the decision.
+    reserve = [s for s in plane.exporter.get_finished_spans()
+               if s.name.endswith("SlotBrokerService/ReserveSlot")
+               and s.parent is not None and s.parent.span_id == migrated.context.span_id]
+    assert reserve
