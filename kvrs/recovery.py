@@ -492,15 +492,13 @@ class Rom:
             return ctx.decision(self.name, None, options, "", check_deadline=False)
         fits = set(ctx.targets)
         target = next(i for i in ctx.decode.by_wait() if i in fits)
-        prefills = view.prefill_instances(request.exclude_ids)
         migrate, _ = ctx.migrate_and_hybrid(with_hybrid=False, targets=(target,))
         recompute = None
-        if prefills:
+        if ctx.prefill.ids:
             recompute = ctx.recompute(targets=(target,), only_prefill=ctx.prefill.by_wait()[0])
         block = ctx.migrate_block
         options = (ctx.option(Action.MIGRATE, migrate, block),
-                   ctx.option(Action.RECOMPUTE, recompute, "" if prefills else
-                              "no alive prefill instance"))
+                   ctx.option(Action.RECOMPUTE, recompute, ""))
         if block:
             chosen, reason = options[1], f"RECOMPUTE ({block})"
         else:
