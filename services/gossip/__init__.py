@@ -1,0 +1,1 @@
+"""Gossip service: node registry, liveness, load, link samples and membership events."""

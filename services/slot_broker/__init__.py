@@ -1,0 +1,1 @@
+"""Slot broker: leases capping concurrent KV migrations cluster-wide and per link."""

@@ -1,0 +1,75 @@
+"""Configuration of the slot broker, read from the environment."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.common import (
+    DEFAULT_KEY_PREFIX,
+    ConfigError,
+    GrpcSettings,
+    env_float,
+    env_int,
+    env_str,
+)
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `python -m services.slot_broker` needs; `from_env` names any bad variable."""
+
+    listen_addr: str = "0.0.0.0:50054"
+    """SLOT_BROKER_LISTEN_ADDR: host:port the gRPC server binds ("127.0.0.1:0" in tests)."""
+    redis_url: str = DEFAULT_REDIS_URL
+    """REDIS_URL: the Redis holding the leases."""
+    redis_prefix: str = DEFAULT_KEY_PREFIX
+    """KVRS_REDIS_PREFIX: hash-tagged prefix of every key; broker replicas share it."""
+    cluster_cap: int = 32
+    """SLOT_BROKER_CLUSTER_CAP: concurrent migrations allowed cluster-wide."""
+    link_cap: int = 0
+    """SLOT_BROKER_LINK_CAP: concurrent migrations allowed per (src, dst) pair; 0 = no cap."""
+    lease_ttl_s: float = 10.0
+    """SLOT_BROKER_LEASE_TTL_S: lease lifetime when the request gives none; a crashed
+    holder's slot returns at most this long after its last renewal."""
+    max_lease_ttl_s: float = 600.0
+    """SLOT_BROKER_MAX_LEASE_TTL_S: longest lease a request may ask for."""
+    purge_interval_s: float = 0.5
+    """SLOT_BROKER_PURGE_INTERVAL_S: how often expired leases are dropped when idle (every
+    call drops them too)."""
+    grpc: GrpcSettings = field(default_factory=GrpcSettings)
+    """TLS, message size and shutdown grace (KVRS_TLS_*, KVRS_MAX_MESSAGE_BYTES, ...)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        config = cls(
+            listen_addr=env_str("SLOT_BROKER_LISTEN_ADDR", "0.0.0.0:50054", env),
+            redis_url=env_str("REDIS_URL", DEFAULT_REDIS_URL, env),
+            redis_prefix=env_str("KVRS_REDIS_PREFIX", DEFAULT_KEY_PREFIX, env),
+            cluster_cap=env_int("SLOT_BROKER_CLUSTER_CAP", 32, env),
+            link_cap=env_int("SLOT_BROKER_LINK_CAP", 0, env),
+            lease_ttl_s=env_float("SLOT_BROKER_LEASE_TTL_S", 10.0, env),
+            max_lease_ttl_s=env_float("SLOT_BROKER_MAX_LEASE_TTL_S", 600.0, env),
+            purge_interval_s=env_float("SLOT_BROKER_PURGE_INTERVAL_S", 0.5, env),
+            grpc=GrpcSettings.from_env(env),
+        )
+        for name, value in (
+            ("SLOT_BROKER_CLUSTER_CAP", config.cluster_cap),
+            ("SLOT_BROKER_LEASE_TTL_S", config.lease_ttl_s),
+            ("SLOT_BROKER_MAX_LEASE_TTL_S", config.max_lease_ttl_s),
+            ("SLOT_BROKER_PURGE_INTERVAL_S", config.purge_interval_s),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if config.link_cap < 0:
+            raise ConfigError(f"SLOT_BROKER_LINK_CAP must be >= 0, got {config.link_cap}")
+        if config.lease_ttl_s > config.max_lease_ttl_s:
+            raise ConfigError("SLOT_BROKER_LEASE_TTL_S must not exceed SLOT_BROKER_MAX_LEASE_TTL_S")
+        if "{" not in config.redis_prefix or "}" not in config.redis_prefix:
+            raise ConfigError(
+                f"KVRS_REDIS_PREFIX must contain a hash tag like '{{kvrs}}:', "
+                f"got {config.redis_prefix!r}"
+            )
+        return config

@@ -1,0 +1,338 @@
+"""Migration-slot leases in Redis: a cluster-wide cap, an optional per-link cap, TTLs.
+
+Keys (under one hash-tagged prefix, so each script touches a single slot):
+
+    slots:leases           zset    lease id -> expiry (unix ms, Redis clock)
+    slots:lease:<id>       hash    request_id, holder_id, src/dst, link, expires_unix_ms
+    slots:request:<rid>    string  request id -> lease id (idempotent retries)
+    slots:links            hash    json([src, dst]) -> leases held on that link
+    slots:totals           hash    granted / denied / expired counters
+
+Every operation is one Lua script that first drops expired leases, then acts, all on
+the Redis clock: the caps hold whatever the number of broker replicas and callers, and
+a crashed holder's slot returns once its TTL passes (on the next call, or the sweeper's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as redis_async
+import redis.exceptions
+
+from kvrs.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.common.redis_store import Keys
+
+log = logging.getLogger(__name__)
+
+# KEYS: leases zset, links hash, totals hash. ARGV[1]: the "slots:" key prefix.
+_LUA_COMMON = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- Removes a lease and its bookkeeping; false when it was already gone.
+local function drop(lease_id)
+  if redis.call('ZREM', KEYS[1], lease_id) == 0 then
+    return false
+  end
+  local lease = ARGV[1] .. 'lease:' .. lease_id
+  local f = redis.call('HMGET', lease, 'link', 'request_id')
+  if f[1] and redis.call('HINCRBY', KEYS[2], f[1], -1) <= 0 then
+    redis.call('HDEL', KEYS[2], f[1])
+  end
+  if f[2] then
+    local request = ARGV[1] .. 'request:' .. f[2]
+    if redis.call('GET', request) == lease_id then
+      redis.call('DEL', request)
+    end
+  end
+  redis.call('DEL', lease)
+  return true
+end
+local function purge(now)
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+  for _, lease_id in ipairs(expired) do
+    drop(lease_id)
+  end
+  if #expired > 0 then
+    redis.call('HINCRBY', KEYS[3], 'expired', #expired)
+  end
+  return #expired
+end
+local function lease_reply(status, lease_id, in_use)
+  local f = redis.call('HMGET', ARGV[1] .. 'lease:' .. lease_id, 'request_id', 'holder_id',
+    'src_instance_id', 'dst_instance_id', 'expires_unix_ms')
+  return {status, lease_id, f[1], f[2], f[3], f[4], f[5], in_use}
+end
+"""
+
+# ARGV: prefix, request_id, holder_id, src, dst, link, ttl_ms, cluster_cap, link_cap, lease_id
+# Returns {granted|existing, lease fields..., in_use}, {denied, cap name, in use, cap}
+# or {conflict, lease_id}.
+_RESERVE = _LUA_COMMON + """
+local request_id, holder_id, src, dst, link = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local ttl_ms, cluster_cap, link_cap = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local now = now_ms()
+purge(now)
+local request = ARGV[1] .. 'request:' .. request_id
+local existing = redis.call('GET', request)
+if existing then
+  local f = redis.call('HMGET', ARGV[1] .. 'lease:' .. existing, 'holder_id', 'link')
+  if f[1] ~= holder_id or f[2] ~= link then
+    return {'conflict', existing}
+  end
+  return lease_reply('existing', existing, redis.call('ZCARD', KEYS[1]))
+end
+local in_use = redis.call('ZCARD', KEYS[1])
+if in_use >= cluster_cap then
+  redis.call('HINCRBY', KEYS[3], 'denied', 1)
+  return {'denied', 'cluster_cap', in_use, cluster_cap}
+end
+if link_cap > 0 then
+  local on_link = tonumber(redis.call('HGET', KEYS[2], link) or '0')
+  if on_link >= link_cap then
+    redis.call('HINCRBY', KEYS[3], 'denied', 1)
+    return {'denied', 'link_cap', on_link, link_cap}
+  end
+end
+local lease_id = ARGV[10]
+local expires = now + ttl_ms
+redis.call('HSET', ARGV[1] .. 'lease:' .. lease_id, 'request_id', request_id,
+  'holder_id', holder_id, 'src_instance_id', src, 'dst_instance_id', dst, 'link', link,
+  'expires_unix_ms', expires)
+redis.call('ZADD', KEYS[1], expires, lease_id)
+redis.call('HINCRBY', KEYS[2], link, 1)
+redis.call('SET', request, lease_id)
+redis.call('HINCRBY', KEYS[3], 'granted', 1)
+return lease_reply('granted', lease_id, in_use + 1)
+"""
+
+# ARGV: prefix, lease_id, ttl_ms. Returns {renewed, lease fields...} or {missing}.
+_RENEW = _LUA_COMMON + """
+local lease_id = ARGV[2]
+local now = now_ms()
+purge(now)
+if not redis.call('ZSCORE', KEYS[1], lease_id) then
+  return {'missing'}
+end
+local expires = now + tonumber(ARGV[3])
+redis.call('ZADD', KEYS[1], expires, lease_id)
+redis.call('HSET', ARGV[1] .. 'lease:' .. lease_id, 'expires_unix_ms', expires)
+return lease_reply('renewed', lease_id, redis.call('ZCARD', KEYS[1]))
+"""
+
+# ARGV: prefix, lease_id. Returns 1 when this call released it.
+_RELEASE = _LUA_COMMON + """
+purge(now_ms())
+return drop(ARGV[2]) and 1 or 0
+"""
+
+# ARGV: prefix. Returns {in_use, links hash flat, totals hash flat, expired now}.
+_STATS = _LUA_COMMON + """
+local purged = purge(now_ms())
+return {redis.call('ZCARD', KEYS[1]), redis.call('HGETALL', KEYS[2]),
+  redis.call('HGETALL', KEYS[3]), purged}
+"""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A held migration slot."""
+
+    lease_id: str
+    request_id: str
+    """The migration it is for; a retry with the same id gets this lease back."""
+    holder_id: str
+    """Who holds it (the scheduler replica or worker that will run the transfer)."""
+    src_instance_id: str
+    dst_instance_id: str
+    expires_unix_ms: int
+    """When the slot returns unless renewed (Redis clock)."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The outcome of a successful reservation."""
+
+    lease: Lease
+    slots_in_use: int
+    cluster_cap: int
+    retried: bool
+    """True when the request id already held this lease (an idempotent retry)."""
+
+
+@dataclass(frozen=True)
+class LinkUsage:
+    src_instance_id: str
+    dst_instance_id: str
+    in_use: int
+    cap: int
+    """The per-link cap; 0 = none."""
+
+
+@dataclass(frozen=True)
+class SlotStats:
+    slots_in_use: int
+    cluster_cap: int
+    links: tuple[LinkUsage, ...]
+    """Links with at least one lease held."""
+    granted_total: int
+    denied_total: int
+    expired_total: int
+
+
+def _text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _pairs(flat: list) -> dict[str, str]:
+    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def _lease(reply: list) -> Lease:
+    return Lease(
+        lease_id=_text(reply[1]),
+        request_id=_text(reply[2]),
+        holder_id=_text(reply[3]),
+        src_instance_id=_text(reply[4]),
+        dst_instance_id=_text(reply[5]),
+        expires_unix_ms=int(reply[6]),
+    )
+
+
+def _require(field: str, value: str) -> None:
+    if not value:
+        raise InvalidArgument(field, "must not be empty")
+
+
+class SlotStore:
+    """Lease operations; each raises `kvrs.errors` exceptions the server maps to codes."""
+
+    def __init__(
+        self,
+        client: redis_async.Redis,
+        prefix: str,
+        cluster_cap: int,
+        link_cap: int = 0,
+        default_ttl_s: float = 10.0,
+        max_ttl_s: float = 600.0,
+    ) -> None:
+        keys = Keys(prefix)
+        self.cluster_cap = cluster_cap
+        self.link_cap = link_cap
+        self.default_ttl_s = default_ttl_s
+        self.max_ttl_s = max_ttl_s
+        self._keys = [keys("slots", "leases"), keys("slots", "links"), keys("slots", "totals")]
+        self._prefix = keys("slots", "")
+        self._reserve = client.register_script(_RESERVE)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+        self._stats = client.register_script(_STATS)
+
+    def _ttl_ms(self, ttl_s: float) -> int:
+        if not math.isfinite(ttl_s) or ttl_s < 0:
+            raise InvalidArgument("ttl_s", f"must be a finite number >= 0, got {ttl_s}")
+        if ttl_s > self.max_ttl_s:
+            raise InvalidArgument("ttl_s", f"must be at most {self.max_ttl_s} s, got {ttl_s}")
+        return max(1, round((ttl_s or self.default_ttl_s) * 1000))
+
+    async def reserve(
+        self, request_id: str, holder_id: str, src_instance_id: str, dst_instance_id: str,
+        ttl_s: float = 0.0,
+    ) -> Grant:
+        """Takes a slot for migrating `request_id` over src -> dst (ttl 0 = the default).
+
+        ResourceExhausted naming `cluster_cap` or `link_cap` when a cap is reached; a
+        retry with the same request id returns the lease it already holds.
+        """
+        _require("request_id", request_id)
+        _require("holder_id", holder_id)
+        _require("src_instance_id", src_instance_id)
+        _require("dst_instance_id", dst_instance_id)
+        if src_instance_id == dst_instance_id:
+            raise InvalidArgument("dst_instance_id", "must differ from src_instance_id")
+        ttl_ms = self._ttl_ms(ttl_s)
+        link = json.dumps([src_instance_id, dst_instance_id])
+        reply = await self._reserve(
+            keys=self._keys,
+            args=[
+                self._prefix, request_id, holder_id, src_instance_id, dst_instance_id, link,
+                ttl_ms, self.cluster_cap, self.link_cap, uuid.uuid4().hex,
+            ],
+        )
+        status = _text(reply[0])
+        if status == "denied":
+            cap_name, in_use, cap = _text(reply[1]), int(reply[2]), int(reply[3])
+            where = "cluster-wide" if cap_name == "cluster_cap" else f"on {link}"
+            raise ResourceExhausted(
+                f"{in_use} of {cap} migration slots in use {where}", field=cap_name
+            )
+        if status == "conflict":
+            raise InvalidArgument(
+                "request_id",
+                f"{request_id!r} already holds lease {_text(reply[1])} for another "
+                "holder or link",
+            )
+        return Grant(_lease(reply), int(reply[7]), self.cluster_cap, status == "existing")
+
+    async def renew(self, lease_id: str, ttl_s: float = 0.0) -> Lease:
+        """Extends a lease to now + ttl; NotFound once it expired or was released."""
+        _require("lease_id", lease_id)
+        reply = await self._renew(
+            keys=self._keys, args=[self._prefix, lease_id, self._ttl_ms(ttl_s)]
+        )
+        if _text(reply[0]) == "missing":
+            raise NotFound(f"lease {lease_id!r} expired or was released")
+        return _lease(reply)
+
+    async def release(self, lease_id: str) -> bool:
+        """Returns a slot; False when the lease had already expired or been released."""
+        _require("lease_id", lease_id)
+        return bool(int(await self._release(keys=self._keys, args=[self._prefix, lease_id])))
+
+    async def stats(self) -> SlotStats:
+        in_use, links, totals, _ = await self._stats(keys=self._keys, args=[self._prefix])
+        totals = _pairs(totals)
+        usage = []
+        for link, count in sorted(_pairs(links).items()):
+            src, dst = json.loads(link)
+            usage.append(LinkUsage(src, dst, int(count), self.link_cap))
+        return SlotStats(
+            slots_in_use=int(in_use),
+            cluster_cap=self.cluster_cap,
+            links=tuple(usage),
+            granted_total=int(totals.get("granted", 0)),
+            denied_total=int(totals.get("denied", 0)),
+            expired_total=int(totals.get("expired", 0)),
+        )
+
+    async def purge(self) -> int:
+        """Drops expired leases now; returns how many."""
+        *_, purged = await self._stats(keys=self._keys, args=[self._prefix])
+        return int(purged)
+
+
+async def purge_forever(store: SlotStore, interval_s: float, stop: asyncio.Event) -> None:
+    """Returns crashed holders' slots even when no caller touches the broker.
+
+    Stops on `stop` rather than by cancellation: redis-py can swallow a CancelledError
+    that lands inside a command (redis/redis-py#2028), which would leave the loop running.
+    """
+    while not stop.is_set():
+        try:
+            purged = await store.purge()
+            if purged:
+                log.info("%d expired migration slot leases returned", purged)
+        except redis.exceptions.RedisError as exc:
+            log.warning("lease purge skipped: %s", exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)

@@ -1,0 +1,62 @@
+"""Slot broker assembly: the servicer, its Redis lease store and the expiry sweeper."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import redis.asyncio as redis_async
+from opentelemetry.sdk.trace import TracerProvider
+
+from kvrs.v1 import slots_pb2, slots_pb2_grpc
+from services.common import ServerHandle, connect_redis, run_until_signal, start_server
+from services.slot_broker.config import Config
+from services.slot_broker.leases import SlotStore, purge_forever
+from services.slot_broker.servicer import SlotBrokerServicer
+
+SERVICE_NAME = slots_pb2.DESCRIPTOR.services_by_name["SlotBrokerService"].full_name
+
+
+async def build_server(
+    config: Config,
+    provider: TracerProvider,
+    redis_client: redis_async.Redis | None = None,
+) -> ServerHandle:
+    """Starts a slot broker on `config.listen_addr` (a Redis client is opened from
+    `config.redis_url` unless one is passed; it is then closed on stop)."""
+    owns_redis = redis_client is None
+    client = connect_redis(config.redis_url) if redis_client is None else redis_client
+    store = SlotStore(
+        client,
+        config.redis_prefix,
+        cluster_cap=config.cluster_cap,
+        link_cap=config.link_cap,
+        default_ttl_s=config.lease_ttl_s,
+        max_ttl_s=config.max_lease_ttl_s,
+    )
+    servicer = SlotBrokerServicer(store)
+
+    def register(server: grpc.aio.Server) -> None:
+        slots_pb2_grpc.add_SlotBrokerServiceServicer_to_server(servicer, server)
+
+    handle = await start_server(register, [SERVICE_NAME], config.listen_addr, config.grpc, provider)
+    stop = asyncio.Event()
+    sweeper = asyncio.create_task(purge_forever(store, config.purge_interval_s, stop))
+
+    async def stop_sweeper() -> None:
+        stop.set()
+        await sweeper
+
+    async def close_redis() -> None:
+        await client.aclose()
+
+    if owns_redis:
+        handle.cleanups.append(close_redis)
+    handle.cleanups.append(stop_sweeper)
+    return handle
+
+
+async def serve(config: Config, provider: TracerProvider) -> None:
+    """Runs the slot broker until SIGTERM/SIGINT, then drains and shuts down."""
+    handle = await build_server(config, provider)
+    await run_until_signal(handle, config.grpc, provider)
