@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from kvrs.recovery import Action, OptionCost
 from kvrs.v1 import common_pb2, scheduler_pb2, slots_pb2
-from services.scheduler.decisions import (
+from services.scheduler.leases import Lease
+from services.scheduler.records import (
     BatchOutcome,
     RecoverInput,
     RecoveryOutcome,
     SelectDecodeInput,
     Selection,
 )
-from services.scheduler.leases import Lease
 from services.scheduler.transfer_pb import transfer_to_pb
 
 ACTION_TO_PB = {

@@ -1,7 +1,7 @@
 """The scheduler's decisions: placement, recovery and batch recovery over the cached view.
 
 This module holds everything the scheduler decides, with no gRPC in it: the servicer
-turns protobuf into the `*Input` records below and the outcomes back into protobuf.
+turns protobuf into the records of `records.py` and the outcomes back into protobuf.
 Costs are computed in-process with the same kvrs core the cost oracle serves; the only
 await on a decision's path is the migration slot reservation at the slot broker.
 """
@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
-import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from opentelemetry.trace import Tracer
 from opentelemetry.util.types import AttributeValue
@@ -23,139 +19,28 @@ from opentelemetry.util.types import AttributeValue
 from kvrs.batch import plan_batch
 from kvrs.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvrs.network import TransferEstimate
-from kvrs.placement import Placement, PlacementPolicy, PlacementRequest, make_placement_policy
+from kvrs.placement import PlacementPolicy, PlacementRequest, make_placement_policy
 from kvrs.recovery import (
     Action,
-    OptionCost,
     RecoveryDecision,
     RecoveryPolicy,
     RecoveryRequest,
     make_recovery_policy,
 )
+from services.scheduler import spans
 from services.scheduler.leases import Lease, SlotBroker
+from services.scheduler.records import (
+    NEEDS_SLOT,
+    BatchOutcome,
+    Endpoint,
+    RecoverInput,
+    RecoveryOutcome,
+    SelectDecodeInput,
+    Selection,
+    SlotOutcome,
+)
+from services.scheduler.replay import RecentRecoveries
 from services.scheduler.view import DecisionView, ViewCache
-
-log = logging.getLogger(__name__)
-
-NEEDS_SLOT = (Action.MIGRATE, Action.HYBRID)
-
-
-class SlotOutcome:
-    """What happened at the slot broker for one decision (the `kvrs.slot.outcome` values)."""
-
-    GRANTED = "granted"
-    EXHAUSTED = "exhausted"
-    UNREACHABLE = "broker_unreachable"
-    SKIPPED = "skipped"
-    NOT_NEEDED = "not_needed"
-
-
-@dataclass(frozen=True)
-class SelectDecodeInput:
-    request_id: str
-    prefill_id: str
-    prompt_tokens: int
-    prefix_hashes: tuple[int, ...] = ()
-    policy: str = ""
-    exclude_ids: frozenset[str] = frozenset()
-    candidate_ids: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class Selection:
-    placement: Placement
-    address: str
-    transfer_address: str
-    view_age_s: float
-    view_stale: bool
-
-
-@dataclass(frozen=True)
-class RecoverInput:
-    request_id: str
-    failed_id: str
-    source_prefill_id: str
-    prompt_tokens: int
-    generated_tokens: int
-    deadline_unix_ms: int = 0
-    policy: str = ""
-    source_kv_lost: bool = False
-    exclude_ids: frozenset[str] = frozenset()
-    skip_slot: bool = False
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    instance_id: str = ""
-    address: str = ""
-    transfer_address: str = ""
-
-
-@dataclass(frozen=True)
-class RecoveryOutcome:
-    decision: RecoveryDecision
-    reason: str
-    lease: Lease | None
-    slot_outcome: str
-    target: Endpoint
-    source: Endpoint
-    view_age_s: float
-    view_stale: bool
-    replayed: bool = False
-    transfer: TransferEstimate | None = None
-    """The chosen option's KV transfer as priced now (for the decision span)."""
-
-
-@dataclass(frozen=True)
-class BatchOutcome:
-    outcomes: tuple[RecoveryOutcome, ...]
-    makespan_s: float
-    slots_free: int
-
-
-class RecentRecoveries:
-    """Recover decisions of the last `ttl_s`, by request id, so a retry reuses its lease.
-
-    Holds futures rather than results, so a retry arriving while the first call is still
-    reserving its slot waits for that call instead of reserving a second slot.
-    """
-
-    def __init__(self, ttl_s: float, max_entries: int, clock: Callable[[], float]) -> None:
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._clock = clock
-        self._entries: OrderedDict[str, tuple[RecoverInput, float, asyncio.Future]] = (
-            OrderedDict()
-        )
-
-    def get(self, request: RecoverInput) -> asyncio.Future | None:
-        self._expire()
-        entry = self._entries.get(request.request_id)
-        if entry is None or entry[0] != request:
-            return None
-        return entry[2]
-
-    def put(self, request: RecoverInput, future: asyncio.Future) -> None:
-        self._entries.pop(request.request_id, None)
-        self._entries[request.request_id] = (request, self._clock(), future)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-
-    def forget(self, request_id: str, future: asyncio.Future) -> None:
-        entry = self._entries.get(request_id)
-        if entry is not None and entry[2] is future:
-            del self._entries[request_id]
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _expire(self) -> None:
-        horizon = self._clock() - self.ttl_s
-        while self._entries:
-            _, (_, created_s, _) = next(iter(self._entries.items()))
-            if created_s >= horizon:
-                break
-            self._entries.popitem(last=False)
 
 
 class Scheduler:
@@ -225,7 +110,7 @@ class Scheduler:
         for instance_id in request.candidate_ids:
             self._require_known("candidate_instance_ids", instance_id)
         view = self.view.current()
-        attributes.update(_view_attributes(view))
+        attributes.update(spans.view_attributes(view))
         candidates = view.cluster.decode_instances()
         if request.exclude_ids or request.candidate_ids:
             # A filtered copy; the unfiltered list is shared so its derived columns stay
@@ -248,7 +133,7 @@ class Scheduler:
             view.cost,
             view.cluster.now_s,
         )
-        attributes.update(_placement_attributes(placement))
+        attributes.update(spans.placement_attributes(placement))
         chosen = view.cluster.instances[placement.instance_id]
         return Selection(
             placement=placement,
@@ -262,7 +147,7 @@ class Scheduler:
 
     async def recover(self, request: RecoverInput) -> RecoveryOutcome:
         with self.tracer.start_as_current_span("kvrs.recover") as span:
-            attributes = _recover_input_attributes(request)
+            attributes = spans.recover_input_attributes(request)
             try:
                 self._validate_recover(request, "")
                 policy = self.recovery_policy(request.policy)
@@ -272,7 +157,7 @@ class Scheduler:
                     outcome = dataclasses.replace(await asyncio.shield(pending), replayed=True)
                 else:
                     outcome = await self._recover_once(request, policy)
-                attributes.update(_recovery_attributes(outcome))
+                attributes.update(spans.recovery_attributes(outcome))
                 return outcome
             finally:
                 span.set_attributes(attributes)
@@ -426,7 +311,7 @@ class Scheduler:
                 broker_note = f"slot broker unreachable ({exc}); "
         attributes["kvrs.slots_free"] = slots_free
         view = self.view.current()
-        attributes.update(_view_attributes(view))
+        attributes.update(spans.view_attributes(view))
         core_requests = [self._core_request(item, view) for item in items]
         plan = plan_batch(
             core_requests, view.cluster, view.cost, view.cluster.now_s, policy, slots_free
@@ -436,7 +321,7 @@ class Scheduler:
             self._batch_outcome(by_id[d.request_id], d, policy, view, skip_slot, broker_note)
             for d in plan.decisions
         ))
-        attributes.update(_batch_attributes(outcomes, plan.makespan_s))
+        attributes.update(spans.batch_attributes(outcomes, plan.makespan_s))
         return BatchOutcome(
             outcomes=tuple(outcomes), makespan_s=plan.makespan_s, slots_free=slots_free
         )
@@ -498,129 +383,3 @@ def _require_non_negative(field: str, value: int) -> None:
 def _require_positive(field: str, value: int) -> None:
     if value <= 0:
         raise InvalidArgument(field, f"must be > 0, got {value}")
-
-
-# -- span attributes (every name is listed in docs/telemetry.md) ----------------------------
-
-
-def _view_attributes(view: DecisionView) -> dict[str, AttributeValue]:
-    return {
-        "kvrs.view_age_s": view.age_s,
-        "kvrs.view_stale": view.stale,
-        "kvrs.view_links": view.state.links_used,
-    }
-
-
-def _placement_attributes(placement: Placement) -> dict[str, AttributeValue]:
-    attributes: dict[str, AttributeValue] = {
-        "kvrs.candidates_considered": placement.candidates_considered,
-        "kvrs.chosen_instance_id": placement.instance_id,
-        "kvrs.predicted_ttft_s": placement.predicted_ttft_s,
-        "kvrs.wait_s": placement.wait_s,
-        "kvrs.prefix_hit_tokens": placement.prefix_hit_tokens,
-        "kvrs.kv_bytes": placement.kv_bytes,
-        **_transfer_attributes(placement.transfer),
-    }
-    runner_up = placement.runner_up
-    if runner_up is not None:
-        attributes["kvrs.runner_up.instance_id"] = runner_up.instance_id
-        attributes["kvrs.runner_up.score_s"] = runner_up.score_s
-        attributes["kvrs.runner_up.tier"] = int(runner_up.tier)
-    return attributes
-
-
-def _transfer_attributes(transfer: TransferEstimate) -> dict[str, AttributeValue]:
-    return {
-        "kvrs.transfer.src_instance_id": transfer.src_id,
-        "kvrs.transfer.dst_instance_id": transfer.dst_id,
-        "kvrs.transfer_s": transfer.transfer_s,
-        "kvrs.transfer.kv_bytes": transfer.kv_bytes,
-        "kvrs.transfer.tier": int(transfer.tier),
-        "kvrs.transfer.bandwidth_bps": transfer.bottleneck_bps,
-        "kvrs.transfer.rtt_s": transfer.rtt_s,
-        "kvrs.transfer.telemetry_age_s": transfer.telemetry_age_s,
-        "kvrs.transfer.telemetry_stale": transfer.telemetry_stale,
-        "kvrs.transfer.flows_on_path": transfer.flows_on_path,
-    }
-
-
-def _recover_input_attributes(request: RecoverInput) -> dict[str, AttributeValue]:
-    return {
-        "kvrs.request_id": request.request_id,
-        "kvrs.failed_instance_id": request.failed_id,
-        "kvrs.source_prefill_instance_id": request.source_prefill_id,
-        "kvrs.prompt_tokens": request.prompt_tokens,
-        "kvrs.generated_tokens": request.generated_tokens,
-        "kvrs.deadline_unix_ms": request.deadline_unix_ms,
-        "kvrs.source_kv_lost": request.source_kv_lost,
-        "kvrs.skip_slot": request.skip_slot,
-    }
-
-
-def _recovery_attributes(outcome: RecoveryOutcome) -> dict[str, AttributeValue]:
-    decision = outcome.decision
-    attributes: dict[str, AttributeValue] = {
-        "kvrs.action": decision.action.value,
-        "kvrs.target_instance_id": decision.target_id,
-        "kvrs.source_instance_id": decision.source_id,
-        "kvrs.cost_s": decision.cost_s,
-        "kvrs.split_tokens": decision.split_tokens,
-        "kvrs.reason": outcome.reason,
-        "kvrs.slot.outcome": outcome.slot_outcome,
-        "kvrs.replayed": outcome.replayed,
-        "kvrs.view_age_s": outcome.view_age_s,
-        "kvrs.view_stale": outcome.view_stale,
-        "kvrs.options_evaluated": len(decision.options),
-    }
-    if math.isfinite(decision.slack_s):
-        attributes["kvrs.slo_slack_s"] = decision.slack_s
-    if outcome.lease is not None:
-        attributes["kvrs.slot.lease_id"] = outcome.lease.lease_id
-    if outcome.transfer is not None:
-        attributes.update(_transfer_attributes(outcome.transfer))
-    runner_up = decision.runner_up
-    if runner_up is not None:
-        attributes["kvrs.runner_up.action"] = runner_up.action.value
-        attributes["kvrs.runner_up.instance_id"] = runner_up.target_id
-        attributes["kvrs.runner_up.cost_s"] = runner_up.cost_s
-    best: dict[Action, OptionCost] = {}
-    for option in decision.options:
-        current = best.get(option.action)
-        if current is None or _better(option, current):
-            best[option.action] = option
-    for action, option in best.items():
-        prefix = f"kvrs.option.{action.value}."
-        attributes[prefix + "cost_s"] = option.cost_s
-        attributes[prefix + "target_instance_id"] = option.target_id
-        attributes[prefix + "wait_s"] = option.wait_s
-        attributes[prefix + "transfer_s"] = option.transfer_s
-        attributes[prefix + "compute_s"] = option.compute_s
-        attributes[prefix + "feasible"] = option.feasible
-        if action is Action.HYBRID:
-            attributes[prefix + "split_tokens"] = option.split_tokens
-        if not option.feasible:
-            attributes[prefix + "infeasible_reason"] = option.infeasible_reason
-    return attributes
-
-
-def _better(option: OptionCost, current: OptionCost) -> bool:
-    """Feasible options first, then the cheaper."""
-    return (not option.feasible, option.cost_s) < (not current.feasible, current.cost_s)
-
-
-def _batch_attributes(
-    outcomes: Sequence[RecoveryOutcome], makespan_s: float
-) -> dict[str, AttributeValue]:
-    counts = {action: 0 for action in Action}
-    slot_counts: dict[str, int] = {}
-    for outcome in outcomes:
-        counts[outcome.decision.action] += 1
-        slot_counts[outcome.slot_outcome] = slot_counts.get(outcome.slot_outcome, 0) + 1
-    attributes: dict[str, AttributeValue] = {
-        f"kvrs.batch.{action.value}": count for action, count in counts.items()
-    }
-    attributes["kvrs.batch.makespan_s"] = makespan_s
-    attributes["kvrs.slot.granted"] = slot_counts.get(SlotOutcome.GRANTED, 0)
-    attributes["kvrs.slot.exhausted"] = slot_counts.get(SlotOutcome.EXHAUSTED, 0)
-    attributes["kvrs.slot.unreachable"] = slot_counts.get(SlotOutcome.UNREACHABLE, 0)
-    return attributes

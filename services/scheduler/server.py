@@ -14,9 +14,10 @@ from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import ServerHandle, run_until_signal, start_server
 from services.gossip.client import GossipClient
 from services.scheduler.config import Config
-from services.scheduler.decisions import RecentRecoveries, Scheduler
+from services.scheduler.decisions import Scheduler
 from services.scheduler.inputs import load_inputs
 from services.scheduler.peers import GossipSource, PeerChannel, SlotBrokerClient
+from services.scheduler.replay import RecentRecoveries
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.view import ViewCache
 

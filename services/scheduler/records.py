@@ -1,0 +1,101 @@
+"""The scheduler's decision records: what a caller asks, and what a decision answers.
+
+Plain data between the servicer (which translates them to and from protobuf) and
+`decisions.Scheduler` (which fills them in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvrs.network import TransferEstimate
+from kvrs.placement import Placement
+from kvrs.recovery import Action, RecoveryDecision
+from services.scheduler.leases import Lease
+
+NEEDS_SLOT = (Action.MIGRATE, Action.HYBRID)
+
+
+class SlotOutcome:
+    """What happened at the slot broker for one decision (the `kvrs.slot.outcome` values)."""
+
+    GRANTED = "granted"
+    EXHAUSTED = "exhausted"
+    UNREACHABLE = "broker_unreachable"
+    SKIPPED = "skipped"
+    NOT_NEEDED = "not_needed"
+
+
+@dataclass(frozen=True)
+class SelectDecodeInput:
+    """A SelectDecode request, validated by the scheduler (not here) so errors name fields."""
+
+    request_id: str
+    prefill_id: str
+    prompt_tokens: int
+    prefix_hashes: tuple[int, ...] = ()
+    policy: str = ""
+    exclude_ids: frozenset[str] = frozenset()
+    candidate_ids: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The placement and where to reach the chosen instance, with the view's age."""
+
+    placement: Placement
+    address: str
+    transfer_address: str
+    view_age_s: float
+    view_stale: bool
+
+
+@dataclass(frozen=True)
+class RecoverInput:
+    """A Recover request (or one RecoverBatch item); equal inputs replay one decision."""
+
+    request_id: str
+    failed_id: str
+    source_prefill_id: str
+    prompt_tokens: int
+    generated_tokens: int
+    deadline_unix_ms: int = 0
+    policy: str = ""
+    source_kv_lost: bool = False
+    exclude_ids: frozenset[str] = frozenset()
+    skip_slot: bool = False
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An instance and its worker / transfer addresses, as the view knew them."""
+
+    instance_id: str = ""
+    address: str = ""
+    transfer_address: str = ""
+
+
+@dataclass(frozen=True)
+class RecoveryOutcome:
+    """A recovery decision with its slot lease (if one was needed and granted)."""
+
+    decision: RecoveryDecision
+    reason: str
+    lease: Lease | None
+    slot_outcome: str
+    target: Endpoint
+    source: Endpoint
+    view_age_s: float
+    view_stale: bool
+    replayed: bool = False
+    transfer: TransferEstimate | None = None
+    """The chosen option's KV transfer as priced now (for the decision span)."""
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """Every request's outcome, in the order the requests came."""
+
+    outcomes: tuple[RecoveryOutcome, ...]
+    makespan_s: float
+    slots_free: int
