@@ -385,8 +385,14 @@ class TransferAgent(KvSender, KvReceiver):
 
     @contextlib.contextmanager
     def _span(self, name: str, ticket: TransferTicket) -> Iterator[trace.Span]:
-        """A transfer span under the ticket's trace, with the error code when it fails."""
-        parent = extract({"traceparent": ticket.traceparent}) if ticket.traceparent else None
+        """A transfer span with the error code when it fails.
+
+        Its parent is the caller's current span when there is one (the RPC that carries
+        the ticket), else the ticket's traceparent: either way it joins the request's trace.
+        """
+        parent = None
+        if ticket.traceparent and not trace.get_current_span().get_span_context().is_valid:
+            parent = extract({"traceparent": ticket.traceparent})
         kind = trace.SpanKind.CONSUMER if name == "kvxfer.recv" else trace.SpanKind.PRODUCER
         with self._tracer.start_as_current_span(name, context=parent, kind=kind) as span:
             span.set_attributes({

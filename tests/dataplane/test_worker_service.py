@@ -248,7 +248,7 @@ async def test_sigterm_drains_a_running_decode_stream():
     """SIGTERM: health turns NOT_SERVING and new calls are refused, while the decode
     stream already running is served to its end; then the process exits 0."""
     env = dict(os.environ, WORKER_INSTANCE_ID="drain-me", WORKER_LISTEN_ADDR="127.0.0.1:0",
-               KVRS_SHUTDOWN_GRACE_S="30", KVRS_LOG_LEVEL="INFO")
+               KVRS_SHUTDOWN_GRACE_S="90", KVRS_LOG_LEVEL="INFO")
     process = subprocess.Popen([sys.executable, "-m", "services.worker", "--role", "decode"],
                                env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -256,7 +256,7 @@ async def test_sigterm_drains_a_running_decode_stream():
         channel, worker = stub(address)
         async with channel:
             await worker.Prefill(pb.PrefillRequest(request_id="r-drain", prompt_token_ids=PROMPT))
-            stream = worker.Decode(pb.DecodeRequest(request_id="r-drain", max_new_tokens=2000),
+            stream = worker.Decode(pb.DecodeRequest(request_id="r-drain", max_new_tokens=500),
                                    timeout=120)
             tokens = [await stream.read()]
             process.send_signal(signal.SIGTERM)
@@ -268,8 +268,8 @@ async def test_sigterm_drains_a_running_decode_stream():
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             while (message := await stream.read()) is not grpc.aio.EOF:
                 tokens.append(message)
-            assert len(tokens) == 2000 and tokens[-1].last
-        assert await asyncio.to_thread(process.wait, 30) == 0
+            assert len(tokens) == 500 and tokens[-1].last
+        assert await asyncio.to_thread(process.wait, 60) == 0
     finally:
         if process.poll() is None:
             process.kill()
