@@ -154,6 +154,8 @@ class GossipClient:
         self, role: str | None = None, include_down: bool = False
     ) -> list[NodeRecord]:
         """Alive instances ("prefill" / "decode" / None = all), each with its age_s."""
+        if role and role not in convert.ROLE_TO_PB:
+            raise errors.InvalidArgument("role", f"must be one of {tuple(convert.ROLE_TO_PB)}")
         request = gossip_pb2.ListNodesRequest(
             role=convert.ROLE_TO_PB[role] if role else 0, include_down=include_down
         )
@@ -212,10 +214,11 @@ class HeartbeatLoop:
 
     Each heartbeat carries `load()` (sync or async; when it raises, the last good load
     is sent, so a broken metric never makes a healthy instance look dead). When the
-    registry answers NotFound or FailedPrecondition — it forgot the instance, or already
-    declared it failed and told the cluster — the loop registers again at once and calls
-    `on_reregistered`: the instance's in-flight requests have been recovered elsewhere,
-    so it should drop them. Other errors are logged and retried at the next beat.
+    registry answers FailedPrecondition (it declared the instance failed and told the
+    cluster, so its in-flight requests are being recovered elsewhere) or NotFound (it no
+    longer knows the instance), the loop registers again at once and then calls
+    `on_reregistered`, where the instance drops the work the cluster gave up on. Other
+    errors are logged and retried at the next beat; the loop itself never dies of one.
     """
 
     def __init__(
@@ -226,12 +229,12 @@ class HeartbeatLoop:
         interval_s: float | None = None,
         on_reregistered: Callable[[], Awaitable[None] | None] | None = None,
     ) -> None:
-        """`interval_s` defaults to a quarter of the registration's TTL, else 0.5 s (a
-        quarter of the server's default 2 s TTL)."""
+        """`interval_s` defaults to a quarter of the TTL the registry resolved (the
+        registration's own, or the server default)."""
         self._client = client
         self._registration = registration
         self._load_source = load
-        self._interval_s = interval_s or (registration.heartbeat_ttl_s / 4 or 0.5)
+        self._interval_s = interval_s
         self._on_reregistered = on_reregistered
         self._last_load = NodeLoad()
         self._task: asyncio.Task[None] | None = None
@@ -244,9 +247,12 @@ class HeartbeatLoop:
 
     async def start(self) -> NodeRecord:
         """Registers (errors propagate: the instance is not announced) and starts beating."""
+        if self.running:
+            raise errors.FailedPrecondition("the heartbeat loop is already running")
         record = await self._register()
+        interval_s = self._interval_s or record.heartbeat_ttl_s / 4
         self._task = asyncio.create_task(
-            self._run(), name=f"heartbeat-{record.registration.instance_id}"
+            self._run(interval_s), name=f"heartbeat-{record.registration.instance_id}"
         )
         return record
 
@@ -295,17 +301,21 @@ class HeartbeatLoop:
                 log.warning("registering %s again: %s", instance_id, exc)
             await self._register()
             await self._client.heartbeat(instance_id, load)
-            if self._on_reregistered is not None:
-                outcome = self._on_reregistered()
-                if inspect.isawaitable(outcome):
-                    await outcome
         except errors.KvrsError as exc:
             log.warning("heartbeat of %s failed, retrying: %s", instance_id, exc)
+            return
+        if self._on_reregistered is not None:
+            outcome = self._on_reregistered()
+            if inspect.isawaitable(outcome):
+                await outcome
 
-    async def _run(self) -> None:
+    async def _run(self, interval_s: float) -> None:
         loop = asyncio.get_running_loop()
         next_beat_s = loop.time()
         while True:
-            next_beat_s = max(next_beat_s + self._interval_s, loop.time())
+            next_beat_s = max(next_beat_s + interval_s, loop.time())
             await asyncio.sleep(next_beat_s - loop.time())
-            await self._beat()
+            try:
+                await self._beat()
+            except Exception:  # noqa: BLE001 - a loop that dies silently fakes a failure
+                log.exception("heartbeat of %s failed", self._registration.instance_id)
