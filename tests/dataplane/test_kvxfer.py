@@ -177,6 +177,31 @@ def test_killed_sender_fails_only_its_own_transfers(peers):
         assert received.result(RESULT_TIMEOUT_S)["digest"] == expected_digest(spec, 0, 64)
 
 
+def test_a_restarted_sender_gets_a_fresh_pair(peers):
+    """A sender that restarts under the same id cannot reuse the pair its earlier
+    incarnation joined: that transfer fails fast on both sides, the next one works."""
+    _, b, _ = peers
+    spec = KvSpec(seed=14, tokens=32)
+    first = Peer("peer-phoenix").ready()
+    try:
+        _, received = transfer(first, b, spec, "req-before-restart")
+        assert received.result(RESULT_TIMEOUT_S)["digest"] == expected_digest(spec, 0, 32)
+    finally:
+        first.kill()
+        first.stop()
+    second = Peer("peer-phoenix").ready()
+    try:
+        sent, received = transfer(second, b, spec, "req-stale-pair")
+        for future in (sent, received):
+            with pytest.raises(PeerError) as info:
+                future.result(RESULT_TIMEOUT_S)
+            assert (info.value.kind, info.value.code) == ("PeerLost", "UNAVAILABLE")
+        _, received = transfer(second, b, spec, "req-after-restart")
+        assert received.result(RESULT_TIMEOUT_S)["digest"] == expected_digest(spec, 0, 32)
+    finally:
+        second.stop()
+
+
 def test_hung_sender_times_out_instead_of_hanging():
     timeout_s = 2.0
     hung = Peer("peer-hung", timeout_s=timeout_s, chunk_tokens=8)
