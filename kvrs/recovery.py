@@ -456,8 +456,10 @@ class Kvrs:
     ) -> RecoveryDecision:
         ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows,
                        extra_wait_s)
-        migrate, hybrid = ctx.migrate_and_hybrid(with_hybrid=True)
         block = ctx.migrate_block
+        # A blocked MIGRATE is still priced (a trace should show what the missing slot or
+        # the lost KV cost); a blocked HYBRID would only repeat that, so it is not searched.
+        migrate, hybrid = ctx.migrate_and_hybrid(with_hybrid=not block)
         options = (ctx.option(Action.MIGRATE, migrate, block),
                    ctx.option(Action.RECOMPUTE, ctx.recompute(), ""),
                    ctx.option(Action.HYBRID, hybrid, block))
