@@ -61,7 +61,7 @@ async def _contend(address, index, held, held_lock, peak, totals, cap) -> None:
                 peak.value = max(peak.value, held.value)
             granted += 1
             reported = max(reported, reply.slots_in_use)
-            await asyncio.sleep(rng.uniform(0.005, 0.015))
+            await asyncio.sleep(rng.uniform(0.02, 0.04))
             with held_lock:
                 held.value -= 1
             await stub.ReleaseSlot(
