@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunk-tokens", type=int, default=0,
                         help="tokens per chunk within a layer (0: one chunk per layer)")
-    parser.add_argument("--window", type=int, default=4, help="chunks in flight")
+    parser.add_argument("--window", type=int, default=64, help="chunks posted ahead")
     args = parser.parse_args(argv)
     result = run(args)
     print(f"KV moved:   {result['kv_bytes'] / 2**20:.1f} MiB "

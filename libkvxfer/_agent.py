@@ -1,8 +1,9 @@
 """The gloo transfer agent: one per process, both sender and receiver of KV.
 
 It hosts the process's rendezvous `TCPStore` (the address peers put in their tickets),
-keeps the pair groups, and moves KV chunk by chunk with a small window of operations in
-flight, so checksumming one chunk overlaps with moving the previous one.
+keeps the pair groups, and moves KV chunk by chunk with a deep window of operations in
+flight: gloo moves a message only once the receiver has posted its buffer, so the
+receiver posts many chunks ahead, and checksumming one chunk overlaps with moving others.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ class AgentConfig:
     """Default cap on the send rate, bits/s (emulates a slower link); None: no cap."""
     chunk_tokens: int = 0
     """Tokens per chunk within a layer; 0: one chunk per layer."""
-    window_chunks: int = 4
-    """Chunks in flight per transfer, so checksums overlap with the wire."""
+    window_chunks: int = 64
+    """Chunks posted ahead per transfer (receive buffers, sends): deep enough that the
+    wire never waits for a checksum or a Python wake-up; bounded for huge transfers."""
     checksums: bool = True
     """Send a crc32 of every chunk (receivers verify every checksum they get). Costs one
     pass over the bytes on each side; TCP's own checksums remain when it is off."""

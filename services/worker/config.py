@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvrs.errors import KvrsError
 from kvrs.topology import Location, Topology
-from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str
+from services.common import ConfigError, GrpcSettings, env_bool, env_float, env_int, env_str
 
 ROLES = ("prefill", "decode")
 DEFAULT_KV_CAPACITY_BYTES = 1 << 30
@@ -56,6 +56,9 @@ class Config:
     """WORKER_TRANSFER_PACING_BPS: cap on this worker's send rate (emulated link); 0 = none."""
     transfer_chunk_tokens: int = 0
     """WORKER_TRANSFER_CHUNK_TOKENS: tokens per transfer chunk within a layer; 0 = a layer."""
+    transfer_checksums: bool = True
+    """WORKER_TRANSFER_CHECKSUMS: send a crc32 of every chunk (receivers verify what they
+    get); costs a pass over the bytes on each side, which matters on a CPU-bound host."""
     send_kv_deadline_s: float = 600.0
     """WORKER_SEND_KV_DEADLINE_S: deadline of the SendKv call a PullKv makes (capped by the
     PullKv's own deadline); progress is watched by the transfer timeout meanwhile."""
@@ -98,6 +101,7 @@ class Config:
             transfer_timeout_s=env_float("WORKER_TRANSFER_TIMEOUT_S", 30.0, env),
             transfer_pacing_bps=env_float("WORKER_TRANSFER_PACING_BPS", 0.0, env),
             transfer_chunk_tokens=env_int("WORKER_TRANSFER_CHUNK_TOKENS", 0, env),
+            transfer_checksums=env_bool("WORKER_TRANSFER_CHECKSUMS", True, env),
             send_kv_deadline_s=env_float("WORKER_SEND_KV_DEADLINE_S", 600.0, env),
             kv_capacity_bytes=env_int("WORKER_KV_CAPACITY_BYTES", DEFAULT_KV_CAPACITY_BYTES,
                                       env),

@@ -144,7 +144,8 @@ async def build_server(config: Config, provider: TracerProvider) -> WorkerServer
         instance_id=config.instance_id, host=host, port=config.transfer_port,
         timeout_s=config.transfer_timeout_s,
         pacing_bps=config.transfer_pacing_bps or None,
-        chunk_tokens=config.transfer_chunk_tokens), provider)
+        chunk_tokens=config.transfer_chunk_tokens, checksums=config.transfer_checksums),
+        provider)
     peers = WorkerPeers(config.grpc, provider)
     engine = WorkerEngine(config.instance_id, config.model, model, store, compute, estimates,
                           agent, peers.send_kv, config.kv_lease_s, config.send_kv_deadline_s,
