@@ -125,3 +125,22 @@ def test_empty_batch() -> None:
     cost, view = cluster()
     plan = plan_batch([], view, cost, 0.0, Kvrs(), migration_slots_free=4)
     assert plan.decisions == () and plan.makespan_s == 0.0
+
+
+def test_two_migrations_on_one_link_each_get_half_of_it() -> None:
+    cost, view = cluster()
+    uplink = ("node-up", "n0")
+    plan = plan_batch(requests(2), view, cost, 0.0, make_recovery_policy("always_migrate"),
+                      migration_slots_free=32)
+    assert [d.action for d in plan.decisions] == [Action.MIGRATE, Action.MIGRATE]
+    topology = cost.network.topology
+    for decision in plan.decisions:
+        assert uplink in topology.path_links(decision.source_id, decision.target_id)
+        rtt_s = topology.base_rtt_s(decision.source_id, decision.target_id)
+        implied_bps = 8 * MODEL.kv_bytes(8000) / (chosen(decision).transfer_s - rtt_s)
+        assert implied_bps <= topology.link_capacity_bps(uplink) / 2 * (1 + 1e-9)
+    # Alone, the same request is promised the whole uplink (its path's bottleneck).
+    alone = make_recovery_policy("always_migrate").decide(requests(1)[0], view, cost, 0.0)
+    rtt_s = topology.base_rtt_s(alone.source_id, alone.target_id)
+    assert 8 * MODEL.kv_bytes(8000) / (chosen(alone).transfer_s - rtt_s) == pytest.approx(
+        topology.link_capacity_bps(uplink))
