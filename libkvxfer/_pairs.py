@@ -246,6 +246,9 @@ class OutboundPairs:
         except (RuntimeError, ValueError) as exc:
             raise PeerLost(f"receiver store {address} unreachable: {exc}") from exc
         with self._lock:
+            # A receiver that restarted at the same address: its old store is gone.
+            for stale in [k for k in self._stores if k[0] == address and k != key]:
+                del self._stores[stale]
             return self._stores.setdefault(key, store)
 
     def _join(self, address: str, incarnation: str, sender_id: str,

@@ -20,7 +20,15 @@ from opentelemetry import trace
 
 from kvrs.errors import FailedPrecondition, InvalidArgument, KvrsError, NotFound
 from kvrs.tokenizer import validate_token_ids
-from libkvxfer import KvLayout, PeerLost, TransferAgent, TransferRejected, TransferTicket
+from libkvxfer import (
+    PROTOCOL_VERSION,
+    KvLayout,
+    PeerLost,
+    ProtocolVersionMismatch,
+    TransferAgent,
+    TransferRejected,
+    TransferTicket,
+)
 from services.worker.compute import ComputeQueue, Estimates
 from services.worker.kvstore import KvStore, Resident
 from services.worker.model import Transformer
@@ -460,6 +468,8 @@ class WorkerEngine:
             raise InvalidArgument("ticket.sender_instance_id", f"names {ticket.sender_id!r}, "
                                   f"this is {self.instance_id!r}")
         try:
+            if ticket.protocol_version != PROTOCOL_VERSION:
+                raise ProtocolVersionMismatch(PROTOCOL_VERSION, ticket.protocol_version, "ticket")
             _check_request_id(ticket.request_id)
             entry = self.store.get(ticket.request_id)
             if ticket.token_end > entry.resident_tokens:
