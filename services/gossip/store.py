@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_EVENT_ID = re.compile(r"^\d+(-\d+)?$")
+_EVENT_ID = re.compile(r"^[0-9]{1,19}(-[0-9]{1,19})?$")  # ASCII, within the uint64 Redis takes
 
 # Shared by the scripts below. ARGV[1] is the node-key prefix, ARGV[2] the stream MAXLEN,
 # ARGV[3] how long a down node stays listed; KEYS[1] is the live set, KEYS[2] the stream.
