@@ -15,6 +15,8 @@ from kvrs.errors import InvalidArgument
 ROLES = ("prefill", "decode")
 ALIVE, FAILED, LEFT = "alive", "failed", "left"
 JOINED = "joined"
+MAX_HEARTBEAT_TTL_S = 86_400.0
+"""Longest heartbeat TTL an instance may register with (a day)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ def validate_registration(registration: Registration) -> None:
     require_non_negative("location.gpu_index", registration.gpu_index)
     require_non_negative("kv_capacity_blocks", registration.kv_capacity_blocks)
     require_non_negative("heartbeat_ttl_s", registration.heartbeat_ttl_s)
+    if registration.heartbeat_ttl_s > MAX_HEARTBEAT_TTL_S:  # stored as integer milliseconds
+        raise InvalidArgument("heartbeat_ttl_s", f"must be at most {MAX_HEARTBEAT_TTL_S:.0f} s")
 
 
 def validate_load(load: NodeLoad) -> None:
