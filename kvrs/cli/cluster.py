@@ -89,6 +89,9 @@ def _up(args: argparse.Namespace) -> int:
     print(f"kvrs cluster up in {elapsed_s:.1f} s (run dir {state.run_dir})")
     rows = [[r.name, r.kind, r.address, str(r.pid), r.log_file] for r in state.processes]
     print(_table(["SERVICE", "KIND", "ADDRESS", "PID", "LOG"], rows))
+    for record in state.processes:
+        if record.health_path:
+            print(f"{record.name}: http://{record.address}")
     print(f"\nredis {state.redis_url}  prefix {state.redis_prefix}")
     print("client environment:")
     for name, value in state.client_env().items():

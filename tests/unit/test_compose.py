@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvrs.client import KvrsClient
 from kvrs.localcluster import (
     PEER_ADDR_ENV,
     SERVICES,
@@ -169,11 +170,18 @@ def test_dot_env_addresses_point_at_each_service_port(compose, dot_env):
     assert dot_env["KVRS_TOPOLOGY_FILE"] == "/etc/kvrs/topology.yaml"
 
 
-def test_every_dot_env_variable_is_read_by_some_service(compose, dot_env):
-    read = set(PROCESS_ENV)
+def client_variables() -> set[str]:
+    """What callers of the cluster read: KvrsClient's variables and every service address."""
+    env = RecordingEnv()
+    KvrsClient.from_env(env)
+    return env.read | set(PEER_ADDR_ENV.values()) | {"SCHEDULER_ADDRS"}
+
+
+def test_every_dot_env_variable_is_read_by_some_service_or_client(compose, dot_env):
+    read = PROCESS_ENV | client_variables()
     for module, _ in kvrs_services(compose).values():
         read |= variables_read(module)
-    assert not set(dot_env) - read
+    assert set(dot_env) - read == set()
 
 
 def test_the_local_cluster_sets_only_variables_its_services_read(tmp_path):
@@ -181,13 +189,13 @@ def test_the_local_cluster_sets_only_variables_its_services_read(tmp_path):
     wiring = Wiring(addresses=addresses, options=ClusterOptions(run_dir=tmp_path))
     shared = common_env(wiring, tmp_path, "redis://127.0.0.1:1/0", "{kvrs}:")
     assert set(tls_env(tmp_path, "server")) <= set(shared)
-    read_by_any = set(PROCESS_ENV)
+    read_by_any = PROCESS_ENV | client_variables()
     for spec in SERVICES:
         read = variables_read(spec.module)
         read_by_any |= read
         assert spec.listen_env == listen_env(spec.module)
         assert not set(spec.env(wiring)) - read - PROCESS_ENV, spec.name
-    assert not set(shared) - read_by_any
+    assert set(shared) - read_by_any == set()
 
 
 def test_standard_ports_of_the_local_cluster_match_compose(compose):
