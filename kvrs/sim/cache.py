@@ -80,14 +80,20 @@ class PrefixCache:
 class ResidentView:
     """Read-only `in` over a cache's contents at one past instant (what telemetry saw)."""
 
-    __slots__ = ("_cache", "time_s")
+    __slots__ = ("_cache", "_resident", "time_s")
 
     def __init__(self, cache: PrefixCache, time_s: float) -> None:
         self._cache = cache
+        self._resident = cache._resident
         self.time_s = time_s
 
     def __contains__(self, block: object) -> bool:
-        return self._cache._was_resident(block, self.time_s)  # type: ignore[arg-type]
+        # Inlined `_was_resident`: decisions ask this for every block of every candidate.
+        since_s = self._resident.get(block)  # type: ignore[call-overload]
+        if since_s is not None and since_s <= self.time_s:
+            return True
+        span = self._cache._evicted.get(block)  # type: ignore[call-overload]
+        return span is not None and span[0] <= self.time_s < span[1]
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

@@ -26,6 +26,10 @@ from kvrs.sim.engine import EventLoop
 from kvrs.sim.metrics import RequestRecord
 
 
+def _ignore(instance_id: str) -> None:
+    """The default change hook: nobody is sampling this instance."""
+
+
 class PrefillJob:
     """Prompt tokens to turn into KV on a prefill instance; `on_done(job)` at batch end."""
 
@@ -65,6 +69,8 @@ class PrefillInstance:
         self.busy_s = 0.0
         self._handle = 0
         self._ending = False
+        self.on_change: Callable[[str], Any] = _ignore   # telemetry keeps the prior state
+        self.pool_shared = False      # other instances insert into the same prefix pool
 
     def hit_tokens(self, hash_ids: Sequence[int], tokens: int) -> int:
         """Prompt tokens the pool holds now; at least one token is always computed."""
@@ -79,6 +85,7 @@ class PrefillInstance:
         return max(0.0, self.busy_until_s - now_s) + self.queued_work_s
 
     def submit(self, job: PrefillJob) -> None:
+        self.on_change(self.instance_id)
         job.estimate_s = self.estimate_s(self.hit_tokens(job.hash_ids, job.tokens), job.tokens)
         self.queued_work_s += job.estimate_s
         self.queue.append(job)
@@ -88,6 +95,7 @@ class PrefillInstance:
     def _start_batch(self) -> None:
         if not self.queue or not self.alive:
             return
+        self.on_change(self.instance_id)
         now_s = self.loop.now_s
         batch: list[PrefillJob] = []
         tokens = 0
@@ -114,6 +122,7 @@ class PrefillInstance:
 
     def _end_batch(self) -> None:
         self._handle = 0
+        self.on_change(self.instance_id)
         batch, self.batch = self.batch, []
         now_s = self.loop.now_s
         for job in batch:
@@ -127,6 +136,7 @@ class PrefillInstance:
 
     def fail(self) -> list[PrefillJob]:
         """Stop; return every job queued or in progress (their work is lost)."""
+        self.on_change(self.instance_id)
         self.alive = False
         self.loop.cancel(self._handle)
         self._handle = 0
@@ -200,6 +210,7 @@ class DecodeInstance:
         self._job_until_s = 0.0
         self._ending = False          # inside a boundary's callbacks: the boundary continues
         self.context_tokens = 0       # Σ context of the batch
+        self.on_change: Callable[[str], Any] = _ignore   # telemetry keeps the prior state
 
     # -- memory -------------------------------------------------------------------------
 
@@ -209,6 +220,7 @@ class DecodeInstance:
 
     def request_memory(self, tokens: int, granted: Callable[[], Any], tag: Any = None) -> bool:
         """Reserve `tokens` of KV now, or queue until enough frees; `granted()` then runs."""
+        self.on_change(self.instance_id)
         if not self.memory_queue and tokens <= self.free_kv_tokens:
             self.reserved_tokens += tokens
             granted()
@@ -217,6 +229,7 @@ class DecodeInstance:
         return False
 
     def release_memory(self, tokens: int) -> None:
+        self.on_change(self.instance_id)
         self.reserved_tokens -= tokens
         while self.memory_queue and self.alive:
             need, granted, _ = self.memory_queue[0]
@@ -228,6 +241,7 @@ class DecodeInstance:
 
     def cancel_memory_request(self, tag: Any) -> bool:
         """Withdraw a queued reservation (its request is being recovered elsewhere)."""
+        self.on_change(self.instance_id)
         for i, (_, _, queued_tag) in enumerate(self.memory_queue):
             if queued_tag is tag:
                 del self.memory_queue[i]
@@ -239,6 +253,10 @@ class DecodeInstance:
     def step_now_s(self, extra_batch: int = 0, extra_context: int = 0) -> float:
         return self.profile.step_s(len(self.batch) + extra_batch,
                                    self.context_tokens + extra_context)
+
+    def job_running(self, at_s: float) -> bool:
+        """A job pauses the batch at `at_s` (W(d) then shrinks as time passes)."""
+        return self._job_until_s > at_s
 
     def wait_s(self, now_s: float) -> float:
         """W(d): jobs ahead, the step in progress, and the wait for KV memory if any."""
@@ -264,12 +282,14 @@ class DecodeInstance:
 
     def admit(self, member: DecodeMember) -> None:
         """The member's KV is here: it joins the batch at the next step boundary."""
+        self.on_change(self.instance_id)
         self.cache.insert(member.hash_ids, self.loop.now_s)
         self.waiting.append(member)
         self._kick()
 
     def add_job(self, job: ComputeJob) -> None:
         """Run `job` at the next step boundary, pausing the batch for its duration."""
+        self.on_change(self.instance_id)
         self.jobs.append(job)
         self.job_backlog_s += job.duration_s
         self._kick()
@@ -328,6 +348,7 @@ class DecodeInstance:
                                     self._seg_planned)
 
     def _end_run(self, steps: int) -> None:
+        self.on_change(self.instance_id)
         self._handle = 0
         self._running = False
         self._ending = True
@@ -372,6 +393,7 @@ class DecodeInstance:
 
     def _boundary(self) -> None:
         """Between steps: run one queued job, else admit arrivals and start the next run."""
+        self.on_change(self.instance_id)
         if not self.alive:
             return
         now_s = self.loop.now_s
@@ -389,6 +411,7 @@ class DecodeInstance:
             self._start_run()
 
     def _job_done(self, job: ComputeJob) -> None:
+        self.on_change(self.instance_id)
         self._handle = 0
         self._ending = True
         job.on_done(job)
@@ -397,6 +420,7 @@ class DecodeInstance:
 
     def fail(self) -> list[DecodeMember]:
         """Stop now; credit the steps already finished and return the members left."""
+        self.on_change(self.instance_id)
         self.alive = False
         self.loop.cancel(self._handle)
         self._handle = 0

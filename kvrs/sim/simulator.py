@@ -130,6 +130,11 @@ class Simulator:
                     serving.decode_max_batch,
                     PrefixCache(serving.decode_cache_tokens // self.block_tokens),
                     self._decode_finished)
+        pool_users: dict[int, int] = defaultdict(int)
+        for prefill in self.prefills.values():
+            pool_users[id(prefill.pool)] += 1
+        for prefill in self.prefills.values():
+            prefill.pool_shared = pool_users[id(prefill.pool)] > 1
         if not self.prefills or not self.decodes:
             raise InvalidArgument("cluster", "needs at least one prefill and one decode instance")
 
@@ -253,15 +258,18 @@ class Simulator:
             return self.prefills[ids[min(pick, len(ids) - 1)]]
         age_s = max(0.0, self.loop.now_s - view.now_s)
         tokens = request.input_tokens
+        cold_s = self.compute.prefill_s(tokens)
+        first_block = request.hash_ids[0] if request.hash_ids else None
         best_id, best_score = "", math.inf
         for state in candidates:
-            wait_s = max(0.0, state.wait_s - age_s)
+            score = max(0.0, state.wait_s - age_s)
             if router == "cache_aware":
-                hit = min(tokens - 1, prefix_hit_tokens(request.hash_ids, state.resident_blocks,
-                                                        self.block_tokens, tokens))
-                score = wait_s + self.compute.extend_s(hit, tokens - hit)
-            else:
-                score = wait_s
+                if first_block is None or first_block not in state.resident_blocks:
+                    score += cold_s
+                else:
+                    hit = min(tokens - 1, prefix_hit_tokens(
+                        request.hash_ids, state.resident_blocks, self.block_tokens, tokens))
+                    score += self.compute.extend_s(hit, tokens - hit)
             if score < best_score:
                 best_id, best_score = state.instance_id, score
         return self.prefills[best_id]

@@ -5,6 +5,12 @@ last instance sample and a `NetworkModel` fed from the last link sample, so a pe
 T seconds makes every decision see state up to T seconds old; 0 means a fresh sample at
 every decision, infinity means none after the start (links: topology capacity only).
 
+Instance samples are exact but lazy: rather than copying every instance at every tick,
+an instance records its state just before its first change after each tick (so the
+record is its state at that tick), and a view is assembled only when a decision asks
+for one. Between its changes an instance's state at a tick is its current state, with
+the queued-work term evaluated at the tick's time.
+
 A link sample is what a switch counter gives: each link's capacity left by background
 traffic, which becomes that link's capacity in the control plane's own copy of the
 topology (so `NetworkModel` computes each link's share with its measured capacity), and
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvrs.cluster import ClusterView, InstanceState
 from kvrs.errors import InvalidArgument
@@ -64,7 +70,15 @@ class Telemetry:
         self.link_samples = 0
         self.stopped = False
         self._view: ClusterView | None = None
+        self._view_tick = -1
         self._views: dict[str, ClusterView] = {}
+        # instance id -> (tick, state at that tick), recorded before its first change
+        self._captured: dict[str, tuple[int, InstanceState]] = {}
+        # Instances changed since the last view; the others keep their InstanceState when
+        # it does not depend on time (no job running, no prefill batch in progress).
+        self._changed: set[str] = set(prefills) | set(decodes)
+        for instance in (*prefills.values(), *decodes.values()):
+            instance.on_change = self.before_change
         # The control plane's copy of the topology, whose link capacities are measured.
         self._measured = build_topology()
         self._measured_bps: dict = {}
@@ -76,22 +90,14 @@ class Telemetry:
     # -- sampling ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Take the first samples and schedule the periodic ones."""
-        self._sample_state()
+        """Take the first link sample and schedule the periodic ones."""
         if self.spec.link_period_s < math.inf:
             self._sample_links()
-        for period, sample in ((self.spec.state_period_s, self._periodic_state),
-                               (self.spec.link_period_s, self._periodic_links)):
-            if 0 < period < math.inf:
-                self.loop.after(period, sample)
+            if self.spec.link_period_s > 0:
+                self.loop.after(self.spec.link_period_s, self._periodic_links)
 
     def stop(self) -> None:
         self.stopped = True
-
-    def _periodic_state(self) -> None:
-        if not self.stopped:
-            self._sample_state()
-            self.loop.after(self.spec.state_period_s, self._periodic_state)
 
     def _periodic_links(self) -> None:
         if not self.stopped:
@@ -101,26 +107,81 @@ class Telemetry:
     def mark_dead(self, instance_id: str) -> None:
         """Failure events reach the control plane at once (they are not sampled)."""
         self.dead.add(instance_id)
-        self._sample_state()
+        self._view_tick = -1
 
-    def _sample_state(self) -> None:
+    def _tick(self, now_s: float) -> int:
+        """Index of the last instance sample at or before `now_s` (0 for a period of inf)."""
+        period = self.spec.state_period_s
+        return 0 if period == math.inf else int(now_s / period + 1e-9)
+
+    def before_change(self, instance_id: str) -> None:
+        """An instance is about to change: keep its state at the last tick if not yet kept."""
+        self._changed.add(instance_id)
+        if self.spec.state_period_s == 0:
+            return
+        tick = self._tick(self.loop.now_s)
+        captured = self._captured.get(instance_id)
+        if captured is None or captured[0] < tick:
+            self._captured[instance_id] = (tick, self._state(instance_id, self._tick_s(tick)))
+
+    def _tick_s(self, tick: int) -> float:
+        period = self.spec.state_period_s
+        return 0.0 if period == math.inf else tick * period
+
+    def _state(self, instance_id: str, at_s: float) -> InstanceState:
+        """The instance's state at `at_s`, which must not precede its last change."""
+        p = self.prefills.get(instance_id)
+        if p is not None:
+            return InstanceState(
+                instance_id=instance_id, role=Role.PREFILL, wait_s=p.wait_s(at_s),
+                queue_depth=len(p.queue), running_requests=len(p.batch),
+                resident_blocks=p.pool.as_of(at_s),  # type: ignore[arg-type]
+                alive=p.alive)
+        d = self.decodes[instance_id]
+        return InstanceState(
+            instance_id=instance_id, role=Role.DECODE, wait_s=d.wait_s(at_s),
+            queue_depth=len(d.waiting) + len(d.memory_queue),
+            running_requests=len(d.batch), free_kv_tokens=max(0, d.free_kv_tokens),
+            # A decode cache changes only with its instance, so its contents now are its
+            # contents at `at_s`; a frozenset keeps placement's per-block scans in C.
+            resident_blocks=frozenset(d.cache), alive=d.alive)
+
+    def _busy(self, instance_id: str, at_s: float) -> bool:
+        """Its W(x) shrinks as time passes (work in progress), so old states are stale."""
+        prefill = self.prefills.get(instance_id)
+        if prefill is not None:
+            return prefill.busy_until_s > at_s or prefill.pool_shared
+        return self.decodes[instance_id].job_running(at_s)
+
+    def _build_view(self) -> None:
         now_s = self.loop.now_s
+        period = self.spec.state_period_s
+        tick = -2 if period == 0 else self._tick(now_s)
+        if tick == self._view_tick and tick != -2 and self._view is not None:
+            return
+        at_s = now_s if period == 0 else self._tick_s(tick)
         self.samples += 1
         states: dict[str, InstanceState] = {}
-        for instance_id, p in self.prefills.items():
-            states[instance_id] = InstanceState(
-                instance_id=instance_id, role=Role.PREFILL, wait_s=p.wait_s(now_s),
-                queue_depth=len(p.queue), running_requests=len(p.batch),
-                resident_blocks=p.pool.as_of(now_s),  # type: ignore[arg-type]
-                alive=p.alive and instance_id not in self.dead)
-        for instance_id, d in self.decodes.items():
-            states[instance_id] = InstanceState(
-                instance_id=instance_id, role=Role.DECODE, wait_s=d.wait_s(now_s),
-                queue_depth=len(d.waiting) + len(d.memory_queue),
-                running_requests=len(d.batch), free_kv_tokens=max(0, d.free_kv_tokens),
-                resident_blocks=d.cache.as_of(now_s),  # type: ignore[arg-type]
-                alive=d.alive and instance_id not in self.dead)
-        self._view = ClusterView(instances=states, now_s=now_s)
+        previous = self._view.instances if self._view is not None else {}
+        changed = self._changed
+        # A captured state is the tick's, not the live one: it cannot be reused later.
+        stale_next: set[str] = set()
+        for instance_id in (*self.prefills, *self.decodes):
+            captured = self._captured.get(instance_id)
+            if captured is not None and captured[0] == tick:
+                state = captured[1]
+                stale_next.add(instance_id)
+            elif (instance_id not in changed and instance_id in previous
+                  and not self._busy(instance_id, at_s)):
+                state = previous[instance_id]
+            else:
+                state = self._state(instance_id, at_s)
+            if instance_id in self.dead and state.alive:
+                state = replace(state, alive=False)
+            states[instance_id] = state
+        self._view = ClusterView(instances=states, now_s=at_s)
+        self._view_tick = tick
+        self._changed = stale_next
         self._views = {}
 
     def _sample_links(self) -> None:
@@ -138,10 +199,11 @@ class Telemetry:
             telemetry_model.set_flows(self._flow_sample)
 
     def next_state_sample_s(self) -> float:
-        """When the instance view will next change (now, for a period of 0)."""
-        if self._view is None or not 0 < self.spec.state_period_s < math.inf:
+        """When the instance view will next change (now, for a period of 0 or inf)."""
+        period = self.spec.state_period_s
+        if not 0 < period < math.inf:
             return self.loop.now_s
-        return self._view.now_s + self.spec.state_period_s
+        return self._tick_s(self._tick(self.loop.now_s) + 1)
 
     # -- what decisions see --------------------------------------------------------------
 
@@ -152,8 +214,7 @@ class Telemetry:
         model's version number only; two network models can share a version number, so
         each network view gets a view object of its own.
         """
-        if self.spec.state_period_s == 0 or self._view is None:
-            self._sample_state()
+        self._build_view()
         assert self._view is not None
         view = self._views.get(network_view)
         if view is None:

@@ -1,0 +1,54 @@
+"""`kvrs sim`: experiments run end to end on small inputs and write their outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from kvrs.cli import main
+
+SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
+
+
+def test_netkv_experiment_writes_json_markdown_and_figures(tmp_path):
+    config = tmp_path / "netkv.yaml"
+    config.write_text(yaml.safe_dump({
+        "workload": {"trace": str(SAMPLE), "limit": 60},
+        "tuning": {"cache_weight": [0.0, 0.4], "load_weight": [1.0]},
+        "load_scales": [1.0], "background_levels": [0.0, 0.3],
+        "context": {"caps": [8192]},
+        "staleness": {"periods_s": [0.0, "inf"]},
+        "segregated": {"rate_scales": [1.0], "background_levels": [0.3]},
+    }))
+    out = tmp_path / "out"
+    assert main(["sim", "netkv", "--config", str(config), "--out", str(out),
+                 "--no-progress"]) == 0
+    data = json.loads((out / "netkv.json").read_text())
+    assert len(data["cache_load_tuning"]) == 2
+    assert set(data["policies"]["cache_load"]["params"]) == {"cache_weight", "load_weight"}
+    for section in ("load", "context", "staleness", "segregated"):
+        for row in data[section]:
+            for result in row["results"].values():
+                assert result["lost"] == 0 and result["completed"] == 60
+    assert "netkv_vs_round_robin_ttft_pct" in data["headline"]
+    markdown = (out / "netkv.md").read_text()
+    assert "| background | rate_scale |" in markdown
+    for figure in ("load", "context", "staleness", "attainment"):
+        assert (out / f"netkv_{figure}.png").stat().st_size > 1000
+
+
+def test_single_run_prints_a_summary(tmp_path, capsys):
+    assert main(["sim", "run", "--trace", str(SAMPLE), "--policy", "round_robin",
+                 "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert summary["completed"] == 200 and summary["lost"] == 0
+
+
+def test_a_bad_config_key_is_named(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump({"serving": {"no_such_key": 1}}))
+    assert main(["sim", "run", "--trace", str(SAMPLE), "--config", str(config),
+                 "--no-progress"]) == 2
+    assert "no_such_key" in capsys.readouterr().err
