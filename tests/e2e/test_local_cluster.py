@@ -134,3 +134,12 @@ def test_private_redis_starts_answers_and_stops(tmp_path):
         killed = stop_processes([record], grace_s=5.0)
     assert killed == [], "redis-server stops on SIGTERM, without SIGKILL"
     assert not is_running(record)
+
+
+def test_without_any_redis_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setattr("kvrs.localcluster.shutil.which", lambda name: None)
+    monkeypatch.setattr("kvrs.localcluster.importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ClusterError) as caught:
+        find_redis_server()
+    message = str(caught.value)
+    assert "REDIS_URL" in message and "redis-server" in message and "kvrs[redis]" in message
