@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from kvrs._frozen import build
 from kvrs._pathmatrix import FlowPlan
 from kvrs.cluster import ClusterView
 from kvrs.costmodel import CostModel
@@ -119,8 +120,9 @@ def _recost(
         total = chosen.wait_s + max(cost.prefill_s(k), transfer_s) + ext_s
     if transfer_s == chosen.transfer_s:
         return decision
-    updated = replace(chosen, cost_s=total, transfer_s=transfer_s)
+    updated = build(OptionCost, **{**chosen.__dict__, "cost_s": total, "transfer_s": transfer_s})
     options = tuple(updated if option is chosen else option for option in decision.options)
     slack = (math.inf if request.deadline_s is None
              else request.deadline_s - now_s - total)
-    return replace(decision, cost_s=total, options=options, slack_s=slack)
+    return build(RecoveryDecision, **{**decision.__dict__, "cost_s": total, "options": options,
+                                      "slack_s": slack})
