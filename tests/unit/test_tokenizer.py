@@ -76,11 +76,3 @@ def test_prefix_hashes_chain_full_blocks_only():
     assert prefix_block_hashes(tokens[:8], 4) == hashes
     with pytest.raises(InvalidArgument):
         prefix_block_hashes(tokens, 0)
-
-
-def test_prefix_hashes_equal_the_workers_advertised_hashes():
-    from libkvxfer import prefix_block_hashes as worker_hashes
-
-    tokens = encode("the quick brown fox jumps over the lazy dog " * 40)
-    assert prefix_block_hashes(tokens, 512) == worker_hashes(tokens, 512)
-    assert prefix_block_hashes(tokens, 16) == worker_hashes(tokens, 16)
