@@ -139,9 +139,9 @@ def validate_link_sample(sample: LinkSample) -> None:
     require_id("dst_instance_id", sample.dst_instance_id)
     if sample.src_instance_id == sample.dst_instance_id:
         raise InvalidArgument("dst_instance_id", "must differ from src_instance_id")
-    if not math.isfinite(sample.bandwidth_bps) or sample.bandwidth_bps <= 0:
+    if not math.isfinite(sample.bandwidth_bps) or sample.bandwidth_bps < 1:
         raise InvalidArgument(
-            "bandwidth_bps", f"must be a finite number > 0, got {sample.bandwidth_bps}"
+            "bandwidth_bps", f"must be a finite number >= 1 (bit/s), got {sample.bandwidth_bps}"
         )
     require_non_negative("sample_bandwidth_bps", sample.sample_bandwidth_bps)
     require_non_negative("rtt_s", sample.rtt_s)
