@@ -1,0 +1,281 @@
+"""Timed probe transfers over the KV data plane, an EWMA per link, and the probing budget.
+
+A probe of link src -> dst pulls a synthetic KV payload that src keeps resident, exactly
+as a decode instance pulls a prompt's KV (same libkvxfer path, same pacing), and times
+the wire on the receiver:
+
+1. a one-token pull measures the fixed cost of a transfer (ticket, SendKv, pair setup):
+   it is the link's `rtt_s` in T_x = rtt + 8 * bytes / bandwidth;
+2. pulls sized from the running rate follow until the wire has been busy for
+   `target_probe_s` (or `max_pulls`); the sample is 8 * bytes / (wire time - fixed cost)
+   over them, leaving out the first, small sizing pull once bigger ones exist.
+
+Each sample feeds the link's EWMA (`kvrs.estimator.EwmaEstimator`), published to gossip.
+A link is probed again only after `duration / budget_fraction - duration` (and never
+sooner than `interval_s`), so probes take at most `budget_fraction` of its time. Links
+are probed one at a time, so probes never share a path with each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvrs.errors import InvalidArgument, KvrsError, Unavailable
+from kvrs.estimator import EwmaEstimator, LinkEstimate
+from services.gossip.records import LinkSample
+from services.router.peers import Pulled
+from services.router.records import Endpoint
+
+log = logging.getLogger(__name__)
+
+SIZING_TOKENS = 64
+"""Tokens of the first pull of a link never measured before (sizes the next pulls)."""
+MIN_WIRE_FRACTION = 0.05
+"""A pull's wire time after subtracting the fixed cost is at least this share of it."""
+
+
+class Transport(Protocol):
+    async def place_payload(self, src: Endpoint, kv_id: str, tokens: int, lease_s: float
+                            ) -> int:
+        """Makes `src` hold a synthetic KV of `tokens` under `kv_id`; returns its bytes."""
+        ...
+
+    async def pull(self, dst: Endpoint, src: Endpoint, kv_id: str, tokens: int,
+                   pacing_bps: float) -> Pulled: ...
+
+    async def drop(self, at: Endpoint, kv_id: str) -> None: ...
+
+
+class Publisher(Protocol):
+    async def report_link_sample(self, sample: LinkSample) -> None: ...
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    budget_fraction: float = 0.02
+    target_probe_s: float = 0.05
+    interval_s: float = 5.0
+    payload_tokens: int = 2048
+    max_pulls: int = 16
+    payload_lease_s: float = 3600.0
+    ewma_alpha: float = 0.2
+    pacing_bps: float = 0.0
+
+
+@dataclass
+class LinkState:
+    """What the prober knows about one link."""
+
+    src: Endpoint
+    dst: Endpoint
+    estimator: EwmaEstimator
+    sample_bps: float = 0.0
+    rtt_s: float = 0.0
+    probe_bytes: int = 0
+    probe_s: float = 0.0
+    measured_unix_ms: int = 0
+    first_probe_at_s: float = math.nan
+    busy_s: float = 0.0
+    next_due_s: float = 0.0
+    last_error: str = ""
+
+    @property
+    def estimate(self) -> LinkEstimate | None:
+        return self.estimator.estimate
+
+    def probe_time_fraction(self, now_s: float) -> float:
+        if math.isnan(self.first_probe_at_s) or now_s <= self.first_probe_at_s:
+            return 0.0
+        return self.busy_s / (now_s - self.first_probe_at_s)
+
+
+@dataclass
+class ProberStats:
+    probes_total: int = 0
+    probe_failures_total: int = 0
+    busy_s: float = 0.0
+    started_s: float = field(default_factory=time.monotonic)
+
+
+def payload_id(src_id: str) -> str:
+    return f"kvrs-probe.{src_id}"
+
+
+class LinkProber:
+    """Probes links and keeps their estimates (see the module docstring)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        publisher: Publisher,
+        settings: ProbeSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.transport = transport
+        self.publisher = publisher
+        self.settings = settings
+        self._clock = clock
+        self.links: dict[tuple[str, str], LinkState] = {}
+        self.stats = ProberStats(started_s=clock())
+        self._payload_bytes: dict[str, int] = {}
+        """Sources holding the payload, and its size there."""
+        self._lock = asyncio.Lock()
+
+    def link(self, src: Endpoint, dst: Endpoint) -> LinkState:
+        key = (src.instance_id, dst.instance_id)
+        state = self.links.get(key)
+        if state is None:
+            state = self.links[key] = LinkState(src, dst, EwmaEstimator(self.settings.ewma_alpha))
+        else:
+            state.src, state.dst = src, dst
+        return state
+
+    async def probe(self, src: Endpoint, dst: Endpoint, probe_bytes: int = 0) -> LinkState:
+        """Probes src -> dst now, publishes the new estimate and schedules the next probe.
+
+        `probe_bytes` > 0 moves that much instead of sizing the probe by time. Raises the
+        KvrsError that failed the probe (the link keeps its last estimate).
+        """
+        if src.instance_id == dst.instance_id:
+            raise InvalidArgument("dst_instance_id", "must differ from src_instance_id")
+        state = self.link(src, dst)
+        async with self._lock:
+            started = self._clock()
+            if math.isnan(state.first_probe_at_s):
+                state.first_probe_at_s = started
+            try:
+                await self._measure(state, probe_bytes)
+            except KvrsError as exc:
+                state.last_error = str(exc)
+                self.stats.probe_failures_total += 1
+                raise
+            finally:
+                duration = self._clock() - started
+                state.busy_s += duration
+                self.stats.busy_s += duration
+                self.stats.probes_total += 1
+                state.next_due_s = self._clock() + self._pause_s(duration)
+        state.last_error = ""
+        await self._publish(state)
+        return state
+
+    def _pause_s(self, duration_s: float) -> float:
+        budget = self.settings.budget_fraction
+        return max(duration_s / budget - duration_s, self.settings.interval_s)
+
+    async def _measure(self, state: LinkState, probe_bytes: int) -> None:
+        try:
+            await self._measure_once(state, probe_bytes)
+        except KvrsError as exc:
+            if isinstance(exc, Unavailable) or state.src.instance_id not in self._payload_bytes:
+                raise
+            # The payload may have been evicted or the source restarted: place it again.
+            log.info("probe %s -> %s failed (%s); placing the payload again",
+                     state.src.instance_id, state.dst.instance_id, exc)
+            del self._payload_bytes[state.src.instance_id]
+            await self._measure_once(state, probe_bytes)
+
+    async def _measure_once(self, state: LinkState, probe_bytes: int) -> None:
+        settings = self.settings
+        src, dst = state.src, state.dst
+        kv_id = payload_id(src.instance_id)
+        payload_bytes = self._payload_bytes.get(src.instance_id)
+        if payload_bytes is None:
+            payload_bytes = await self.transport.place_payload(
+                src, kv_id, settings.payload_tokens, settings.payload_lease_s)
+            self._payload_bytes[src.instance_id] = payload_bytes
+        bytes_per_token = payload_bytes / settings.payload_tokens
+        fixed = await self._pull(dst, src, kv_id, 1)
+        fixed_s = fixed.transfer_s
+        estimate = state.estimate
+        rate_bps = estimate.bandwidth_bps if estimate is not None else 0.0
+        pulls: list[tuple[int, float]] = []
+        wire_s = 0.0
+        moved = 0
+        while len(pulls) < settings.max_pulls and (
+                moved < probe_bytes if probe_bytes else wire_s < settings.target_probe_s):
+            if probe_bytes:
+                tokens = min(settings.payload_tokens,
+                             max(1, math.ceil((probe_bytes - moved) / bytes_per_token)))
+            else:
+                tokens = self._size(rate_bps, settings.target_probe_s - wire_s,
+                                    bytes_per_token)
+            pulled = await self._pull(dst, src, kv_id, tokens)
+            pull_wire_s = max(pulled.transfer_s - fixed_s, MIN_WIRE_FRACTION * pulled.transfer_s)
+            pulls.append((pulled.kv_bytes, pull_wire_s))
+            wire_s += pull_wire_s
+            moved += pulled.kv_bytes
+            rate_bps = 8.0 * sum(b for b, _ in pulls) / sum(s for _, s in pulls)
+        counted = pulls[1:] if len(pulls) > 1 and pulls[0][0] < pulls[-1][0] else pulls
+        total_bytes = sum(b for b, _ in counted)
+        sample_bps = 8.0 * total_bytes / sum(s for _, s in counted)
+        state.estimator.update(sample_bps, fixed_s, time.time())
+        state.sample_bps = sample_bps
+        state.rtt_s = fixed_s
+        state.probe_bytes = sum(b for b, _ in pulls)
+        state.probe_s = wire_s
+        state.measured_unix_ms = int(time.time() * 1000)
+
+    def _size(self, rate_bps: float, left_s: float, bytes_per_token: float) -> int:
+        payload = self.settings.payload_tokens
+        if rate_bps <= 0:
+            return min(SIZING_TOKENS, payload)
+        tokens = int(left_s * rate_bps / (8.0 * bytes_per_token))
+        return max(1, min(payload, tokens))
+
+    async def _pull(self, dst: Endpoint, src: Endpoint, kv_id: str, tokens: int) -> Pulled:
+        """One pull, and the copy dropped again (a resident copy would satisfy the next
+        pull without a transfer)."""
+        try:
+            pulled = await self.transport.pull(dst, src, kv_id, tokens, self.settings.pacing_bps)
+        except KvrsError:
+            with contextlib.suppress(KvrsError):
+                await self.transport.drop(dst, kv_id)
+            raise
+        await self.transport.drop(dst, kv_id)
+        return pulled
+
+    async def _publish(self, state: LinkState) -> None:
+        estimate = state.estimate
+        assert estimate is not None
+        try:
+            await self.publisher.report_link_sample(LinkSample(
+                src_instance_id=state.src.instance_id,
+                dst_instance_id=state.dst.instance_id,
+                bandwidth_bps=estimate.bandwidth_bps,
+                sample_bandwidth_bps=state.sample_bps,
+                rtt_s=estimate.rtt_s,
+                probe_bytes=state.probe_bytes,
+                samples=estimate.samples,
+            ))
+        except KvrsError as exc:
+            log.warning("reporting link %s -> %s to gossip failed: %s",
+                        state.src.instance_id, state.dst.instance_id, exc)
+
+    def forget_source(self, src_id: str) -> None:
+        """A source restarted or left: its payload must be placed again."""
+        self._payload_bytes.pop(src_id, None)
+
+    async def run(self, links: Callable[[], Sequence[tuple[Endpoint, Endpoint]]]) -> None:
+        """Probes every link `links()` names when it is due, one at a time, forever."""
+        while True:
+            now_s = self._clock()
+            current = [self.link(src, dst) for src, dst in links()]
+            due = sorted((s for s in current if s.next_due_s <= now_s),
+                         key=lambda s: s.next_due_s)
+            for state in due:
+                try:
+                    await self.probe(state.src, state.dst)
+                except KvrsError as exc:
+                    log.warning("probe %s -> %s failed: %s", state.src.instance_id,
+                                state.dst.instance_id, exc)
+            upcoming = [s.next_due_s for s in current if s.next_due_s > self._clock()]
+            wait_s = min(upcoming) - self._clock() if upcoming else self.settings.interval_s
+            await asyncio.sleep(max(0.05, min(wait_s, self.settings.interval_s)))

@@ -1,0 +1,1 @@
+"""The router: kvrs's front door (Generate: prefill, placement, transfer, decode, recovery)."""

@@ -1,0 +1,527 @@
+"""One request through the cluster: prefill, placement, KV transfer, decode, recovery.
+
+    prefill on p (first token: streamed at once)
+    SelectDecode -> d;  d pulls the prompt's KV [0, L) from p
+    Decode on d, streaming tokens 1 .. n-1
+    d lost (stream broke, went silent, or gossip says failed):
+        Recover / RecoverBatch -> MIGRATE | RECOMPUTE | HYBRID to d', or ABORT
+        carry it out (recovery.RecoveryExecutor); a failed step decides again without
+        the instance that failed (a lost source turns it into a RECOMPUTE)
+        Decode on d' from the next index
+    release every KV the request created, on every path
+
+The router keeps the tokens the client has received; a recovery continues from exactly
+there, so the client sees one stream with no token repeated or missing. Nothing here
+speaks gRPC: `peers.py` supplies the workers and the control plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from opentelemetry.trace import Span, Tracer
+
+from kvrs.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KvrsError,
+    NotFound,
+    Unavailable,
+)
+from kvrs.profile import ComputeProfile
+from kvrs.recovery import Action
+from kvrs.tokenizer import prefix_block_hashes
+from services.common.metrics import Metrics
+from services.router.batcher import RecoveryBatcher
+from services.router.membership import Membership
+from services.router.peers import RecoverItem
+from services.router.prefill_choice import choose_prefill
+from services.router.records import (
+    DETECTED_BY_GOSSIP,
+    DETECTED_BY_STREAM,
+    FINISH_ABORT,
+    Decision,
+    Endpoint,
+    GenerateInput,
+    Lost,
+    Placement,
+    RecoveryRecord,
+    Run,
+    Summary,
+    Token,
+)
+from services.router.recovery import RecoveryExecutor, StepFailed, Workers
+
+log = logging.getLogger(__name__)
+
+MAX_RECOVERIES = 4
+"""Recovery attempts per request (every failed step counts) before it fails UNAVAILABLE."""
+PREFILL_ATTEMPTS = 2
+"""Prefill instances tried before a request fails UNAVAILABLE."""
+RELEASE_TIMEOUT_S = 1.0
+
+
+class Control(Protocol):
+    async def select_decode(
+        self, request_id: str, prefill_id: str, prompt_tokens: int,
+        prefix_hashes: Sequence[int], policy: str, candidate_ids: Sequence[str] = (),
+    ) -> Placement: ...
+
+    async def recover(
+        self, item: RecoverItem, failed_id: str, policy: str, exclude_ids: Sequence[str] = ()
+    ) -> Decision: ...
+
+    async def recover_batch(
+        self, items: Sequence[RecoverItem], failed_id: str, policy: str
+    ) -> list[Decision]: ...
+
+    async def renew_slot(self, lease_id: str) -> int: ...
+
+    async def release_slot(self, lease_id: str) -> bool: ...
+
+
+class Aborted(Exception):
+    """The request cannot continue; `error` is the status the stream ends with."""
+
+    def __init__(self, error: KvrsError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _End:
+    """The Decode stream ended."""
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    default_placement_policy: str = ""
+    default_recovery_policy: str = ""
+    block_tokens: int = 512
+    decode_idle_timeout_s: float = 10.0
+    batch_window_s: float = 0.05
+
+
+class Router:
+    """Runs requests (see the module docstring); one per process, shared by every call."""
+
+    def __init__(
+        self,
+        workers: Workers,
+        control: Control,
+        membership: Membership,
+        profile: ComputeProfile,
+        tracer: Tracer,
+        metrics: Metrics,
+        settings: RouterSettings,
+    ) -> None:
+        self.workers = workers
+        self.control = control
+        self.membership = membership
+        self.profile = profile
+        self.tracer = tracer
+        self.metrics = metrics
+        self.settings = settings
+        self.batcher = RecoveryBatcher(control, settings.batch_window_s)
+        self.executor = RecoveryExecutor(workers, control, tracer)
+        self._decoding: dict[str, set[Run]] = {}
+        self._inboxes: dict[Run, tuple[str, asyncio.Queue]] = {}
+        self._prefill_inflight_s: dict[str, float] = {}
+        membership.add_failure_listener(self._gossip_failure)
+
+    # -- the request ----------------------------------------------------------------
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[Token | Summary]:
+        """Tokens in order, then the summary; raises the KvrsError the stream ends with."""
+        request.validate()
+        started = time.monotonic()
+        run = Run(
+            request=request,
+            summary=Summary(request_id=request.request_id, prompt_tokens=len(request.prompt)),
+            policy=request.recovery_policy or self.settings.default_recovery_policy,
+        )
+        outcome = "failed"
+        with self.tracer.start_as_current_span("router.generate") as span:
+            span.set_attributes({
+                "kvrs.request_id": request.request_id,
+                "kvrs.prompt_tokens": len(request.prompt),
+                "kvrs.max_new_tokens": request.max_new_tokens,
+                "kvrs.deadline_unix_ms": request.deadline_unix_ms,
+            })
+            run.summary.trace_id = format(span.get_span_context().trace_id, "032x")
+            try:
+                first = await self._prefill(run)
+                run.generated.append(first)
+                self._first_token(run, started)
+                yield Token(0, first)
+                if run.remaining_tokens > 0:
+                    async for token in self._decode_all(run):
+                        yield token
+                self._finish(run, started, span)
+                outcome = "recovered" if run.summary.recoveries else "completed"
+                yield run.summary
+            except Aborted as aborted:
+                outcome = "aborted"
+                run.summary.finish_reason = FINISH_ABORT
+                self._finish(run, started, span)
+                yield run.summary
+                raise aborted.error from None
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            finally:
+                self.metrics.requests.labels(outcome=outcome).inc()
+                span.set_attribute("kvrs.outcome", outcome)
+                self._detach(run)
+                await self._release_all(run)
+
+    def _first_token(self, run: Run, started: float) -> None:
+        summary = run.summary
+        summary.ttft_s = time.monotonic() - started
+        slo = run.request.ttft_slo_s
+        summary.ttft_slo_met = slo == 0 or summary.ttft_s <= slo
+
+    def _finish(self, run: Run, started: float, span: Span) -> None:
+        summary = run.summary
+        summary.total_s = time.monotonic() - started
+        summary.generated_tokens = len(run.generated)
+        summary.final_decode_instance_id = (
+            run.decode.instance_id if run.decode is not None else summary.decode_instance_id
+        )
+        span.set_attributes({
+            "kvrs.generated_tokens": summary.generated_tokens,
+            "kvrs.recoveries": len(summary.recoveries),
+            "kvrs.ttft_s": summary.ttft_s,
+        })
+
+    # -- prefill and placement ------------------------------------------------------
+
+    async def _prefill(self, run: Run) -> int:
+        request = run.request
+        hashes = prefix_block_hashes(request.prompt, self.settings.block_tokens)
+        tried: set[str] = set()
+        last_error: KvrsError | None = None
+        for _ in range(PREFILL_ATTEMPTS):
+            at, estimate_s = self._prefill_instance(request, hashes, tried)
+            tried.add(at.instance_id)
+            inflight = self._prefill_inflight_s
+            inflight[at.instance_id] = inflight.get(at.instance_id, 0.0) + estimate_s
+            run.hold(at, request.request_id)
+            try:
+                with self.tracer.start_as_current_span("router.prefill") as span:
+                    span.set_attributes({"kvrs.request_id": request.request_id,
+                                         "kvrs.instance_id": at.instance_id,
+                                         "kvrs.prompt_tokens": len(request.prompt)})
+                    prefilled = await self.workers.prefill(at, request.request_id,
+                                                           request.prompt)
+            except (InvalidArgument, FailedPrecondition):
+                raise
+            except KvrsError as exc:
+                log.warning("prefill of %s on %s failed: %s", request.request_id,
+                            at.instance_id, exc)
+                last_error = exc
+                continue
+            finally:
+                inflight[at.instance_id] = max(0.0, inflight[at.instance_id] - estimate_s)
+            run.prefill, run.prefill_kv_id = at, request.request_id
+            run.summary.prefill_instance_id = at.instance_id
+            run.summary.prefill_s = prefilled.prefill_s
+            return prefilled.first_token_id
+        raise Unavailable(f"prefill failed on {', '.join(sorted(tried))}: {last_error}")
+
+    def _prefill_instance(
+        self, request: GenerateInput, hashes: Sequence[int], tried: set[str]
+    ) -> tuple[Endpoint, float]:
+        if request.prefill_instance_id:
+            known = self.membership.instance(request.prefill_instance_id)
+            if known is None:
+                raise NotFound(f"unknown instance {request.prefill_instance_id!r}",
+                               field="prefill_instance_id")
+            if request.prefill_instance_id in tried:
+                raise Unavailable(f"prefill instance {request.prefill_instance_id} failed")
+            return Endpoint(known.instance_id, known.address), self.profile.prefill_s(
+                len(request.prompt))
+        candidates = [i for i in self.membership.alive("prefill") if i.instance_id not in tried]
+        if not candidates:
+            raise Unavailable("no alive prefill instance" + (
+                f" besides {', '.join(sorted(tried))}" if tried else ""))
+        chosen, estimate_s = choose_prefill(
+            candidates, len(request.prompt), hashes, self.settings.block_tokens, self.profile,
+            self._prefill_inflight_s,
+        )
+        return Endpoint(chosen.instance_id, chosen.address), estimate_s
+
+    async def _place(self, run: Run) -> Lost | None:
+        """SelectDecode, then the chosen instance pulls the prompt's KV.
+
+        Returns the instance lost during the pull (recovery takes over), None on success.
+        """
+        request = run.request
+        assert run.prefill is not None
+        with self.tracer.start_as_current_span("router.select_decode"):
+            placement = await self.control.select_decode(
+                request.request_id,
+                run.prefill.instance_id,
+                len(request.prompt),
+                prefix_block_hashes(request.prompt, self.settings.block_tokens),
+                request.placement_policy or self.settings.default_placement_policy,
+                (request.decode_instance_id,) if request.decode_instance_id else (),
+            )
+        summary = run.summary
+        summary.decode_instance_id = placement.decode.instance_id
+        summary.predicted_ttft_s = placement.predicted_ttft_s
+        prompt_tokens = len(request.prompt)
+        try:
+            pulled = await self.executor.pull(
+                run, placement.decode, run.prefill_kv_id, run.prefill, 0, prompt_tokens,
+                prompt_tokens,
+            )
+        except StepFailed as failed:
+            return failed.lost
+        summary.kv_transfer_s = pulled.transfer_s
+        summary.kv_bytes = pulled.kv_bytes
+        self.metrics.transfer_bytes.labels(direction="placement").inc(pulled.kv_bytes)
+        run.decode, run.kv_id = placement.decode, run.prefill_kv_id
+        return None
+
+    # -- decode and recovery --------------------------------------------------------
+
+    async def _decode_all(self, run: Run) -> AsyncIterator[Token]:
+        lost = await self._place(run)
+        attempts = 0
+        while run.remaining_tokens > 0:
+            if lost is None:
+                async for token in self._decode_phase(run):
+                    yield token
+                lost = run.pending_loss
+                run.pending_loss = None
+                if lost is None or run.remaining_tokens == 0:
+                    break
+            attempts += 1
+            if attempts > MAX_RECOVERIES:
+                raise Aborted(Unavailable(
+                    f"request {run.request.request_id} failed {MAX_RECOVERIES} recoveries in "
+                    f"a row; last lost {lost.instance_id}: {lost.reason}"))
+            lost = await self._recover(run, lost, batchable=attempts == 1)
+        self._detach(run)
+
+    async def _decode_phase(self, run: Run) -> AsyncIterator[Token]:
+        """Streams run.decode's tokens until done or lost (then `run.pending_loss` is set).
+
+        The request stays attached to the instance after a loss, so the requests lost
+        with it are counted when their recoveries are batched; `_recover` detaches it.
+        """
+        at = run.decode
+        assert at is not None
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._attach(run, at, inbox)
+        pump = asyncio.create_task(self._pump(run, at, inbox))
+        idle_s = self.settings.decode_idle_timeout_s
+        try:
+            while run.remaining_tokens > 0:
+                try:
+                    async with asyncio.timeout(idle_s):
+                        item = await inbox.get()
+                except TimeoutError:
+                    item = Lost(at.instance_id, DETECTED_BY_STREAM,
+                                f"decode stream silent for {idle_s:.1f} s")
+                if isinstance(item, tuple):
+                    index, token_id = item
+                    if index != len(run.generated):
+                        raise KvrsError(f"{at.instance_id} streamed index {index} where "
+                                        f"{len(run.generated)} was next")
+                    run.generated.append(token_id)
+                    yield Token(index, token_id)
+                elif isinstance(item, _End):
+                    if run.remaining_tokens > 0:
+                        run.pending_loss = Lost(
+                            at.instance_id, DETECTED_BY_STREAM,
+                            f"decode stream ended after {len(run.generated)} tokens",
+                            unreachable=False)
+                    break
+                elif isinstance(item, Lost):
+                    run.pending_loss = item
+                    break
+                else:
+                    raise item
+        finally:
+            pump.cancel()
+            try:
+                await pump
+            except asyncio.CancelledError:
+                pass
+        if run.pending_loss is None:
+            self._detach(run)
+
+    async def _pump(self, run: Run, at: Endpoint, inbox: asyncio.Queue) -> None:
+        """Moves the Decode stream's tokens into `inbox`; a failure becomes a `Lost`."""
+        try:
+            async for item in self.workers.decode(
+                at, run.kv_id, run.generated, run.remaining_tokens, release_when_done=True
+            ):
+                inbox.put_nowait(item)
+            inbox.put_nowait(_End())
+        except InvalidArgument as exc:
+            inbox.put_nowait(exc)
+        except KvrsError as exc:
+            unreachable = isinstance(exc, Unavailable)
+            lost = Lost(at.instance_id, DETECTED_BY_STREAM, f"decode stream broke: {exc}",
+                        unreachable=unreachable)
+            if unreachable:
+                # The instance itself is unreachable: its other requests are lost too.
+                self._instance_lost(lost)
+            else:
+                inbox.put_nowait(lost)
+
+    def _attach(self, run: Run, at: Endpoint, inbox: asyncio.Queue) -> None:
+        self._detach(run)
+        self._decoding.setdefault(at.instance_id, set()).add(run)
+        self._inboxes[run] = (at.instance_id, inbox)
+
+    def _detach(self, run: Run) -> None:
+        attached = self._inboxes.pop(run, None)
+        if attached is None:
+            return
+        runs = self._decoding.get(attached[0])
+        if runs is not None:
+            runs.discard(run)
+            if not runs:
+                del self._decoding[attached[0]]
+
+    def _instance_lost(self, lost: Lost) -> None:
+        for run in list(self._decoding.get(lost.instance_id, ())):
+            self._inboxes[run][1].put_nowait(lost)
+
+    def _gossip_failure(self, instance_id: str, reason: str) -> None:
+        self._instance_lost(Lost(instance_id, DETECTED_BY_GOSSIP, reason))
+
+    def decoding_on(self, instance_id: str, policy: str | None = None) -> int:
+        """Requests decoding on `instance_id` now (with recovery policy `policy`)."""
+        return sum(1 for run in self._decoding.get(instance_id, ())
+                   if policy is None or run.policy == policy)
+
+    async def _recover(self, run: Run, lost: Lost, batchable: bool) -> Lost | None:
+        """One decision and its steps; None once run.decode can decode, else what failed."""
+        request = run.request
+        assert run.prefill is not None
+        run.lose(lost)
+        if lost.source_lost and lost.instance_id == run.prefill.instance_id:
+            run.prefill_kv_lost = True
+        if self.membership.is_down(run.prefill.instance_id):
+            run.prefill_kv_lost = True
+        record = RecoveryRecord(failed_instance_id=lost.instance_id,
+                                detected_by=lost.detected_by,
+                                generated_tokens=len(run.generated), policy=run.policy)
+        run.summary.recoveries.append(record)
+        with self.tracer.start_as_current_span("router.recover") as span:
+            span.set_attributes({
+                "kvrs.request_id": request.request_id,
+                "kvrs.failed_instance_id": lost.instance_id,
+                "kvrs.detected_by": lost.detected_by,
+                "kvrs.lost_reason": lost.reason,
+                "kvrs.generated_tokens": len(run.generated),
+                "kvrs.source_kv_lost": run.prefill_kv_lost,
+            })
+            decision = await self._decide(run, lost, batchable, record)
+            _annotate_decision(span, decision)
+            if decision.action is Action.ABORT:
+                record.error = decision.reason
+                raise Aborted(_abort_error(run, decision))
+            started = time.monotonic()
+            try:
+                with self.tracer.start_as_current_span("router.recover.execute"):
+                    await self.executor.execute(run, decision)
+            except StepFailed as failed:
+                record.measured_s = time.monotonic() - started
+                record.error = str(failed)
+                span.set_attribute("kvrs.recovery.error", record.error)
+                return failed.lost
+            record.measured_s = time.monotonic() - started
+            record.succeeded = True
+            span.set_attribute("kvrs.recovery.measured_s", record.measured_s)
+            action = decision.action.value
+            self.metrics.recovery_predicted_s.labels(action=action).observe(
+                decision.predicted_cost_s)
+            self.metrics.recovery_actual_s.labels(action=action).observe(record.measured_s)
+            return None
+
+    async def _decide(
+        self, run: Run, lost: Lost, batchable: bool, record: RecoveryRecord
+    ) -> Decision:
+        request = run.request
+        assert run.prefill is not None
+        item = RecoverItem(
+            request_id=request.request_id,
+            source_prefill_id=run.prefill.instance_id,
+            prompt_tokens=len(request.prompt),
+            generated_tokens=len(run.generated),
+            deadline_unix_ms=request.deadline_unix_ms,
+            source_kv_lost=run.prefill_kv_lost,
+        )
+        exclude = sorted(run.failed - {lost.instance_id})
+        started = time.monotonic()
+        try:
+            with self.tracer.start_as_current_span("router.recover.decide"):
+                if batchable and not exclude:
+                    expected = self.decoding_on(lost.instance_id, run.policy)
+                    decision = await self.batcher.decide(
+                        item, lost.instance_id, run.policy, expected)
+                else:
+                    decision = await self.control.recover(
+                        item, lost.instance_id, run.policy, exclude)
+        except InvalidArgument:
+            raise
+        except KvrsError as exc:
+            record.error = f"no recovery plan: {exc}"
+            raise Aborted(Unavailable(
+                f"request {request.request_id} cannot continue after losing "
+                f"{lost.instance_id}: {exc}")) from exc
+        finally:
+            record.decision_s = time.monotonic() - started
+            self._detach(run)
+        record.decision = decision
+        return decision
+
+    async def _release_all(self, run: Run) -> None:
+        """ReleaseKv of every KV the request created, except where nothing answers."""
+        targets = [
+            (at, kv_id) for (instance_id, kv_id), at in run.held.items()
+            if instance_id not in run.unreachable
+        ]
+        run.held.clear()
+        results = await asyncio.gather(
+            *(self.workers.release_kv(at, kv_id, RELEASE_TIMEOUT_S) for at, kv_id in targets),
+            return_exceptions=True,
+        )
+        for (at, kv_id), result in zip(targets, results, strict=True):
+            if isinstance(result, BaseException):
+                log.info("releasing %s on %s failed (its lease expires it): %s", kv_id,
+                         at.instance_id, result)
+
+
+def _abort_error(run: Run, decision: Decision) -> KvrsError:
+    why = f"request {run.request.request_id} aborted on recovery: {decision.reason}"
+    if math.isfinite(decision.slo_slack_s) and decision.slo_slack_s < 0:
+        return DeadlineExceeded(f"{why} (predicted {decision.predicted_cost_s:.3f} s, "
+                                f"slack {decision.slo_slack_s:.3f} s)")
+    return Unavailable(why)
+
+
+def _annotate_decision(span: Span, decision: Decision) -> None:
+    span.set_attributes({
+        "kvrs.action": decision.action.value,
+        "kvrs.target_instance_id": decision.target.instance_id,
+        "kvrs.source_instance_id": decision.source.instance_id,
+        "kvrs.cost_s": decision.predicted_cost_s,
+        "kvrs.split_tokens": decision.split_tokens,
+        "kvrs.reason": decision.reason,
+        "kvrs.batch.size": decision.batch_size,
+    })
+    if math.isfinite(decision.slo_slack_s):
+        span.set_attribute("kvrs.slo_slack_s", decision.slo_slack_s)

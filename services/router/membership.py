@@ -1,0 +1,170 @@
+"""The router's copy of the gossip registry: who is alive, where, how loaded; who just died.
+
+A background task re-reads the registry every `refresh_s`; another follows the gossip
+event stream and, on a `failed` or `left` event, marks the instance down at once and
+tells every listener (the router, which then recovers the requests it had decoding
+there). Reads never await: a request picks its prefill instance from the last copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvrs.errors import KvrsError
+from services.gossip.client import GossipClient
+from services.gossip.records import ALIVE, FAILED, LEFT, NodeRecord
+
+log = logging.getLogger(__name__)
+
+FailureListener = Callable[[str, str], None]
+"""Called with (instance_id, reason) when gossip reports an instance failed or gone."""
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One worker as the router last saw it."""
+
+    instance_id: str
+    role: str
+    """"prefill" or "decode"."""
+    address: str
+    transfer_address: str = ""
+    alive: bool = True
+    queued_work_s: float = 0.0
+    queue_depth: int = 0
+    running_requests: int = 0
+    resident_prefix_hashes: frozenset[int] = frozenset()
+
+
+def instance_from_record(record: NodeRecord) -> Instance:
+    registration, load = record.registration, record.load
+    return Instance(
+        instance_id=registration.instance_id,
+        role=registration.role,
+        address=registration.address,
+        transfer_address=registration.transfer_address,
+        alive=record.state == ALIVE,
+        queued_work_s=load.queued_work_s,
+        queue_depth=load.queue_depth,
+        running_requests=load.running_requests,
+        resident_prefix_hashes=frozenset(load.resident_prefix_hashes),
+    )
+
+
+class Membership:
+    """See the module docstring. `start()` launches the background tasks, `close()` ends them."""
+
+    def __init__(self, gossip: GossipClient, refresh_s: float) -> None:
+        self._gossip = gossip
+        self.refresh_s = refresh_s
+        self._instances: dict[str, Instance] = {}
+        self._down: set[str] = set()
+        """Instances a failure event named; down until a `joined` event (a restarted
+        worker registers again), whatever a listing fetched before the event says."""
+        self._listeners: list[FailureListener] = []
+        self._tasks: list[asyncio.Task] = []
+        self._loaded = asyncio.Event()
+
+    def add_failure_listener(self, listener: FailureListener) -> None:
+        self._listeners.append(listener)
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._tasks = [
+            asyncio.create_task(self._refresh_forever(), name="router-membership-refresh"),
+            asyncio.create_task(self._watch_forever(), name="router-membership-events"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks = []
+
+    async def wait_loaded(self, timeout_s: float) -> bool:
+        """True once one refresh succeeded (within `timeout_s`)."""
+        try:
+            await asyncio.wait_for(self._loaded.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def instance(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def is_alive(self, instance_id: str) -> bool:
+        known = self._instances.get(instance_id)
+        return known is not None and known.alive
+
+    def is_down(self, instance_id: str) -> bool:
+        """Known and not alive (failed, left, or named by a failure event)."""
+        known = self._instances.get(instance_id)
+        return instance_id in self._down or (known is not None and not known.alive)
+
+    def alive(self, role: str) -> list[Instance]:
+        return [i for i in self._instances.values() if i.alive and i.role == role]
+
+    # -- updates -------------------------------------------------------------------------
+
+    async def refresh(self) -> bool:
+        """Re-reads the registry; False (the old copy kept) when gossip does not answer."""
+        try:
+            records = await self._gossip.list_nodes(include_down=True)
+        except KvrsError as exc:
+            log.warning("gossip listing failed; keeping the last view: %s", exc)
+            return False
+        self._apply(instance_from_record(record) for record in records)
+        self._loaded.set()
+        return True
+
+    def _apply(self, instances: Iterable[Instance]) -> None:
+        fresh: dict[str, Instance] = {}
+        for instance in instances:
+            if instance.instance_id in self._down:
+                instance = dataclasses.replace(instance, alive=False)
+            fresh[instance.instance_id] = instance
+        self._instances = fresh
+
+    def mark_down(self, instance_id: str, reason: str) -> None:
+        """Takes an instance out of service now and tells the listeners (once per failure)."""
+        known = self._instances.get(instance_id)
+        if known is not None:
+            self._instances[instance_id] = dataclasses.replace(known, alive=False)
+        if instance_id in self._down:
+            return
+        self._down.add(instance_id)
+        for listener in self._listeners:
+            listener(instance_id, reason)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    async def _watch_forever(self) -> None:
+        after_event_id = ""
+        while True:
+            try:
+                async for event in self._gossip.watch_events(after_event_id):
+                    after_event_id = event.event_id
+                    if event.type in (FAILED, LEFT):
+                        log.info("gossip: %s %s (%s)", event.instance_id, event.type,
+                                 event.reason)
+                        self.mark_down(event.instance_id, f"gossip: {event.type} "
+                                       f"({event.reason or 'no reason given'})")
+                    else:
+                        self._down.discard(event.instance_id)
+                        await self.refresh()
+            except KvrsError as exc:
+                log.warning("gossip event stream failed, reopening: %s", exc)
+                await asyncio.sleep(0.2)

@@ -1,0 +1,190 @@
+"""The router's domain records: a request, the scheduler's answers, what happened to it.
+
+No gRPC here: `servicer.py` builds a `GenerateInput` from protobuf and turns `Token` /
+`Summary` back into it; `peers.py` turns the scheduler's replies into `Placement` and
+`Decision`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvrs.errors import InvalidArgument
+from kvrs.recovery import Action, OptionCost
+
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+DETECTED_BY_STREAM = "decode_stream"
+DETECTED_BY_GOSSIP = "gossip"
+DETECTED_BY_TRANSFER = "transfer"
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One Generate call, validated (see `validate`)."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    ttft_slo_s: float = 0.0
+    deadline_unix_ms: int = 0
+    placement_policy: str = ""
+    recovery_policy: str = ""
+    prefill_instance_id: str = ""
+    decode_instance_id: str = ""
+
+    def validate(self) -> None:
+        """InvalidArgument naming the first bad field."""
+        if not self.request_id:
+            raise InvalidArgument("request_id", "must not be empty")
+        if not self.prompt:
+            raise InvalidArgument("prompt_token_ids", "must hold at least one token")
+        for index, token in enumerate(self.prompt):
+            if token < 0:
+                raise InvalidArgument(f"prompt_token_ids[{index}]", f"must be >= 0, got {token}")
+        if self.max_new_tokens < 1:
+            raise InvalidArgument("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if not math.isfinite(self.ttft_slo_s) or self.ttft_slo_s < 0:
+            raise InvalidArgument("ttft_slo_s", f"must be a finite number >= 0, got "
+                                  f"{self.ttft_slo_s}")
+        if self.deadline_unix_ms < 0:
+            raise InvalidArgument("deadline_unix_ms", f"must be >= 0, got "
+                                  f"{self.deadline_unix_ms}")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where an instance's WorkerService answers."""
+
+    instance_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    """SelectDecode's answer."""
+
+    decode: Endpoint
+    predicted_ttft_s: float
+    kv_bytes: int
+    policy: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Recover's (or one RecoverBatch item's) answer."""
+
+    request_id: str
+    action: Action
+    target: Endpoint
+    source: Endpoint
+    split_tokens: int
+    predicted_cost_s: float
+    slo_slack_s: float
+    reason: str
+    options: tuple[OptionCost, ...] = ()
+    lease_id: str = ""
+    """The migration slot the scheduler reserved (MIGRATE / HYBRID); "" = none."""
+    lease_expires_unix_ms: int = 0
+    batch_size: int = 1
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token, in order from index 0."""
+
+    index: int
+    token_id: int
+
+
+@dataclass
+class RecoveryRecord:
+    """One recovery attempt of one request, as the summary reports it."""
+
+    failed_instance_id: str
+    detected_by: str
+    generated_tokens: int
+    policy: str
+    decision: Decision | None = None
+    decision_s: float = 0.0
+    measured_s: float = 0.0
+    succeeded: bool = False
+    error: str = ""
+
+
+@dataclass
+class Summary:
+    """What the last stream message carries."""
+
+    request_id: str
+    prompt_tokens: int
+    prefill_instance_id: str = ""
+    decode_instance_id: str = ""
+    final_decode_instance_id: str = ""
+    generated_tokens: int = 0
+    finish_reason: str = FINISH_LENGTH
+    ttft_s: float = 0.0
+    ttft_slo_met: bool = True
+    total_s: float = 0.0
+    predicted_ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    kv_bytes: int = 0
+    recoveries: list[RecoveryRecord] = field(default_factory=list)
+    trace_id: str = ""
+
+
+@dataclass(frozen=True)
+class Lost:
+    """An instance this request depended on stopped answering."""
+
+    instance_id: str
+    detected_by: str
+    reason: str
+    source_lost: bool = False
+    """The lost instance held the KV being moved (the prefill side), not the decode side."""
+    unreachable: bool = True
+    """The instance does not answer at all (nothing more is sent to it, not even a
+    release); False when it answered with an error (e.g. its KV was evicted)."""
+
+
+@dataclass(eq=False)
+class Run:
+    """One request in flight: what it has produced and where its KV lives."""
+
+    request: GenerateInput
+    summary: Summary
+    policy: str
+    """The recovery policy it is planned with ("" = the scheduler's default)."""
+    generated: list[int] = field(default_factory=list)
+    prefill: Endpoint | None = None
+    """The instance holding the prompt's KV (MIGRATE and HYBRID pull from it)."""
+    prefill_kv_id: str = ""
+    """The name of that KV there: the request id, or a recompute's own id."""
+    prefill_kv_lost: bool = False
+    decode: Endpoint | None = None
+    kv_id: str = ""
+    """The name of the KV on `decode` (the request id, or a recompute's own id)."""
+    held: dict[tuple[str, str], Endpoint] = field(default_factory=dict)
+    """Every (instance id, kv id) this request created, released when it ends."""
+    failed: set[str] = field(default_factory=set)
+    """Instances that failed this request: recoveries exclude them."""
+    unreachable: set[str] = field(default_factory=set)
+    """Instances that stopped answering: nothing is released there (their KV died)."""
+    recomputes: int = 0
+    pending_loss: Lost | None = None
+    """Set when a decode phase ended because its instance was lost."""
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.request.max_new_tokens - len(self.generated)
+
+    def hold(self, at: Endpoint, kv_id: str) -> None:
+        self.held[(at.instance_id, kv_id)] = at
+
+    def lose(self, lost: Lost) -> None:
+        self.failed.add(lost.instance_id)
+        if lost.unreachable:
+            self.unreachable.add(lost.instance_id)

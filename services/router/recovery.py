@@ -1,0 +1,234 @@
+"""Carrying out a recovery decision: the worker calls behind MIGRATE, RECOMPUTE and HYBRID.
+
+A request with prompt P (L tokens) has produced tokens g_0 .. g_{n-1}; the prompt's KV
+lives on its prefill instance. Each action leaves the target with the KV of P plus
+every generated token, ready to decode token n:
+
+    MIGRATE    target pulls [0, L) from the prefill instance, then Extend(g_0..g_{n-1})
+    HYBRID     target pulls [k, L) while it recomputes [0, k) itself (one PullKv with
+               prefix_token_ids), then Extend(g_0..g_{n-1})
+    RECOMPUTE  a prefill instance prefills P + g_0..g_{n-2} under a fresh KV id (its
+               first token must be g_{n-1}), the target pulls all of it, then
+               Extend(g_{n-1})
+
+Any step that fails names the instance that stopped answering in a `StepFailed`, so the
+caller can decide again without it (a lost source means RECOMPUTE). The migration slot
+the scheduler reserved is renewed while the steps run and released after them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+from opentelemetry.trace import Tracer
+
+from kvrs.errors import InvalidArgument, KvrsError
+from kvrs.recovery import Action
+from services.router.peers import Prefilled, Pulled
+from services.router.records import DETECTED_BY_TRANSFER, Decision, Endpoint, Lost, Run
+
+log = logging.getLogger(__name__)
+
+ALIVE_CHECK_TIMEOUT_S = 0.5
+"""How long a worker may take to answer GetWorkerStats after one of its calls failed."""
+
+
+class Workers(Protocol):
+    async def prefill(self, at: Endpoint, kv_id: str, prompt: Sequence[int]) -> Prefilled: ...
+
+    async def extend(self, at: Endpoint, kv_id: str, tokens: Sequence[int]) -> int: ...
+
+    async def pull_kv(
+        self, at: Endpoint, kv_id: str, source: Endpoint, token_start: int, token_end: int,
+        prompt_tokens: int, prefix_token_ids: Sequence[int] = (), pacing_bps: float = 0.0,
+    ) -> Pulled: ...
+
+    def decode(
+        self, at: Endpoint, kv_id: str, generated: Sequence[int], max_new_tokens: int,
+        release_when_done: bool,
+    ) -> AsyncIterator[tuple[int, int]]: ...
+
+    async def release_kv(
+        self, at: Endpoint, kv_id: str, timeout_s: float | None = None
+    ) -> bool: ...
+
+    async def is_alive(self, at: Endpoint, timeout_s: float) -> bool: ...
+
+
+class Slots(Protocol):
+    async def renew_slot(self, lease_id: str) -> int: ...
+
+    async def release_slot(self, lease_id: str) -> bool: ...
+
+
+class StepFailed(Exception):
+    """A recovery step failed because `lost` stopped answering (or lost the KV)."""
+
+    def __init__(self, lost: Lost) -> None:
+        super().__init__(f"{lost.instance_id}: {lost.reason}")
+        self.lost = lost
+
+
+class RecoveryExecutor:
+    """Runs the worker steps of one decision (see the module docstring)."""
+
+    def __init__(self, workers: Workers, slots: Slots, tracer: Tracer) -> None:
+        self.workers = workers
+        self.slots = slots
+        self.tracer = tracer
+
+    async def execute(self, run: Run, decision: Decision) -> None:
+        """Leaves `run.decode` / `run.kv_id` on the target, ready to decode.
+
+        Raises StepFailed naming the instance that failed; InvalidArgument passes through.
+        """
+        async with self._slot(decision):
+            if decision.action is Action.RECOMPUTE:
+                await self._recompute(run, decision)
+            elif decision.action in (Action.MIGRATE, Action.HYBRID):
+                await self._migrate(run, decision)
+            else:
+                raise InvalidArgument("action", f"{decision.action.value} has no steps")
+
+    async def pull(
+        self, run: Run, target: Endpoint, kv_id: str, source: Endpoint, token_start: int,
+        token_end: int, prompt_tokens: int, prefix: Sequence[int] = (),
+    ) -> Pulled:
+        """One PullKv into `target`; a failure is pinned on whichever side died."""
+        if (target.instance_id, kv_id) in run.held:
+            # A stale copy on the target would satisfy the pull without moving anything.
+            with contextlib.suppress(KvrsError):
+                await self.workers.release_kv(target, kv_id)
+        run.hold(target, kv_id)
+        with self.tracer.start_as_current_span("router.pull_kv") as span:
+            span.set_attributes({
+                "kvrs.request_id": run.request.request_id,
+                "kvrs.transfer.src_instance_id": source.instance_id,
+                "kvrs.transfer.dst_instance_id": target.instance_id,
+                "kvrs.token_start": token_start,
+                "kvrs.token_end": token_end,
+                "kvrs.recomputed_tokens": len(prefix),
+            })
+            try:
+                pulled = await self.workers.pull_kv(
+                    target, kv_id, source, token_start, token_end, prompt_tokens, prefix
+                )
+            except InvalidArgument:
+                raise
+            except KvrsError as exc:
+                raise StepFailed(await self._who_failed(run, target, source, exc)) from exc
+            span.set_attributes({
+                "kvrs.transfer.kv_bytes": pulled.kv_bytes,
+                "kvrs.transfer.measured_s": pulled.transfer_s,
+            })
+            return pulled
+
+    async def _migrate(self, run: Run, decision: Decision) -> None:
+        prompt = run.request.prompt
+        assert run.prefill is not None
+        source = run.prefill if decision.source.instance_id == run.prefill.instance_id \
+            else decision.source
+        split = 0
+        if decision.action is Action.HYBRID:
+            # PullKv needs at least one token to move; k = L would be a full recompute.
+            split = max(0, min(decision.split_tokens, len(prompt) - 1))
+        kv_id = run.prefill_kv_id
+        await self.pull(run, decision.target, kv_id, source, split, len(prompt), len(prompt),
+                        prompt[:split])
+        await self._extend(run, decision.target, kv_id, run.generated)
+        run.decode, run.kv_id = decision.target, kv_id
+
+    async def _recompute(self, run: Run, decision: Decision) -> None:
+        run.recomputes += 1
+        kv_id = f"{run.request.request_id}~r{run.recomputes}"
+        context = [*run.request.prompt, *run.generated[:-1]]
+        source = decision.source
+        run.hold(source, kv_id)
+        with self.tracer.start_as_current_span("router.prefill") as span:
+            span.set_attributes({"kvrs.request_id": run.request.request_id,
+                                 "kvrs.instance_id": source.instance_id,
+                                 "kvrs.prompt_tokens": len(context)})
+            try:
+                prefilled = await self.workers.prefill(source, kv_id, context)
+            except InvalidArgument:
+                raise
+            except KvrsError as exc:
+                raise StepFailed(await self._lost_one(run, source, exc)) from exc
+        if prefilled.first_token_id != run.generated[-1]:
+            log.warning("recompute of %s on %s predicts token %d where %d was generated",
+                        run.request.request_id, source.instance_id, prefilled.first_token_id,
+                        run.generated[-1])
+        await self.pull(run, decision.target, kv_id, source, 0, len(context),
+                        len(run.request.prompt))
+        await self._extend(run, decision.target, kv_id, run.generated[-1:])
+        run.decode, run.kv_id = decision.target, kv_id
+        # The recompute's KV holds the prompt too: later migrations pull from it.
+        run.prefill, run.prefill_kv_id, run.prefill_kv_lost = source, kv_id, False
+
+    async def _extend(self, run: Run, at: Endpoint, kv_id: str, tokens: Sequence[int]) -> None:
+        with self.tracer.start_as_current_span("router.extend") as span:
+            span.set_attributes({"kvrs.request_id": run.request.request_id,
+                                 "kvrs.instance_id": at.instance_id,
+                                 "kvrs.extend_tokens": len(tokens)})
+            try:
+                await self.workers.extend(at, kv_id, tokens)
+            except InvalidArgument:
+                raise
+            except KvrsError as exc:
+                raise StepFailed(await self._lost_one(run, at, exc)) from exc
+
+    async def _who_failed(
+        self, run: Run, target: Endpoint, source: Endpoint, exc: KvrsError
+    ) -> Lost:
+        """After a failed pull: the target if it is gone, else the source's KV is lost."""
+        target_alive, source_alive = await asyncio.gather(
+            self.workers.is_alive(target, ALIVE_CHECK_TIMEOUT_S),
+            self.workers.is_alive(source, ALIVE_CHECK_TIMEOUT_S),
+        )
+        if not target_alive:
+            return Lost(target.instance_id, DETECTED_BY_TRANSFER, f"pull target lost: {exc}")
+        return Lost(source.instance_id, DETECTED_BY_TRANSFER,
+                    f"pull source {'lost' if not source_alive else 'failed'}: {exc}",
+                    source_lost=True, unreachable=not source_alive)
+
+    async def _lost_one(self, run: Run, at: Endpoint, exc: KvrsError) -> Lost:
+        alive = await self.workers.is_alive(at, ALIVE_CHECK_TIMEOUT_S)
+        return Lost(at.instance_id, DETECTED_BY_TRANSFER, str(exc),
+                    source_lost=run.prefill is not None
+                    and at.instance_id == run.prefill.instance_id,
+                    unreachable=not alive)
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, decision: Decision):
+        """Renews the decision's migration slot while the steps run; releases it after."""
+        if not decision.lease_id:
+            yield
+            return
+        renewer = asyncio.create_task(self._renew_forever(decision))
+        try:
+            yield
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            try:
+                await self.slots.release_slot(decision.lease_id)
+            except KvrsError as exc:
+                log.warning("releasing slot %s failed (it expires on its own): %s",
+                            decision.lease_id, exc)
+
+    async def _renew_forever(self, decision: Decision) -> None:
+        expires_unix_ms = decision.lease_expires_unix_ms
+        while True:
+            left_s = expires_unix_ms / 1000.0 - time.time()
+            await asyncio.sleep(max(0.1, left_s / 2))
+            try:
+                expires_unix_ms = await self.slots.renew_slot(decision.lease_id)
+            except KvrsError as exc:
+                log.warning("renewing slot %s failed: %s", decision.lease_id, exc)
+                return

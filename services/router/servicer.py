@@ -1,0 +1,123 @@
+"""RouterService: protobuf in, `flow.Router.generate`, protobuf out."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvrs.recovery import OptionCost
+from kvrs.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2
+from services.router.flow import Router
+from services.router.records import GenerateInput, RecoveryRecord, Summary, Token
+
+ACTION_TO_PB = {
+    "migrate": common_pb2.RECOVERY_ACTION_MIGRATE,
+    "recompute": common_pb2.RECOVERY_ACTION_RECOMPUTE,
+    "hybrid": common_pb2.RECOVERY_ACTION_HYBRID,
+    "abort": common_pb2.RECOVERY_ACTION_ABORT,
+}
+
+
+def generate_from_pb(request: router_pb2.GenerateRequest) -> GenerateInput:
+    return GenerateInput(
+        request_id=request.request_id,
+        prompt=tuple(request.prompt_token_ids),
+        max_new_tokens=request.max_new_tokens,
+        ttft_slo_s=request.ttft_slo_s,
+        deadline_unix_ms=request.deadline_unix_ms,
+        placement_policy=request.placement_policy,
+        recovery_policy=request.recovery_policy,
+        prefill_instance_id=request.prefill_instance_id,
+        decode_instance_id=request.decode_instance_id,
+    )
+
+
+def _option_to_pb(option: OptionCost) -> scheduler_pb2.OptionCost:
+    return scheduler_pb2.OptionCost(
+        action=ACTION_TO_PB[option.action.value],
+        target_instance_id=option.target_id,
+        source_instance_id=option.source_id,
+        cost_s=option.cost_s,
+        wait_s=option.wait_s,
+        transfer_s=option.transfer_s,
+        compute_s=option.compute_s,
+        split_tokens=option.split_tokens,
+        feasible=option.feasible,
+        infeasible_reason=option.infeasible_reason,
+    )
+
+
+def recovery_to_pb(record: RecoveryRecord) -> router_pb2.RecoveryReport:
+    report = router_pb2.RecoveryReport(
+        failed_instance_id=record.failed_instance_id,
+        detected_by=record.detected_by,
+        generated_tokens=record.generated_tokens,
+        policy=record.policy,
+        measured_s=record.measured_s,
+        decision_s=record.decision_s,
+        succeeded=record.succeeded,
+        error=record.error,
+        slo_slack_s=math.inf,
+    )
+    decision = record.decision
+    if decision is not None:
+        report.action = ACTION_TO_PB[decision.action.value]
+        report.target_instance_id = decision.target.instance_id
+        report.source_instance_id = decision.source.instance_id
+        report.split_tokens = decision.split_tokens
+        report.predicted_cost_s = decision.predicted_cost_s
+        report.options.extend(_option_to_pb(option) for option in decision.options)
+        report.slo_slack_s = decision.slo_slack_s
+        report.reason = decision.reason
+        report.batch_size = decision.batch_size
+    return report
+
+
+def summary_to_pb(summary: Summary) -> router_pb2.GenerateSummary:
+    return router_pb2.GenerateSummary(
+        request_id=summary.request_id,
+        prefill_instance_id=summary.prefill_instance_id,
+        decode_instance_id=summary.decode_instance_id,
+        final_decode_instance_id=summary.final_decode_instance_id,
+        prompt_tokens=summary.prompt_tokens,
+        generated_tokens=summary.generated_tokens,
+        finish_reason=summary.finish_reason,
+        ttft_s=summary.ttft_s,
+        ttft_slo_met=summary.ttft_slo_met,
+        total_s=summary.total_s,
+        predicted_ttft_s=summary.predicted_ttft_s,
+        prefill_s=summary.prefill_s,
+        kv_transfer_s=summary.kv_transfer_s,
+        kv_bytes=summary.kv_bytes,
+        recoveries=[recovery_to_pb(record) for record in summary.recoveries],
+        trace_id=summary.trace_id,
+    )
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    """Generate: one message per token; the summary rides on the last token's message."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        domain = generate_from_pb(request)
+        last_index = domain.max_new_tokens - 1
+        held: Token | None = None
+        async for item in self._router.generate(domain):
+            if isinstance(item, Token):
+                if item.index == last_index:
+                    held = item
+                else:
+                    yield router_pb2.GenerateResponse(index=item.index, token_id=item.token_id)
+                continue
+            if held is not None:
+                yield router_pb2.GenerateResponse(
+                    index=held.index, token_id=held.token_id, summary=summary_to_pb(item)
+                )
+            else:
+                yield router_pb2.GenerateResponse(index=-1, summary=summary_to_pb(item))

@@ -1,0 +1,220 @@
+"""Recovery through the router with real processes: kill -9 workers mid-stream.
+
+Every request's tokens are compared with the tiny float64 model run in this process
+(greedy, bit-exact), so a recovery that repeated, skipped or changed one token fails.
+Requests start on prefill-0 / decode-0 (pinned) so the victim is known; the topology and
+profile of `recovery_cluster` (see conftest) make kvrs choose HYBRID when decode-0 dies.
+After each test every worker still up holds no KV and no migration slot is leased.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import torch
+
+from kvrs.v1 import (
+    common_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    slots_pb2,
+    slots_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.worker.model import Transformer
+
+PROMPT_TOKENS = 100
+LONG_TOKENS = 1200
+"""Long enough that no request can finish between the kill decision and the kill."""
+
+MIGRATE = common_pb2.RECOVERY_ACTION_MIGRATE
+RECOMPUTE = common_pb2.RECOVERY_ACTION_RECOMPUTE
+HYBRID = common_pb2.RECOVERY_ACTION_HYBRID
+ABORT = common_pb2.RECOVERY_ACTION_ABORT
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@functools.cache
+def model() -> Transformer:
+    # One thread: the cluster's processes share the same two cores.
+    torch.set_num_threads(1)
+    return Transformer.from_preset("tiny", dtype=torch.float64)
+
+
+@functools.cache
+def reference(prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """The undisturbed greedy continuation, computed here."""
+    cache, logits = model().prefill(list(prompt))
+    first = int(torch.argmax(logits))
+    return [first, *model().greedy(cache, first, max_new_tokens - 1)]
+
+
+def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> tuple[int, ...]:
+    return tuple((seed * 31 + 7 * i) % 251 for i in range(tokens))
+
+
+@dataclass
+class Stream:
+    request: router_pb2.GenerateRequest
+    tokens: list[int] = field(default_factory=list)
+    summary: router_pb2.GenerateSummary | None = None
+    error: grpc.aio.AioRpcError | None = None
+
+
+async def run_stream(stub, stream: Stream) -> Stream:
+    try:
+        async for message in stub.Generate(stream.request, timeout=120):
+            if message.index >= 0:
+                assert message.index == len(stream.tokens), "index out of order"
+                stream.tokens.append(message.token_id)
+            if message.HasField("summary"):
+                stream.summary = message.summary
+    except grpc.aio.AioRpcError as exc:
+        stream.error = exc
+    return stream
+
+
+def request(request_id: str, seed: int, max_new_tokens: int = LONG_TOKENS,
+            **fields) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=list(prompt(seed)),
+        max_new_tokens=max_new_tokens, prefill_instance_id="prefill-0",
+        decode_instance_id="decode-0", **fields)
+
+
+async def run_and_kill(cluster, requests: Sequence[router_pb2.GenerateRequest],
+                       victims: Sequence[str], min_tokens: int = 10) -> list[Stream]:
+    """Streams every request; once each has `min_tokens`, freezes then kills `victims`."""
+    async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        streams = [Stream(r) for r in requests]
+        tasks = [asyncio.create_task(run_stream(stub, s)) for s in streams]
+        deadline = time.monotonic() + 60
+        while min(len(s.tokens) for s in streams) < min_tokens:
+            assert not any(t.done() for t in tasks), [s.error for s in streams]
+            assert time.monotonic() < deadline, "requests did not start streaming"
+            await asyncio.sleep(0.001)
+        for victim in victims:
+            # Frozen first, so no process gets to answer anything in between.
+            cluster.signal(victim, signal.SIGSTOP)
+        cluster.kill(*victims)
+        assert all(len(s.tokens) < s.request.max_new_tokens for s in streams)
+        return list(await asyncio.gather(*tasks))
+
+
+async def assert_nothing_leaked(cluster, workers: Sequence[str]) -> None:
+    for name in workers:
+        async with grpc.aio.insecure_channel(cluster.address(name)) as channel:
+            stats = await worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerStats(
+                worker_pb2.GetWorkerStatsRequest(), timeout=5)
+        assert stats.resident_requests == 0, f"{name} still holds KV"
+    async with grpc.aio.insecure_channel(cluster.address("slot-broker")) as channel:
+        stats = await slots_pb2_grpc.SlotBrokerServiceStub(channel).GetSlotStats(
+            slots_pb2.GetSlotStatsRequest(), timeout=5)
+    assert stats.slots_in_use == 0
+
+
+def assert_exact(stream: Stream) -> None:
+    assert stream.error is None, stream.error
+    expected = reference(tuple(stream.request.prompt_token_ids), stream.request.max_new_tokens)
+    assert stream.tokens == expected
+    assert stream.summary.generated_tokens == len(expected)
+
+
+@pytest.fixture
+def cluster(recovery_cluster):
+    recovery_cluster.ensure_running()
+    yield recovery_cluster
+
+
+async def test_fault_free_requests_stream_the_reference_tokens(cluster):
+    async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        streams = await asyncio.gather(*(
+            run_stream(stub, Stream(router_pb2.GenerateRequest(
+                request_id=f"clean-{i}", prompt_token_ids=list(prompt(i, 20 + 30 * i)),
+                max_new_tokens=40)))
+            for i in range(2)))
+    for stream in streams:
+        assert_exact(stream)
+        summary = stream.summary
+        assert summary.finish_reason == "length"
+        assert not summary.recoveries
+        assert summary.prefill_instance_id.startswith("prefill-")
+        assert summary.final_decode_instance_id == summary.decode_instance_id
+        assert summary.kv_bytes == len(stream.request.prompt_token_ids) * 1024
+        assert len(summary.trace_id) == 32
+    await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-0", "decode-1"))
+
+
+async def test_kill_9_of_a_decode_worker_mid_stream_loses_no_token(cluster):
+    requests = [request(f"batch-{i}", seed=10 + i) for i in range(4)]
+    streams = await run_and_kill(cluster, requests, ["decode-0"])
+    for stream in streams:
+        assert_exact(stream)
+        (recovery,) = stream.summary.recoveries
+        assert recovery.failed_instance_id == "decode-0"
+        assert recovery.succeeded
+        assert recovery.target_instance_id == "decode-1"
+        assert stream.summary.final_decode_instance_id == "decode-1"
+        assert 10 <= recovery.generated_tokens < LONG_TOKENS
+    # They failed together, so they were planned together.
+    assert {s.summary.recoveries[0].batch_size for s in streams} == {4}
+    await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-1"))
+
+
+async def test_each_action_forced_by_policy_is_token_exact_and_a_missed_deadline_aborts(
+        cluster):
+    late = int((time.time() + 0.05) * 1000)
+    requests = [
+        request("forced-migrate", seed=20, recovery_policy="always_migrate"),
+        request("forced-recompute", seed=21, recovery_policy="always_recompute"),
+        request("forced-hybrid", seed=22, recovery_policy="kvrs"),
+        request("forced-abort", seed=23, recovery_policy="kvrs", deadline_unix_ms=late),
+    ]
+    migrate, recompute, hybrid, abort = await run_and_kill(cluster, requests, ["decode-0"])
+    for stream, action in ((migrate, MIGRATE), (recompute, RECOMPUTE), (hybrid, HYBRID)):
+        assert_exact(stream)
+        (recovery,) = stream.summary.recoveries
+        assert recovery.action == action, stream.request.request_id
+        assert recovery.succeeded
+        assert recovery.measured_s > 0
+        assert recovery.predicted_cost_s > 0
+    assert recompute.summary.recoveries[0].source_instance_id == "prefill-1"
+    split = hybrid.summary.recoveries[0].split_tokens
+    assert 0 < split < PROMPT_TOKENS
+    # The aborted request got the summary, then DEADLINE_EXCEEDED naming the reason.
+    assert abort.error is not None
+    assert abort.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "deadline" in abort.error.details()
+    assert abort.summary.finish_reason == "abort"
+    assert abort.summary.recoveries[-1].action == ABORT
+    expected = reference(tuple(abort.request.prompt_token_ids), LONG_TOKENS)
+    assert abort.tokens == expected[:len(abort.tokens)]
+    assert abort.summary.generated_tokens == len(abort.tokens)
+    await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-1"))
+
+
+async def test_losing_the_prefill_worker_that_holds_the_kv_falls_back_to_recompute(cluster):
+    requests = [request(f"fallback-{i}", seed=30 + i, recovery_policy="always_migrate")
+                for i in range(2)]
+    streams = await run_and_kill(cluster, requests, ["prefill-0", "decode-0"])
+    for stream in streams:
+        assert_exact(stream)
+        attempts = stream.summary.recoveries
+        assert [r.action for r in attempts] == [MIGRATE, RECOMPUTE]
+        assert not attempts[0].succeeded
+        assert attempts[1].detected_by == "transfer"
+        assert attempts[1].failed_instance_id == "prefill-0"
+        assert attempts[1].source_instance_id == "prefill-1"
+        assert attempts[1].succeeded
+    await assert_nothing_leaked(cluster, ("prefill-1", "decode-1"))
