@@ -63,7 +63,7 @@ class Flight:
     """
 
     __slots__ = ("request", "record", "stage", "prefill_id", "source_kv", "decode_id",
-                 "flow", "memory_tokens", "memory_state", "slot", "epoch", "recovery",
+                 "flow", "job", "memory_tokens", "memory_state", "slot", "epoch", "recovery",
                  "pending_parts")
 
     def __init__(self, request: TraceRequest, record: RequestRecord) -> None:
@@ -74,6 +74,7 @@ class Flight:
         self.source_kv = False
         self.decode_id = ""
         self.flow: Flow | None = None
+        self.job: PrefillJob | None = None   # the prefill work it waits for, if any
         self.memory_tokens = 0
         self.memory_state = ""        # "", "queued" or "granted" on decode_id
         self.slot = False             # holds a migration slot
@@ -234,8 +235,9 @@ class Simulator:
             return
         flight.stage = "prefill"
         request = flight.request
-        prefill.submit(PrefillJob(flight.record, request.input_tokens, request.hash_ids,
-                                  partial(self._prefilled, flight.epoch), tag=flight))
+        flight.job = PrefillJob(flight.record, request.input_tokens, request.hash_ids,
+                                partial(self._prefilled, flight.epoch), tag=flight)
+        prefill.submit(flight.job)
 
     def _route_prefill(self, request: TraceRequest) -> PrefillInstance | None:
         """The prefill instance for a new request (the same rule for every policy)."""
@@ -483,6 +485,8 @@ class Simulator:
             if dead in self.prefills:
                 for job in self.prefills[dead].fail():
                     flight = job.tag
+                    if flight.job is not job or flight.stage == "done":
+                        continue        # work it no longer waits for
                     if flight.stage == "prefill":
                         reroute.append(flight)
                     else:
@@ -587,10 +591,11 @@ class Simulator:
         if action is Action.RECOMPUTE:
             prefill = self.prefills[decision.source_id]
             flight.stage = "recomputing"
-            prefill.submit(PrefillJob(flight.record, request.input_tokens + generated,
-                                      request.hash_ids,
-                                      partial(self._recomputed, flight.epoch, decision),
-                                      tag=flight))
+            flight.job = PrefillJob(flight.record, request.input_tokens + generated,
+                                    request.hash_ids,
+                                    partial(self._recomputed, flight.epoch, decision),
+                                    tag=flight)
+            prefill.submit(flight.job)
             return
         # Placement-time moves (RoM load balancing) are not failure migrations: no slot.
         flight.slot = record

@@ -35,6 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "policies": [
         {"name": "round_robin", "policy": "round_robin"},
         {"name": "cache_load", "policy": "cache_load"},
+        {"name": "netkv_tiers", "policy": "netkv", "network_view": "topology"},
         {"name": "netkv", "policy": "netkv", "network_view": "telemetry"},
         {"name": "kvrs", "policy": "netkv", "network_view": "live"},
     ],
@@ -43,9 +44,9 @@ DEFAULTS: dict[str, Any] = {
     "load_scales": [0.5, 1.0, 1.5, 2.0],
     "background_levels": [0.0, 0.3, 0.6],
     "context": {"caps": [8192, 32768, 131072, None], "rate_scale": 1.0, "background": 0.3},
-    "staleness": {"periods_s": [0.0, 0.1, 1.0, 10.0, math.inf], "rate_scale": 2.0,
-                  "background": 0.6, "policies": ["netkv", "kvrs"]},
-    "segregated": {"rate_scales": [1.0, 2.0], "background_levels": [0.3, 0.6]},
+    "staleness": {"periods_s": [0.0, 0.1, 1.0, 10.0, math.inf], "rate_scale": 1.0,
+                  "background": 0.3, "layout": "segregated", "policies": ["netkv", "kvrs"]},
+    "segregated": {"rate_scales": [0.5, 1.0], "background_levels": [0.0, 0.3]},
     "ttft_slos_s": [2.0, 5.0, 10.0, 30.0],
 }
 
@@ -111,6 +112,7 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
     stale_names = [n for n in stale["policies"] if n in policies]
     staleness_rows = sweep("staleness", [{"rate_scale": stale["rate_scale"],
                                           "background": stale["background"],
+                                          "layout": stale.get("layout", "interleaved"),
                                           "link_period_s": float(t)}
                                          for t in stale["periods_s"]], stale_names)
     seg = p["segregated"]
@@ -145,7 +147,7 @@ def _headline(rows: list[dict], slos: list[float]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for ours in ("netkv", "kvrs"):
-        for base in ("round_robin", "cache_load", "netkv"):
+        for base in ("round_robin", "cache_load", "netkv_tiers", "netkv"):
             if ours == base:
                 continue
             deltas = [pct_change(mean_ttft(r, ours), mean_ttft(r, base)) for r in rows]
@@ -258,6 +260,9 @@ def _scenario_rows(rows: list[dict], names: list[str], keys: list[str]) -> list[
                                    res["cache_load"]["ttft_s"]["mean"]))
         if "kvrs" in res and "netkv" in res:
             line.append(pct_change(res["kvrs"]["ttft_s"]["mean"], res["netkv"]["ttft_s"]["mean"]))
+        if "kvrs" in res and "netkv_tiers" in res:
+            line.append(pct_change(res["kvrs"]["ttft_s"]["mean"],
+                                   res["netkv_tiers"]["ttft_s"]["mean"]))
         if "netkv" in res and "round_robin" in res:
             line.append((res["netkv"]["tbt_s"]["mean"] - res["round_robin"]["tbt_s"]["mean"])
                         * 1e3)
@@ -267,7 +272,8 @@ def _scenario_rows(rows: list[dict], names: list[str], keys: list[str]) -> list[
 
 def _markdown(data: dict, names: list[str], out: Output) -> str:
     keys_load = ["background", "rate_scale"]
-    extra = ["netkv vs RR %", "netkv vs tuned %", "kvrs vs netkv %", "ΔTBT netkv−RR (ms)"]
+    extra = ["netkv vs RR %", "netkv vs tuned %", "kvrs vs netkv %", "kvrs vs netkv_tiers %",
+             "ΔTBT netkv−RR (ms)"]
     head = [*keys_load, *[f"{n} TTFT (s)" for n in names], *extra]
     parts = [
         "# netkv experiment",

@@ -100,3 +100,21 @@ def test_only_the_affected_component_is_refilled():
     net.start(["b"], 100.0)
     # The new flow's component is itself alone; the flow on `a` is not touched.
     assert net.refilled_flows - before == 1
+
+
+def test_on_off_background_averages_its_utilisation():
+    from kvrs.sim.background import BackgroundSpec, BackgroundTraffic
+
+    loop, net, _ = _network({("pod-up", "p0"): 100.0, ("node-up", "n0"): 100.0})
+    spec = BackgroundSpec(utilisation=0.3, on_share=0.9, period_s=2.0)
+    traffic = BackgroundTraffic(spec, loop, net, [("pod-up", "p0"), ("node-up", "n0")], seed=1)
+    traffic.start()
+    samples = []
+    for i in range(20_000):
+        loop.at(i * 0.1, lambda: samples.append(net.link(("pod-up", "p0")).background_bps))
+    loop.at(2000.0, traffic.stop)
+    loop.run()
+    assert sum(samples) / len(samples) / 100.0 == pytest.approx(0.3, abs=0.03)
+    assert set(samples) == {0.0, 90.0}
+    # node uplinks are not agg/spine links: untouched.
+    assert net.link(("node-up", "n0")).background_bps == 0.0
