@@ -419,3 +419,33 @@ async def test_envoy_answers_503_when_no_endpoint_is_eligible(cluster, gateway, 
     assert status == 503
     assert reply["error"]["type"] == "service_unavailable_error"
     assert not any(upstream.seen for upstream in cluster["upstreams"].values())
+
+
+# Configuration
+
+
+def test_config_reads_the_environment_and_names_bad_values():
+    from services.common import ConfigError
+
+    config = Config.from_env({"SCHEDULER_ADDRS": "a:1, b:2", "EPP_TARGET_PORT": "8000",
+                              "KVRS_MODEL": "tiny"})
+    assert config.scheduler_addrs == ("a:1", "b:2")
+    assert (config.listen_addr, config.target_port, config.block_tokens) == (
+        "0.0.0.0:9002", 8000, 512)
+    for env, name in (
+        ({"EPP_TARGET_PORT": "70000"}, "EPP_TARGET_PORT"),
+        ({"EPP_ENDPOINTS_REFRESH_S": "0"}, "EPP_ENDPOINTS_REFRESH_S"),
+        ({"KVRS_MODEL": "gpt-9"}, "KVRS_MODEL"),
+        ({"SCHEDULER_ADDRS": "nohost"}, "SCHEDULER_ADDRS"),
+    ):
+        with pytest.raises(ConfigError, match=name):
+            Config.from_env(env)
+
+
+def test_the_envoy_template_is_filled_completely():
+    text = render("epp.default.svc:9002", 8081, 9901, "FULL_DUPLEX_STREAMED")
+    assert "${" not in text
+    assert "address: epp.default.svc, port_value: 9002" in text
+    assert "request_trailer_mode: SEND" in text
+    with pytest.raises(ValueError, match="body_mode"):
+        render("epp:9002", 8081, body_mode="STREAMED")

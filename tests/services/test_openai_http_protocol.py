@@ -234,3 +234,19 @@ async def test_models_lists_the_served_model(serve):
         async with session.get(f"{url}/v1/models") as reply:
             models = await reply.json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
+
+
+def test_config_reads_the_environment_and_names_bad_values():
+    from services.common import ConfigError
+
+    assert Config.from_env({"KVRS_MODEL": "tiny"}).model == "tiny"
+    assert Config.from_env({"KVRS_MODEL": "tiny", "OPENAI_HTTP_MODEL": "kvrs-tiny"}).model == \
+        "kvrs-tiny"
+    assert Config.from_env({}).listen_addr == "0.0.0.0:8000"
+    for env, name in (
+        ({"OPENAI_HTTP_MAX_TOKENS": "0"}, "OPENAI_HTTP_MAX_TOKENS"),
+        ({"OPENAI_HTTP_REQUEST_TIMEOUT_S": "-1"}, "OPENAI_HTTP_REQUEST_TIMEOUT_S"),
+        ({"OPENAI_HTTP_LISTEN_ADDR": "8000"}, "OPENAI_HTTP_LISTEN_ADDR"),
+    ):
+        with pytest.raises(ConfigError, match=name):
+            Config.from_env(env)
