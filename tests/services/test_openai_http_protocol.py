@@ -1,6 +1,7 @@
-"""OpenAI request/response translation of the HTTP adapter, over an in-process generator.
+"""Translation in the HTTP adapter: OpenAI requests and responses, Generate streams.
 
-Only the translation is checked here (parameters, error shapes, the event stream); the
+Only the translation is checked here (parameters, error shapes, the event stream, the
+reading of a Generate stream), over scripted generators and a scripted RouterService; the
 completions themselves are tested against a real router in tests/e2e/test_openai_client.py.
 """
 
@@ -10,6 +11,7 @@ import json
 from collections.abc import AsyncIterator
 
 import aiohttp
+import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -23,7 +25,8 @@ from kvrs.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.common import Metrics, setup_tracing
+from kvrs.v1 import router_pb2, router_pb2_grpc
+from services.common import GrpcSettings, Metrics, setup_tracing
 from services.openai_http import protocol
 from services.openai_http.config import Config
 from services.openai_http.generation import Finished, GenerateCall, Token
@@ -250,3 +253,60 @@ def test_config_reads_the_environment_and_names_bad_values():
     ):
         with pytest.raises(ConfigError, match=name):
             Config.from_env(env)
+
+
+class ScriptedRouter(router_pb2_grpc.RouterServiceServicer):
+    """RouterService answering from a script: (tokens, summary finish reason, final status)."""
+
+    def __init__(self, tokens: int, finish_reason: str, status: grpc.StatusCode | None) -> None:
+        self.script = (tokens, finish_reason, status)
+
+    async def Generate(self, request, context):
+        tokens, finish_reason, status = self.script
+        summary = router_pb2.GenerateSummary(
+            request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
+            generated_tokens=tokens, finish_reason=finish_reason)
+        for index in range(tokens):
+            last = index == tokens - 1 and finish_reason != "abort"
+            yield router_pb2.GenerateResponse(index=index, token_id=65 + index,
+                                              summary=summary if last else None)
+        if finish_reason == "abort":
+            yield router_pb2.GenerateResponse(summary=summary)
+        if status is not None:
+            await context.abort(status, "scripted failure")
+
+
+@pytest.mark.parametrize(
+    ("script", "tokens", "error"),
+    [
+        ((3, "length", None), 3, None),
+        ((2, "abort", grpc.StatusCode.DEADLINE_EXCEEDED), 2, protocol.RequestAborted),
+        ((0, "", grpc.StatusCode.UNAVAILABLE), 0, Unavailable),
+        ((0, "", grpc.StatusCode.INVALID_ARGUMENT), 0, InvalidArgument),
+    ],
+)
+async def test_the_router_generator_reads_generate_streams(script, tokens, error):
+    from services.common.server import start_server
+    from services.openai_http.generation import RouterGenerator
+
+    provider = setup_tracing("test-router-generator", exporter=InMemorySpanExporter())
+    server = await start_server(
+        lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(ScriptedRouter(*script), s),
+        ["kvrs.v1.RouterService"], "127.0.0.1:0", GrpcSettings(), provider,
+    )
+    generator = RouterGenerator(f"127.0.0.1:{server.port}", GrpcSettings())
+    events = []
+    call = GenerateCall("req-1", (1, 2), max_new_tokens=3, timeout_s=5)
+    try:
+        if error is None:
+            events = [event async for event in generator.generate(call)]
+        else:
+            with pytest.raises(error):
+                async for event in generator.generate(call):
+                    events.append(event)
+    finally:
+        await generator.close()
+        await server.stop(0)
+    assert [e.token_id for e in events if isinstance(e, Token)] == [65 + i for i in range(tokens)]
+    if error is None:
+        assert events[-1] == Finished("length", prompt_tokens=2, generated_tokens=3)
