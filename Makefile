@@ -20,5 +20,10 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PYTHON) -m ruff check kvrs services libkvxfer tests bench
 
+# Starts a local cluster, kills a decode worker mid-stream, prints the recovery decisions.
+demo: $(STAMP)
+	$(PYTHON) -m kvrs demo
+
 bench: $(STAMP)
+	$(PYTHON) -m bench.core_decisions
 	$(PYTHON) -m bench.control_plane
