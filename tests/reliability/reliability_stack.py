@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -41,6 +44,7 @@ from services.slot_broker.config import Config as BrokerConfig
 from services.slot_broker.server import build_server as build_broker
 
 MODEL = "opt-125m"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 CLEAN_CODES = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -318,3 +322,75 @@ class PrivateRedis:
             self.process.kill()
             self.process.wait(5)
         self.process = None
+
+
+# -- services as real processes -------------------------------------------------------------
+
+
+class ServiceProcess:
+    """`python -m <module>` in its own session, logging to a file, killable like a crash."""
+
+    def __init__(self, name: str, module: str, env: dict[str, str], log_dir: Path,
+                 args: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.module = module
+        self.env = env
+        self.args = args
+        self.log_file = log_dir / f"{name}.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> ServiceProcess:
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "ab") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", self.module, *self.args],
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, cwd=REPO_ROOT,
+            )
+        return self
+
+    def wait_serving(self, address: str, timeout_s: float = 60.0) -> float:
+        """Seconds until the health service says SERVING; fails quoting the log."""
+        started_s = time.monotonic()
+        channel = grpc.insecure_channel(address)
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            while True:
+                assert self.process is not None and self.process.poll() is None, (
+                    f"{self.name} exited: {self.log_tail()}"
+                )
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return time.monotonic() - started_s
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() - started_s < timeout_s, (
+                    f"{self.name} not SERVING after {timeout_s} s: {self.log_tail()}"
+                )
+                time.sleep(0.1)
+        finally:
+            channel.close()
+
+    def kill(self) -> None:
+        """SIGKILL to the process group: no drain, no cleanup, sockets just close."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def rss_bytes(self) -> int:
+        """Resident set of the process (0 once it is gone)."""
+        if self.process is None:
+            return 0
+        try:
+            fields = Path(f"/proc/{self.process.pid}/statm").read_text().split()
+        except OSError:
+            return 0
+        return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
