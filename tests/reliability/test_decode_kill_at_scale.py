@@ -1,0 +1,179 @@
+"""kill -9 of a decode worker with 64 requests in flight: 64 of 64 complete, token-exact.
+
+A local cluster of real processes (`kvrs up`'s launcher): gossip, slot broker, one
+scheduler, the router and four tiny float64 workers, whose greedy decoding is bit-exact,
+so every stream is compared with the same model run undisturbed in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import os
+import signal
+import time
+import uuid
+
+import grpc
+import pytest
+import redis
+import torch
+
+from kvrs.localcluster import (
+    SERVICES,
+    ClusterOptions,
+    is_running,
+    start_cluster,
+    stop_cluster,
+)
+from kvrs.v1 import (
+    router_pb2,
+    router_pb2_grpc,
+    slots_pb2,
+    slots_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.worker.model import Transformer
+
+IN_FLIGHT = 64
+PROMPT_TOKENS = 48
+MAX_NEW_TOKENS = 256
+"""Long enough that the first stream is still going when the 64th starts."""
+CLUSTER_SERVICES = (
+    "gossip", "slot-broker", "scheduler-1", "prefill-0", "prefill-1", "decode-0", "decode-1",
+    "router",
+)
+EXTRA_ENV = {
+    "prefill-0": {"WORKER_HEARTBEAT_TTL_S": "1.0"},
+    "prefill-1": {"WORKER_HEARTBEAT_TTL_S": "1.0"},
+    "decode-0": {"WORKER_HEARTBEAT_TTL_S": "1.0"},
+    "decode-1": {"WORKER_HEARTBEAT_TTL_S": "1.0"},
+    "router": {"ROUTER_BATCH_WINDOW_S": "0.2"},
+}
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _spec(spec):
+    extra = EXTRA_ENV.get(spec.name, {})
+    base = spec.env
+    return dataclasses.replace(spec, env=lambda wiring: {**base(wiring), **extra})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, redis_url):
+    prefix = f"{{kvrs-rel-{uuid.uuid4().hex[:10]}}}:"
+    options = ClusterOptions(run_dir=tmp_path_factory.mktemp("scale") / "cluster",
+                             workers_model="tiny", redis_url=redis_url, redis_prefix=prefix,
+                             startup_timeout_s=120)
+    services = tuple(_spec(s) for s in SERVICES if s.name in CLUSTER_SERVICES)
+    state = start_cluster(options, services)
+    try:
+        yield state
+    finally:
+        stop_cluster(options.run_dir, grace_s=5.0)
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+@functools.cache
+def model() -> Transformer:
+    torch.set_num_threads(1)  # the cluster's processes share the same cores
+    return Transformer.from_preset("tiny", dtype=torch.float64)
+
+
+def reference(prompt: list[int], max_new_tokens: int) -> list[int]:
+    cache, logits = model().prefill(prompt)
+    first = int(torch.argmax(logits))
+    return [first, *model().greedy(cache, first, max_new_tokens - 1)]
+
+
+def prompt(seed: int) -> list[int]:
+    return [(seed * 37 + 11 * i) % 251 for i in range(PROMPT_TOKENS)]
+
+
+async def generate(stub, request, tokens: list[int], summary: list) -> grpc.aio.AioRpcError | None:
+    try:
+        async for message in stub.Generate(request, timeout=180):
+            if message.index >= 0:
+                assert message.index == len(tokens), "a token was repeated or skipped"
+                tokens.append(message.token_id)
+            if message.HasField("summary"):
+                summary.append(message.summary)
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    return None
+
+
+async def leaked(state, workers) -> dict[str, int]:
+    found = {}
+    for name in workers:
+        async with grpc.aio.insecure_channel(state.address(name)) as channel:
+            stats = await worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerStats(
+                worker_pb2.GetWorkerStatsRequest(), timeout=5)
+        found[name] = stats.resident_requests
+    async with grpc.aio.insecure_channel(state.address("slot-broker")) as channel:
+        stats = await slots_pb2_grpc.SlotBrokerServiceStub(channel).GetSlotStats(
+            slots_pb2.GetSlotStatsRequest(), timeout=5)
+    found["slots"] = stats.slots_in_use
+    return found
+
+
+async def test_kill_9_of_a_decode_worker_with_64_requests_in_flight(cluster):
+    victim = next(r for r in cluster.processes if r.name == "decode-0")
+    requests = [
+        router_pb2.GenerateRequest(request_id=f"scale-{i}-{uuid.uuid4().hex[:6]}",
+                                   prompt_token_ids=prompt(i), max_new_tokens=MAX_NEW_TOKENS,
+                                   decode_instance_id="decode-0")
+        for i in range(IN_FLIGHT)
+    ]
+    tokens: list[list[int]] = [[] for _ in requests]
+    summaries: list[list] = [[] for _ in requests]
+    async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        started_s = time.monotonic()
+        tasks = [asyncio.create_task(generate(stub, r, t, s))
+                 for r, t, s in zip(requests, tokens, summaries, strict=True)]
+        while min(len(t) for t in tokens) < 1:
+            ended = [(len(t), task.result()) for t, task in zip(tokens, tasks, strict=True)
+                     if task.done()]
+            assert not ended, f"streams ended before the kill: {ended[:3]}"
+            assert time.monotonic() - started_s < 90, "the requests did not start streaming"
+            await asyncio.sleep(0.005)
+        all_streaming_s = time.monotonic() - started_s
+        most = max(len(t) for t in tokens)
+        os.killpg(victim.pid, signal.SIGSTOP)  # frozen: it answers nothing more
+        in_flight = sum(len(t) < MAX_NEW_TOKENS for t in tokens)
+        os.killpg(victim.pid, signal.SIGKILL)
+        killed_s = time.monotonic()
+        errors = await asyncio.gather(*tasks)
+        done_s = time.monotonic()
+    while is_running(victim):
+        await asyncio.sleep(0.01)
+
+    recovered = [s[0] for s in summaries if s and s[0].recoveries]
+    actions = {}
+    for summary in recovered:
+        action = summary.recoveries[-1].action
+        actions[action] = actions.get(action, 0) + 1
+    print(f"\nall {IN_FLIGHT} streaming {all_streaming_s:.1f} s after the first call (the "
+          f"furthest at token {most}); "
+          f"{in_flight} of {IN_FLIGHT} requests in flight at the kill; "
+          f"{sum(e is None for e in errors)} completed, {len(recovered)} recovered "
+          f"(final actions {actions}); last stream ended {done_s - killed_s:.1f} s after "
+          "the kill")
+    assert in_flight == IN_FLIGHT
+    assert [e for e in errors if e is not None] == []
+    for request, streamed, summary in zip(requests, tokens, summaries, strict=True):
+        assert streamed == reference(list(request.prompt_token_ids), MAX_NEW_TOKENS), (
+            request.request_id)
+        assert summary[0].generated_tokens == MAX_NEW_TOKENS
+        assert summary[0].final_decode_instance_id != "decode-0"
+    assert len(recovered) == IN_FLIGHT
+    assert await leaked(cluster, ("prefill-0", "prefill-1", "decode-1")) == {
+        "prefill-0": 0, "prefill-1": 0, "decode-1": 0, "slots": 0}
