@@ -37,6 +37,8 @@ from services.gossip.client import GossipClient
 from services.gossip.config import Config as GossipConfig
 from services.gossip.records import Registration
 from services.gossip.server import build_server as build_gossip
+from services.prober.config import Config as ProberConfig
+from services.prober.server import build_server as build_prober
 from services.scheduler.config import Config as SchedulerConfig
 from services.scheduler.inputs import InputsConfig
 from services.scheduler.server import build_server as build_scheduler
@@ -118,6 +120,9 @@ class ControlPlane:
 
     redis_url: str
     prefix: str
+    host: str = "127.0.0.1"
+    """Where every server binds (a bridge address when workers run in namespaces)."""
+    model: str = MODEL
     loop: LoopThread = field(default_factory=LoopThread)
     addresses: dict[str, str] = field(default_factory=dict)
     handles: dict[str, Any] = field(default_factory=dict)
@@ -136,14 +141,15 @@ class ControlPlane:
 
     async def _start(self, services, cluster, scheduler_overrides) -> None:
         redis_settings = {"redis_url": self.redis_url, "redis_prefix": self.prefix}
+        listen = f"{self.host}:0"
         gossip = await build_gossip(
-            GossipConfig(listen_addr="127.0.0.1:0", heartbeat_ttl_s=600.0, **redis_settings),
+            GossipConfig(listen_addr=listen, heartbeat_ttl_s=600.0, **redis_settings),
             self.provider,
         )
         self._add("gossip", gossip)
         if "slot-broker" in services:
             broker = await build_broker(
-                BrokerConfig(listen_addr="127.0.0.1:0", cluster_cap=4, lease_ttl_s=30.0,
+                BrokerConfig(listen_addr=listen, cluster_cap=4, lease_ttl_s=30.0,
                              **redis_settings),
                 self.provider,
             )
@@ -157,27 +163,34 @@ class ControlPlane:
                 ))
         if "cost-oracle" in services:
             oracle = await build_oracle(
-                OracleConfig(listen_addr="127.0.0.1:0", gossip_addr=self.addresses["gossip"],
-                             refresh_s=0.2, inputs=InputsConfig(model=MODEL)),
+                OracleConfig(listen_addr=listen, gossip_addr=self.addresses["gossip"],
+                             refresh_s=0.2, inputs=InputsConfig(model=self.model)),
                 self.provider,
             )
             self._add("cost-oracle", oracle)
         if "scheduler" in services:
             settings = {
-                "listen_addr": "127.0.0.1:0",
+                "listen_addr": listen,
                 "gossip_addr": self.addresses["gossip"],
                 "slot_broker_addr": self.addresses.get("slot-broker", "127.0.0.1:1"),
                 "view_refresh_s": 0.1,
                 "holder_id": "reliability-scheduler",
-                "inputs": InputsConfig(model=MODEL),
+                "inputs": InputsConfig(model=self.model),
                 **scheduler_overrides,
             }
             self._add("scheduler", await build_scheduler(SchedulerConfig(**settings),
                                                          self.provider))
+        if "prober" in services:
+            prober = await build_prober(
+                ProberConfig(listen_addr=listen, gossip_addr=self.addresses["gossip"],
+                             worker_timeout_s=2.0, refresh_s=0.2, payload_tokens=256),
+                self.provider, probe_forever=False,
+            )
+            self._add("prober", prober)
 
     def _add(self, name: str, handle: Any) -> None:
         self.handles[name] = handle
-        self.addresses[name] = f"127.0.0.1:{handle.port}"
+        self.addresses[name] = f"{self.host}:{handle.port}"
 
     def channel(self, name: str) -> grpc.Channel:
         return grpc.insecure_channel(self.addresses[name])
@@ -331,11 +344,13 @@ class ServiceProcess:
     """`python -m <module>` in its own session, logging to a file, killable like a crash."""
 
     def __init__(self, name: str, module: str, env: dict[str, str], log_dir: Path,
-                 args: tuple[str, ...] = ()) -> None:
+                 args: tuple[str, ...] = (), prefix: tuple[str, ...] = ()) -> None:
+        """`prefix` runs the interpreter under another command (`ip netns exec NS`)."""
         self.name = name
         self.module = module
         self.env = env
         self.args = args
+        self.prefix = prefix
         self.log_file = log_dir / f"{name}.log"
         self.process: subprocess.Popen | None = None
 
@@ -343,7 +358,7 @@ class ServiceProcess:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", self.module, *self.args],
+                [*self.prefix, sys.executable, "-m", self.module, *self.args],
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True, cwd=REPO_ROOT,
