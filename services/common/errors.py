@@ -1,5 +1,6 @@
 """One mapping from exceptions to gRPC status codes, shared by every kvrs server.
 
+    request bytes that do not parse    -> INVALID_ARGUMENT ("request: cannot be parsed as ...")
     KvrsError (kvrs.errors)            -> its own `code` (INVALID_ARGUMENT, NOT_FOUND, ...)
     redis ConnectionError/TimeoutError -> UNAVAILABLE   ("redis unreachable")
     grpc.aio.AioRpcError from a peer   -> UNAVAILABLE or DEADLINE_EXCEEDED, else INTERNAL
@@ -53,8 +54,39 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
     await context.abort(code, message)
 
 
+class _Unparsable:
+    """What a request that failed to parse becomes, so the handler can refuse it: grpc
+    itself would answer a deserialiser's exception with UNKNOWN and the exception's class."""
+
+    def __init__(self, message_name: str, error: Exception) -> None:
+        self.details = f"request: cannot be parsed as {message_name}: {error}"
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """The handler's deserialiser, returning an `_Unparsable` instead of raising."""
+    if deserializer is None:
+        return None
+    message_type = getattr(deserializer, "__self__", None)
+    descriptor = getattr(message_type, "DESCRIPTOR", None)
+    message_name = descriptor.full_name if descriptor is not None else "the request message"
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's bytes
+            return _Unparsable(message_name, exc)
+
+    return deserialize
+
+
+async def _refuse_unparsable(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Unparsable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+
+
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _refuse_unparsable(request, context)
         try:
             return await behavior(request, context)
         except grpc.aio.AbortError:
@@ -67,6 +99,7 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
 
 def _wrap_stream(behavior: Callable[..., Any], method: str):
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await _refuse_unparsable(request, context)
         try:
             result = behavior(request, context)
             if inspect.isasyncgen(result):
@@ -93,13 +126,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler

@@ -18,9 +18,6 @@ METHODS = (
 )
 
 
-@pytest.mark.xfail(strict=True, reason="a request that fails to parse gets gRPC's own "
-                   "UNKNOWN 'Unexpected <class DecodeError>' (services/common/errors.py "
-                   "does not wrap deserialisation; see docs/reliability.md)")
 @pytest.mark.parametrize("service, method", METHODS)
 def test_unparsable_request_is_invalid_argument(plane, service, method):
     channel = plane.channel(service)
@@ -32,6 +29,7 @@ def test_unparsable_request_is_invalid_argument(plane, service, method):
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (
             f"{failure.value.code().name}: {failure.value.details()}"
         )
+        assert failure.value.details().startswith("request: cannot be parsed as kvrs.v1.")
     finally:
         channel.close()
 
