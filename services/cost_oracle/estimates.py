@@ -81,6 +81,9 @@ class CostOracle:
             raise InvalidArgument("cached_tokens", f"must be >= 0, got {cached_tokens}")
         if new_tokens <= 0:
             raise InvalidArgument("new_tokens", f"must be > 0, got {new_tokens}")
+        inputs = self.view.inputs
+        inputs.require_context_tokens("cached_tokens", cached_tokens)
+        inputs.require_context_tokens("new_tokens", cached_tokens + new_tokens)
         cost = self.cost_model()
         return ComputeEstimate(
             compute_s=cost.extend_s(cached_tokens, new_tokens),
@@ -97,6 +100,7 @@ class CostOracle:
             raise InvalidArgument("tokens", "give either kv_bytes or tokens, not both")
         if not kv_bytes and not tokens:
             raise InvalidArgument("kv_bytes", "give kv_bytes or tokens (> 0)")
+        self.view.inputs.require_context_tokens("tokens", tokens)
         return kv_bytes or self.cost_model().kv_bytes(tokens)
 
     def _ids(self, field: str, given: Sequence[str], role: Role) -> tuple[str, ...]:

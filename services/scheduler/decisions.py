@@ -104,6 +104,7 @@ class Scheduler:
     ) -> Selection:
         _require_id("request_id", request.request_id)
         _require_non_negative("prompt_tokens", request.prompt_tokens)
+        self.view.inputs.require_context_tokens("prompt_tokens", request.prompt_tokens)
         policy = self.placement_policy(request.policy)
         attributes["kvrs.policy"] = policy.name
         self._require_known("prefill_instance_id", request.prefill_id)
@@ -262,6 +263,12 @@ class Scheduler:
         _require_id(where + "request_id", request.request_id)
         _require_positive(where + "prompt_tokens", request.prompt_tokens)
         _require_non_negative(where + "generated_tokens", request.generated_tokens)
+        # A recompute re-creates the KV of the prompt and every generated token.
+        inputs = self.view.inputs
+        inputs.require_context_tokens(where + "prompt_tokens", request.prompt_tokens)
+        inputs.require_context_tokens(
+            where + "generated_tokens", request.prompt_tokens + request.generated_tokens
+        )
         _require_non_negative(where + "deadline_unix_ms", request.deadline_unix_ms)
         self._require_known(where + "source_prefill_instance_id", request.source_prefill_id)
         self._require_known("failed_instance_id", request.failed_id)

@@ -10,15 +10,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrs.errors import KvrsError
+from kvrs.errors import InvalidArgument, KvrsError
 from kvrs.estimator import StalenessPolicy
 from kvrs.model import ModelSpec, model_spec
 from kvrs.profile import ComputeProfile, compute_profile
 from kvrs.topology import Topology
-from services.common.config import ConfigError, env_float, env_str
+from services.common.config import ConfigError, env_float, env_int, env_str
 
 DEFAULT_MODEL = "opt-125m"
 DEFAULT_TELEMETRY_STALE_AFTER_S = 60.0
+DEFAULT_MAX_CONTEXT_TOKENS = 10_000_000
+INT64_MAX = 2**63 - 1
+"""Largest value of the int64 `kv_bytes` fields every reply carries."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class InputsConfig:
     telemetry_stale_after_s: float = DEFAULT_TELEMETRY_STALE_AFTER_S
     """KVRS_TELEMETRY_STALE_AFTER_S: a link measurement older than this is ignored and the
     topology capacity is used instead (flagged telemetry_stale)."""
+    max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS
+    """KVRS_MAX_CONTEXT_TOKENS: the most tokens one request's KV may hold; a request
+    counting more is refused INVALID_ARGUMENT before its KV size is priced."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InputsConfig:
@@ -45,9 +51,14 @@ class InputsConfig:
             telemetry_stale_after_s=env_float(
                 "KVRS_TELEMETRY_STALE_AFTER_S", DEFAULT_TELEMETRY_STALE_AFTER_S, env
             ),
+            max_context_tokens=env_int(
+                "KVRS_MAX_CONTEXT_TOKENS", DEFAULT_MAX_CONTEXT_TOKENS, env
+            ),
         )
         if config.telemetry_stale_after_s <= 0:
             raise ConfigError("KVRS_TELEMETRY_STALE_AFTER_S must be > 0")
+        if config.max_context_tokens <= 0:
+            raise ConfigError("KVRS_MAX_CONTEXT_TOKENS must be > 0")
         return config
 
 
@@ -59,6 +70,18 @@ class DecisionInputs:
     model: ModelSpec
     compute: ComputeProfile
     staleness: StalenessPolicy
+    max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS
+    """The most tokens one request's KV may hold (its KV bytes then fit an int64)."""
+
+    def require_context_tokens(self, field: str, tokens: int) -> None:
+        """InvalidArgument naming `field` when `tokens` exceeds the longest context: its KV
+        size would be meaningless, and past int64 it could not even be sent back."""
+        if tokens > self.max_context_tokens:
+            raise InvalidArgument(
+                field,
+                f"must be at most {self.max_context_tokens} tokens "
+                f"(KVRS_MAX_CONTEXT_TOKENS), got {tokens}",
+            )
 
 
 def load_inputs(config: InputsConfig) -> DecisionInputs:
@@ -67,11 +90,17 @@ def load_inputs(config: InputsConfig) -> DecisionInputs:
         model = model_spec(config.model)
     except KvrsError as exc:
         raise ConfigError(f"KVRS_MODEL: {exc}") from None
+    if config.max_context_tokens * model.kv_bytes_per_token > INT64_MAX:
+        raise ConfigError(
+            f"KVRS_MAX_CONTEXT_TOKENS={config.max_context_tokens}: the KV of that many "
+            f"tokens of {model.name} does not fit the int64 kv_bytes fields"
+        )
     return DecisionInputs(
         topology=_load_topology(config.topology_file),
         model=model,
         compute=_load_profile(config.profile_file, config.model),
         staleness=StalenessPolicy(stale_after_s=config.telemetry_stale_after_s),
+        max_context_tokens=config.max_context_tokens,
     )
 
 

@@ -7,20 +7,7 @@ the bug is fixed the regression test passes, fails as XPASS, and the predicate a
 
 from __future__ import annotations
 
-from reliability_stack import MODEL
-
-from kvrs.model import model_spec
-
-INT64_MAX = 2**63 - 1
-KV_BYTES_PER_TOKEN = model_spec(MODEL).kv_bytes_per_token
 DECODE_IDS = frozenset({"decode-0", "decode-1", "decode-2"})
-
-
-def kv_bytes_overflow(tokens: int) -> bool:
-    """Token counts whose KV size does not fit the int64 `kv_bytes` reply field: the reply
-    cannot be serialised and the call fails INTERNAL (no upper bound on token counts in
-    services/cost_oracle/estimates.py and services/scheduler/decisions.py)."""
-    return tokens > 0 and tokens * KV_BYTES_PER_TOKEN > INT64_MAX
 
 
 def recover_source_is_decode(source_id: str) -> bool:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from hypothesis import assume, given
-from reliability_known_bugs import kv_bytes_overflow
+from hypothesis import given
 from reliability_stack import KNOWN_IDS, assert_serving, call
 from reliability_strategies import PROPERTY_SETTINGS, id_lists, ids, int64s, mutated
 
@@ -42,7 +41,6 @@ def still_answers(stub) -> None:
     {"src_instance_id": IDS, "dst_instance_id": IDS, "kv_bytes": int64s(), "tokens": int64s()},
 ))
 def test_estimate_transfer(stub, request):
-    assume(not hits_known_bug(request))
     reply = call(stub.EstimateTransfer, request)
     if reply is not None:
         assert reply.estimate.transfer_s >= 0
@@ -56,7 +54,6 @@ def test_estimate_transfer(stub, request):
      "kv_bytes": int64s(), "tokens": int64s()},
 ))
 def test_get_cost_matrix(stub, request):
-    assume(not hits_known_bug(request))
     reply = call(stub.GetCostMatrix, request)
     if reply is not None:
         assert all(len(row.to_decode) == len(reply.decode_instance_ids) for row in reply.rows)
@@ -66,28 +63,22 @@ def test_get_cost_matrix(stub, request):
 @given(request=mutated(oracle_pb2.EstimateComputeRequest(cached_tokens=100, new_tokens=10),
                        {"cached_tokens": int64s(), "new_tokens": int64s()}))
 def test_estimate_compute(stub, request):
-    assume(not hits_known_bug(request))
     reply = call(stub.EstimateCompute, request)
     if reply is not None:
         assert reply.compute_s >= 0 and reply.kv_bytes > 0
 
 
-def hits_known_bug(request) -> bool:
-    if isinstance(request, oracle_pb2.EstimateComputeRequest):
-        return request.cached_tokens >= 0 and kv_bytes_overflow(
-            request.cached_tokens + request.new_tokens)
-    return request.kv_bytes == 0 and kv_bytes_overflow(request.tokens)
-
-
-@pytest.mark.xfail(strict=True, reason="token counts are not bounded: kv_bytes overflows "
-                   "int64 and the reply fails INTERNAL (see docs/reliability.md)")
-@pytest.mark.parametrize("method, request_", [
+@pytest.mark.parametrize("method, request_, field", [
     ("EstimateTransfer", oracle_pb2.EstimateTransferRequest(
-        src_instance_id="prefill-0", dst_instance_id="decode-0", tokens=2**62)),
-    ("GetCostMatrix", oracle_pb2.GetCostMatrixRequest(tokens=2**62)),
-    ("EstimateCompute", oracle_pb2.EstimateComputeRequest(cached_tokens=2**62, new_tokens=1)),
+        src_instance_id="prefill-0", dst_instance_id="decode-0", tokens=2**62), "tokens"),
+    ("GetCostMatrix", oracle_pb2.GetCostMatrixRequest(tokens=2**62), "tokens"),
+    ("EstimateCompute", oracle_pb2.EstimateComputeRequest(cached_tokens=2**62, new_tokens=1),
+     "cached_tokens"),
+    ("EstimateCompute", oracle_pb2.EstimateComputeRequest(
+        cached_tokens=10_000_000, new_tokens=1), "new_tokens"),
 ])
-def test_huge_token_counts_are_invalid_argument(stub, method, request_):
+def test_huge_token_counts_are_invalid_argument(stub, method, request_, field):
     with pytest.raises(grpc.RpcError) as failure:
         getattr(stub, method)(request_, timeout=10)
     assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
+    assert failure.value.details().startswith(f"{field}:"), failure.value.details()

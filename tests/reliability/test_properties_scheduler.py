@@ -8,7 +8,7 @@ import grpc
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from reliability_known_bugs import DECODE_IDS, kv_bytes_overflow, recover_source_is_decode
+from reliability_known_bugs import DECODE_IDS, recover_source_is_decode
 from reliability_stack import KNOWN_IDS, assert_serving, call
 from reliability_strategies import (
     PROPERTY_SETTINGS,
@@ -77,7 +77,6 @@ def fresh_request_ids(requests) -> None:
      "candidate_instance_ids": id_lists(KNOWN_IDS)},
 ))
 def test_select_decode(stub, request):
-    assume(not kv_bytes_overflow(request.prompt_tokens))
     reply = call(stub.SelectDecode, request)
     if reply is not None:
         assert reply.decode_instance_id not in request.exclude_instance_ids
@@ -137,13 +136,19 @@ def expect_code(method, request, code: grpc.StatusCode) -> str:
     return failure.value.details()
 
 
-@pytest.mark.xfail(strict=True, reason="prompt_tokens is not bounded: kv_bytes overflows "
-                   "int64 and SelectDecode fails INTERNAL (see docs/reliability.md)")
 def test_a_huge_prompt_is_invalid_argument(stub):
     details = expect_code(stub.SelectDecode, scheduler_pb2.SelectDecodeRequest(
         request_id="huge", prefill_instance_id="prefill-0", prompt_tokens=2**62),
         grpc.StatusCode.INVALID_ARGUMENT)
     assert details.startswith("prompt_tokens:")
+    details = expect_code(stub.Recover, scheduler_pb2.RecoverRequest(
+        request_id="huge", failed_instance_id="decode-0", source_prefill_instance_id="prefill-0",
+        prompt_tokens=2**62), grpc.StatusCode.INVALID_ARGUMENT)
+    assert details.startswith("prompt_tokens:")
+    details = expect_code(stub.Recover, scheduler_pb2.RecoverRequest(
+        request_id="huge", failed_instance_id="decode-0", source_prefill_instance_id="prefill-0",
+        prompt_tokens=10_000_000, generated_tokens=1), grpc.StatusCode.INVALID_ARGUMENT)
+    assert details.startswith("generated_tokens:")
 
 
 @pytest.mark.xfail(strict=True, reason="the role of prefill_instance_id is not checked: a "

@@ -277,6 +277,7 @@ async def test_a_failure_event_removes_the_instance_before_the_next_refresh(plan
         (select(prompt_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens"),
         (select(prefill="ghost"), grpc.StatusCode.NOT_FOUND, "prefill_instance_id"),
         (select(prefill=""), grpc.StatusCode.INVALID_ARGUMENT, "prefill_instance_id"),
+        (select(prompt_tokens=10_000_001), grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens"),
         (select(policy="fastest"), grpc.StatusCode.INVALID_ARGUMENT, "policy"),
     ],
 )
@@ -402,6 +403,8 @@ async def test_recover_decides_without_the_broker_when_it_is_unreachable(plane):
         (recover(generated_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT, "generated_tokens"),
         (recover(failed="ghost"), grpc.StatusCode.NOT_FOUND, "failed_instance_id"),
         (recover(source="ghost"), grpc.StatusCode.NOT_FOUND, "source_prefill_instance_id"),
+        (recover(prompt_tokens=10_000_000, generated_tokens=1),
+         grpc.StatusCode.INVALID_ARGUMENT, "generated_tokens"),
         (recover(policy="coinflip"), grpc.StatusCode.INVALID_ARGUMENT, "policy"),
     ],
 )

@@ -31,6 +31,7 @@ def test_defaults_match_the_documented_ports_and_policies():
         ({"SCHEDULER_VIEW_STALE_AFTER_S": "soon"}, "SCHEDULER_VIEW_STALE_AFTER_S"),
         ({"SCHEDULER_SLOT_TTL_S": "-1"}, "SCHEDULER_SLOT_TTL_S"),
         ({"KVRS_TELEMETRY_STALE_AFTER_S": "0"}, "KVRS_TELEMETRY_STALE_AFTER_S"),
+        ({"KVRS_MAX_CONTEXT_TOKENS": "0"}, "KVRS_MAX_CONTEXT_TOKENS"),
     ],
 )
 def test_bad_values_fail_naming_the_variable(env, variable):
@@ -75,6 +76,7 @@ def test_inputs_read_a_calibrated_profile_and_a_topology_file(tmp_path):
          "KVRS_TOPOLOGY_FILE"),
         (lambda d: InputsConfig(profile_file=_write(
             d / "p.json", json.dumps(compute_profile("tiny").to_json()))), "KVRS_PROFILE_FILE"),
+        (lambda d: InputsConfig(max_context_tokens=2**62), "KVRS_MAX_CONTEXT_TOKENS"),
     ],
 )
 def test_bad_inputs_fail_at_start_naming_the_variable(tmp_path, setup, variable):

@@ -48,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
                   "background": 0.3, "layout": "segregated", "policies": ["netkv", "kvrs"]},
     "segregated": {"rate_scales": [0.5, 1.0], "background_levels": [0.0, 0.3]},
     "ttft_slos_s": [2.0, 5.0, 10.0, 30.0],
+    "attainment_scenarios": [[1.0, 0.0], [1.0, 0.3], [2.0, 0.6]],   # (rate scale, background)
 }
 
 
@@ -186,6 +187,7 @@ def _figures(out: Output, data: dict, names: list[str]) -> None:
             ax.set_title(f"background {level:.0%}")
             ax.set_xlabel("arrival rate scale")
             ax.set_ylabel("mean TTFT (s)")
+            ax.set_yscale("log")
             ax.grid(alpha=0.3)
         axes[0].legend()
 
@@ -211,7 +213,7 @@ def _figures(out: Output, data: dict, names: list[str]) -> None:
 
     def draw_staleness(ax: Any) -> None:
         rows = data["staleness"]
-        periods = [r["scenario"]["link_period_s"] for r in rows]
+        periods = [float(r["scenario"]["link_period_s"]) for r in rows]
         finite = [t for t in periods if 0 < t < math.inf]
         lo, hi = (min(finite) / 10, max(finite) * 10) if finite else (0.01, 100)
         xs = [lo if t == 0 else hi if t == math.inf else t for t in periods]
@@ -229,20 +231,25 @@ def _figures(out: Output, data: dict, names: list[str]) -> None:
     if data["staleness"]:
         out.figure("staleness", draw_staleness)
 
-    def draw_attainment(ax: Any) -> None:
-        row = max(data["load"], key=lambda r: (r["scenario"]["background"],
-                                               r["scenario"]["rate_scale"]))
-        for name in names:
-            by = row["results"][name]["attainment_by_ttft_slo"]
-            ax.plot([float(k) for k in by], list(by.values()), marker="o", label=name)
-        ax.set_xlabel("TTFT SLO (s), TBT SLO 100 ms")
-        ax.set_ylabel("SLO attainment")
-        ax.set_title(f"rate ×{row['scenario']['rate_scale']}, "
-                     f"background {row['scenario']['background']:.0%}")
-        ax.legend()
-        ax.grid(alpha=0.3)
+    wanted = [tuple(x) for x in data["parameters"].get("attainment_scenarios", [])]
+    shown = [r for r in data["load"]
+             if (r["scenario"]["rate_scale"], r["scenario"]["background"]) in wanted] \
+        or data["load"][-1:]
 
-    out.figure("attainment", draw_attainment)
+    def draw_attainment(axes: Any) -> None:
+        for ax, row in zip(axes, shown, strict=True):
+            for name in names:
+                by = row["results"][name]["attainment_by_ttft_slo"]
+                ax.plot([float(k) for k in by], list(by.values()), marker="o", label=name)
+            ax.set_xlabel("TTFT SLO (s), TBT SLO 100 ms")
+            ax.set_ylabel("SLO attainment")
+            ax.set_title(f"rate ×{row['scenario']['rate_scale']:g}, "
+                         f"background {row['scenario']['background']:.0%}")
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+
+    out.figure("attainment", draw_attainment, size=(4.5 * len(shown), 3.8),
+               ncols=len(shown))
 
 
 def _scenario_rows(rows: list[dict], names: list[str], keys: list[str]) -> list[list[Any]]:

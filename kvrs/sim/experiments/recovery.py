@@ -186,6 +186,9 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
             ax.axvline(single["b_star_gbps"], color="gray", linestyle="--",
                        label=f"B* = {single['b_star_gbps']:.0f} Gbps")
             ax.set_xscale("log")
+            ax.minorticks_off()
+            ax.set_xticks([r["bandwidth_gbps"] for r in rows],
+                          [f"{r['bandwidth_gbps']:.0f}" for r in rows])
             ax.set_title(f"{single['generated_at_failure']} tokens generated at failure")
             ax.set_xlabel("inter-node bandwidth (Gbps)")
             ax.set_ylabel("failure → KV restored (ms)")
