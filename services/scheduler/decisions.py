@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -17,7 +18,14 @@ from opentelemetry.trace import Tracer
 from opentelemetry.util.types import AttributeValue
 
 from kvrs.batch import plan_batch
-from kvrs.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvrs.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvrs.network import TransferEstimate
 from kvrs.placement import PlacementPolicy, PlacementRequest, make_placement_policy
 from kvrs.recovery import (
@@ -27,6 +35,7 @@ from kvrs.recovery import (
     RecoveryRequest,
     make_recovery_policy,
 )
+from kvrs.topology import Role
 from services.scheduler import spans
 from services.scheduler.leases import Lease, SlotBroker
 from services.scheduler.records import (
@@ -41,6 +50,8 @@ from services.scheduler.records import (
 )
 from services.scheduler.replay import RecentRecoveries
 from services.scheduler.view import DecisionView, ViewCache
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -107,7 +118,7 @@ class Scheduler:
         self.view.inputs.require_context_tokens("prompt_tokens", request.prompt_tokens)
         policy = self.placement_policy(request.policy)
         attributes["kvrs.policy"] = policy.name
-        self._require_known("prefill_instance_id", request.prefill_id)
+        self._require_role("prefill_instance_id", request.prefill_id, Role.PREFILL)
         for instance_id in request.candidate_ids:
             self._require_known("candidate_instance_ids", instance_id)
         view = self.view.current()
@@ -213,6 +224,10 @@ class Scheduler:
             slot_outcome, why = SlotOutcome.EXHAUSTED, f"no migration slot free ({exc})"
         except (Unavailable, DeadlineExceeded) as exc:
             slot_outcome, why = SlotOutcome.UNREACHABLE, f"slot broker unreachable ({exc})"
+        except FailedPrecondition as exc:
+            log.warning("slot broker refused %s -> %s for %s: %s", decision.source_id,
+                        decision.target_id, core_request.request_id, exc)
+            slot_outcome, why = SlotOutcome.REFUSED, f"slot broker refused the slot ({exc})"
         else:
             return self._outcome(core_request, decision, decision.reason, lease,
                                  SlotOutcome.GRANTED, view, priced)
@@ -270,7 +285,9 @@ class Scheduler:
             where + "generated_tokens", request.prompt_tokens + request.generated_tokens
         )
         _require_non_negative(where + "deadline_unix_ms", request.deadline_unix_ms)
-        self._require_known(where + "source_prefill_instance_id", request.source_prefill_id)
+        self._require_role(
+            where + "source_prefill_instance_id", request.source_prefill_id, Role.PREFILL
+        )
         self._require_known("failed_instance_id", request.failed_id)
 
     # -- RecoverBatch ---------------------------------------------------------------------
@@ -353,6 +370,13 @@ class Scheduler:
         _require_id(field, instance_id)
         if not self.view.is_known(instance_id):
             raise NotFound(f"unknown instance {instance_id!r}", field=field)
+
+    def _require_role(self, field: str, instance_id: str, role: Role) -> None:
+        """A known instance of `role`: a decode instance named as a prefill source would be
+        placed onto, or migrated to, itself."""
+        self._require_known(field, instance_id)
+        if self.view.role(instance_id) is not role:
+            raise InvalidArgument(field, f"{instance_id!r} is not a {role.value} instance")
 
 
 def _chosen_transfer(

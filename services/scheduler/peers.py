@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.errors import (
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     KvrsError,
     ResourceExhausted,
@@ -34,12 +35,26 @@ log = logging.getLogger(__name__)
 
 
 
+_REFUSALS = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+)
+"""A peer that would not do what it was asked: the caller's state, not its caller's input."""
+
+
 def peer_error(exc: grpc.aio.AioRpcError, peer: str) -> KvrsError | None:
-    """The domain error a peer's status stands for; None for codes that mean a bug."""
+    """The domain error a peer's status stands for; None for codes that mean a bug.
+
+    A refusal becomes FailedPrecondition, never the peer's own INVALID_ARGUMENT: the
+    scheduler's caller sent nothing wrong, and a field named by the peer is not theirs.
+    """
     message = f"{peer}: {exc.details() or exc.code().name}"
     code = exc.code()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhausted(message)
+    if code in _REFUSALS:
+        return FailedPrecondition(message)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return Unavailable(message)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -22,6 +22,7 @@ class SlotOutcome:
     GRANTED = "granted"
     EXHAUSTED = "exhausted"
     UNREACHABLE = "broker_unreachable"
+    REFUSED = "refused"
     SKIPPED = "skipped"
     NOT_NEEDED = "not_needed"
 

@@ -130,6 +130,18 @@ class ViewCache:
             return True
         return self._in_topology(instance_id)
 
+    def role(self, instance_id: str) -> Role | None:
+        """The instance's role as gossip or the topology file knows it; None if unknown."""
+        state = self._state
+        if state is not None:
+            known = state.cluster.instances.get(instance_id)
+            if known is not None:
+                return known.role
+        try:
+            return self.inputs.topology.instance(instance_id).role
+        except NotFound:
+            return None
+
     async def refresh(self) -> bool:
         """Fetches gossip once; False (and the old view kept) when gossip cannot answer."""
         try:

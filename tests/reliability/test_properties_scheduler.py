@@ -6,10 +6,9 @@ import uuid
 
 import grpc
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
-from reliability_known_bugs import DECODE_IDS, recover_source_is_decode
-from reliability_stack import KNOWN_IDS, assert_serving, call
+from reliability_stack import CLUSTER, KNOWN_IDS, assert_serving, call
 from reliability_strategies import (
     PROPERTY_SETTINGS,
     doubles,
@@ -39,6 +38,7 @@ NO_FINITE_COST = frozenset({
 """Fields that are +-inf when no option fits (documented for slo_slack_s; an infeasible
 option's cost)."""
 SLOT_ACTIONS = (common_pb2.RECOVERY_ACTION_MIGRATE, common_pb2.RECOVERY_ACTION_HYBRID)
+DECODE_IDS = tuple(row[0] for row in CLUSTER if row[1] == "decode")
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,6 @@ def test_select_decode(stub, request):
      "exclude_instance_ids": id_lists(KNOWN_IDS), "skip_slot": st.booleans()},
 ))
 def test_recover(stub, request):
-    assume(not recover_source_is_decode(request.source_prefill_instance_id))
     fresh_request_ids([request])
     reply = call(stub.Recover, request, allow_inf=NO_FINITE_COST)
     if reply is not None and reply.slot_lease.lease_id:
@@ -118,8 +117,6 @@ items = mutated(VALID_ITEM, {
      "policy": RECOVERY, "skip_slot": st.booleans()},
 ))
 def test_recover_batch(stub, request):
-    assume(not any(recover_source_is_decode(item.source_prefill_instance_id)
-                   for item in request.items))
     fresh_request_ids(request.items)
     reply = call(stub.RecoverBatch, request, allow_inf=NO_FINITE_COST | {"planned_makespan_s"})
     if reply is not None:
@@ -151,8 +148,6 @@ def test_a_huge_prompt_is_invalid_argument(stub):
     assert details.startswith("generated_tokens:")
 
 
-@pytest.mark.xfail(strict=True, reason="the role of prefill_instance_id is not checked: a "
-                   "decode instance is placed onto itself (see docs/reliability.md)")
 def test_select_decode_from_a_decode_instance_is_invalid_argument(stub):
     details = expect_code(stub.SelectDecode, scheduler_pb2.SelectDecodeRequest(
         request_id="role", prefill_instance_id="decode-0", prompt_tokens=100),
@@ -160,9 +155,6 @@ def test_select_decode_from_a_decode_instance_is_invalid_argument(stub):
     assert details.startswith("prefill_instance_id:")
 
 
-@pytest.mark.xfail(strict=True, reason="the role of source_prefill_instance_id is not "
-                   "checked; MIGRATE src == dst is refused by the slot broker and that "
-                   "refusal surfaces as INTERNAL (see docs/reliability.md)")
 def test_recover_from_a_decode_source_is_invalid_argument(stub):
     for target in sorted(DECODE_IDS):
         details = expect_code(stub.Recover, scheduler_pb2.RecoverRequest(

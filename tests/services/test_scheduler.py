@@ -277,6 +277,8 @@ async def test_a_failure_event_removes_the_instance_before_the_next_refresh(plan
         (select(prompt_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens"),
         (select(prefill="ghost"), grpc.StatusCode.NOT_FOUND, "prefill_instance_id"),
         (select(prefill=""), grpc.StatusCode.INVALID_ARGUMENT, "prefill_instance_id"),
+        (select(prefill="decode-rack"), grpc.StatusCode.INVALID_ARGUMENT,
+         "prefill_instance_id"),
         (select(prompt_tokens=10_000_001), grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens"),
         (select(policy="fastest"), grpc.StatusCode.INVALID_ARGUMENT, "policy"),
     ],
@@ -395,6 +397,18 @@ async def test_recover_decides_without_the_broker_when_it_is_unreachable(plane):
     assert skipped.action == MIGRATE and not skipped.slot_lease.lease_id
 
 
+async def test_recover_decides_without_a_slot_the_broker_refuses(plane):
+    """The broker refuses a lease longer than its maximum: the recovery is still decided,
+    without the slot, instead of failing."""
+    await plane.register()
+    stub = await plane.scheduler(slot_ttl_s=3600.0)
+    reply = await stub.Recover(recover(), timeout=5)
+    assert reply.action == RECOMPUTE
+    assert "slot broker refused" in reply.reason and "ttl_s" in reply.reason
+    assert not reply.slot_lease.lease_id and await plane.slots_in_use() == 0
+    assert plane.spans("kvrs.recover")[-1].attributes["kvrs.slot.outcome"] == "refused"
+
+
 @pytest.mark.parametrize(
     ("request_", "code", "field"),
     [
@@ -403,6 +417,8 @@ async def test_recover_decides_without_the_broker_when_it_is_unreachable(plane):
         (recover(generated_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT, "generated_tokens"),
         (recover(failed="ghost"), grpc.StatusCode.NOT_FOUND, "failed_instance_id"),
         (recover(source="ghost"), grpc.StatusCode.NOT_FOUND, "source_prefill_instance_id"),
+        (recover(source="decode-rack"), grpc.StatusCode.INVALID_ARGUMENT,
+         "source_prefill_instance_id"),
         (recover(prompt_tokens=10_000_000, generated_tokens=1),
          grpc.StatusCode.INVALID_ARGUMENT, "generated_tokens"),
         (recover(policy="coinflip"), grpc.StatusCode.INVALID_ARGUMENT, "policy"),
