@@ -6,7 +6,7 @@ Keys (under one hash-tagged prefix, so each script touches a single slot):
     slots:lease:<id>       hash    request_id, holder_id, src/dst, link, expires_unix_ms
     slots:request:<rid>    string  request id -> lease id (idempotent retries)
     slots:links            hash    json([src, dst]) -> leases held on that link
-    slots:totals           hash    granted / denied / expired counters
+    slots:totals           hash    granted / denied / expired / superseded counters
 
 Every operation is one Lua script that first drops expired leases, then acts, all on
 the Redis clock: the caps hold whatever the number of broker replicas and callers, and
@@ -74,8 +74,7 @@ end
 """
 
 # ARGV: prefix, request_id, holder_id, src, dst, link, ttl_ms, cluster_cap, link_cap, lease_id
-# Returns {granted|existing, lease fields..., in_use}, {denied, cap name, in use, cap}
-# or {conflict, lease_id}.
+# Returns {granted|existing, lease fields..., in_use} or {denied, cap name, in use, cap}.
 _RESERVE = _LUA_COMMON + """
 local request_id, holder_id, src, dst, link = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local ttl_ms, cluster_cap, link_cap = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -84,11 +83,14 @@ purge(now)
 local request = ARGV[1] .. 'request:' .. request_id
 local existing = redis.call('GET', request)
 if existing then
-  local f = redis.call('HMGET', ARGV[1] .. 'lease:' .. existing, 'holder_id', 'link')
-  if f[1] ~= holder_id or f[2] ~= link then
-    return {'conflict', existing}
+  -- Same link: a retry, from this holder or from another replica after a lost reply.
+  if redis.call('HGET', ARGV[1] .. 'lease:' .. existing, 'link') == link then
+    return lease_reply('existing', existing, redis.call('ZCARD', KEYS[1]))
   end
-  return lease_reply('existing', existing, redis.call('ZCARD', KEYS[1]))
+  -- Another link: the request is recovered again (its last target failed too); the
+  -- migration the old lease was for is over, so its slot is returned first.
+  drop(existing)
+  redis.call('HINCRBY', KEYS[3], 'superseded', 1)
 end
 local in_use = redis.call('ZCARD', KEYS[1])
 if in_use >= cluster_cap then
@@ -251,8 +253,10 @@ class SlotStore:
     ) -> Grant:
         """Takes a slot for migrating `request_id` over src -> dst (ttl 0 = the default).
 
-        ResourceExhausted naming `cluster_cap` or `link_cap` when a cap is reached; a
-        retry with the same request id returns the lease it already holds.
+        ResourceExhausted naming `cluster_cap` or `link_cap` when a cap is reached. A
+        request id that holds a lease on the same link gets that lease back, whoever asks
+        (a retry, possibly on another scheduler replica); on another link, its old lease
+        is dropped first (a request migrates over one link at a time).
         """
         _require("request_id", request_id)
         _require("holder_id", holder_id)
@@ -275,12 +279,6 @@ class SlotStore:
             where = "cluster-wide" if cap_name == "cluster_cap" else f"on {link}"
             raise ResourceExhausted(
                 f"{in_use} of {cap} migration slots in use {where}", field=cap_name
-            )
-        if status == "conflict":
-            raise InvalidArgument(
-                "request_id",
-                f"{request_id!r} already holds lease {_text(reply[1])} for another "
-                "holder or link",
             )
         return Grant(_lease(reply), int(reply[7]), self.cluster_cap, status == "existing")
 

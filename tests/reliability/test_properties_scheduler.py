@@ -8,7 +8,14 @@ import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from reliability_stack import CLUSTER, KNOWN_IDS, assert_serving, call
+from reliability_stack import (
+    CLUSTER,
+    KNOWN_IDS,
+    ControlPlane,
+    assert_serving,
+    call,
+    unique_prefix,
+)
 from reliability_strategies import (
     PROPERTY_SETTINGS,
     doubles,
@@ -20,7 +27,15 @@ from reliability_strategies import (
     uint64_lists,
 )
 
-from kvrs.v1 import common_pb2, gossip_pb2, gossip_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvrs.v1 import (
+    common_pb2,
+    gossip_pb2,
+    gossip_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    slots_pb2,
+    slots_pb2_grpc,
+)
 
 pytestmark = pytest.mark.filterwarnings(
     # The servers' span ids come from the global `random` while Hypothesis draws.
@@ -58,15 +73,6 @@ def still_decides(stub) -> None:
     assert not reply.view_stale
 
 
-def fresh_request_ids(requests) -> None:
-    """One request id per example: a Recover whose id already holds a slot lease for
-    another link is a known bug (test_a_second_recovery_of_one_request_...)."""
-    suffix = uuid.uuid4().hex[:8]
-    for request in requests:
-        if request.request_id:
-            request.request_id += f"-{suffix}"
-
-
 @PROPERTY_SETTINGS
 @given(request=mutated(
     scheduler_pb2.SelectDecodeRequest(request_id="s", prefill_instance_id="prefill-0",
@@ -94,7 +100,6 @@ def test_select_decode(stub, request):
      "exclude_instance_ids": id_lists(KNOWN_IDS), "skip_slot": st.booleans()},
 ))
 def test_recover(stub, request):
-    fresh_request_ids([request])
     reply = call(stub.Recover, request, allow_inf=NO_FINITE_COST)
     if reply is not None and reply.slot_lease.lease_id:
         assert reply.action in SLOT_ACTIONS
@@ -117,7 +122,6 @@ items = mutated(VALID_ITEM, {
      "policy": RECOVERY, "skip_slot": st.booleans()},
 ))
 def test_recover_batch(stub, request):
-    fresh_request_ids(request.items)
     reply = call(stub.RecoverBatch, request, allow_inf=NO_FINITE_COST | {"planned_makespan_s"})
     if reply is not None:
         assert len(reply.decisions) == len(request.items)
@@ -164,22 +168,33 @@ def test_recover_from_a_decode_source_is_invalid_argument(stub):
         assert details.startswith("source_prefill_instance_id:")
 
 
-@pytest.mark.xfail(strict=True, reason="a second Recover of one request within the slot "
-                   "TTL asks the broker for the same request id on another link; the "
-                   "broker's conflict surfaces as INTERNAL (see docs/reliability.md)")
-def test_a_second_recovery_of_one_request_gets_a_decision(stub):
+def test_a_second_recovery_of_one_request_gets_a_decision(redis_url):
     """A request recovered onto decode-1 whose new instance fails too, before its first
-    slot lease expired: the second recovery must still be decided."""
-    first = stub.Recover(scheduler_pb2.RecoverRequest(
-        request_id="twice", failed_instance_id="decode-0", policy="always_migrate",
-        source_prefill_instance_id="prefill-0", prompt_tokens=100), timeout=10)
-    assert first.action == common_pb2.RECOVERY_ACTION_MIGRATE and first.slot_lease.lease_id
-    second = stub.Recover(scheduler_pb2.RecoverRequest(
-        request_id="twice", failed_instance_id=first.target_instance_id,
-        exclude_instance_ids=["decode-0"], policy="always_migrate",
-        source_prefill_instance_id="prefill-0", prompt_tokens=100, generated_tokens=3),
-        timeout=10)
-    assert second.target_instance_id not in ("decode-0", first.target_instance_id)
+    slot lease expired: the second recovery must still be decided, and its migration
+    holds the request's one slot (a plane of its own: the properties use up the slots)."""
+    plane = ControlPlane(redis_url, unique_prefix("twice")).start()
+    channel = plane.channel("scheduler")
+    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    try:
+        first = stub.Recover(scheduler_pb2.RecoverRequest(
+            request_id="twice", failed_instance_id="decode-0", policy="always_migrate",
+            source_prefill_instance_id="prefill-0", prompt_tokens=100), timeout=10)
+        assert first.action == common_pb2.RECOVERY_ACTION_MIGRATE and first.slot_lease.lease_id
+        second = stub.Recover(scheduler_pb2.RecoverRequest(
+            request_id="twice", failed_instance_id=first.target_instance_id,
+            exclude_instance_ids=["decode-0"], policy="always_migrate",
+            source_prefill_instance_id="prefill-0", prompt_tokens=100, generated_tokens=3),
+            timeout=10)
+        assert second.target_instance_id not in ("decode-0", first.target_instance_id)
+        assert second.action == common_pb2.RECOVERY_ACTION_MIGRATE, second.reason
+        assert second.slot_lease.lease_id not in ("", first.slot_lease.lease_id)
+        with plane.channel("slot-broker") as broker:
+            stats = slots_pb2_grpc.SlotBrokerServiceStub(broker).GetSlotStats(
+                slots_pb2.GetSlotStatsRequest(), timeout=10)
+        assert stats.slots_in_use == 1
+    finally:
+        channel.close()
+        plane.stop()
 
 
 # -- whatever gossip accepts, the scheduler can decide on ----------------------------------

@@ -111,10 +111,6 @@ def test_killing_a_scheduler_replica_loses_no_decision(replicas):
     assert slowest_s < 2 * ATTEMPT_TIMEOUT_S + 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="a Recover retried on another replica after a lost "
-                   "reply asks the slot broker for the same request id under another "
-                   "holder; the broker's conflict surfaces as INTERNAL (see "
-                   "docs/reliability.md)")
 @pytest.mark.timeout(60)
 def test_a_recover_retried_on_the_other_replica_gets_the_same_decision(replicas):
     """The reply of replica A was lost (A died after deciding and taking the slot): the
@@ -132,3 +128,4 @@ def test_a_recover_retried_on_the_other_replica_gets_the_same_decision(replicas)
     with grpc.insecure_channel(address_b) as channel:
         retried = scheduler_pb2_grpc.SchedulerServiceStub(channel).Recover(request, timeout=5)
     assert retried.target_instance_id == first.target_instance_id
+    assert retried.slot_lease == first.slot_lease
