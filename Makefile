@@ -4,8 +4,12 @@ STAMP := build/.installed
 .PHONY: install protos test lint bench demo
 
 # torch is pinned to 2.13.0, the CPU build; pip never pulls a CUDA torch for it here.
+# xds-protos ships its own, older copy of the OpenTelemetry protos over the files of
+# opentelemetry-proto; reinstalling the latter restores what the OTLP exporter imports.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q -e '.[dev]'
+	$(PYTHON) -m pip install -q --force-reinstall --no-deps \
+	  "opentelemetry-proto==$$($(PYTHON) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	@mkdir -p build && touch $(STAMP)
 
 install: $(STAMP)
