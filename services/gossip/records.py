@@ -18,6 +18,19 @@ JOINED = "joined"
 MAX_HEARTBEAT_TTL_S = 86_400.0
 """Longest heartbeat TTL an instance may register with (a day)."""
 
+# Every registry read returns every instance in one message: unbounded strings let one
+# caller push ListNodes past the gRPC message limit and stop every refresh.
+MAX_ID_BYTES = 256
+"""Longest instance id, node, rack or pod name (UTF-8 bytes)."""
+MAX_ADDRESS_BYTES = 512
+"""Longest address or transfer address (UTF-8 bytes)."""
+MAX_MODEL_BYTES = 128
+"""Longest model name (UTF-8 bytes)."""
+MAX_REASON_BYTES = 1024
+"""Longest deregistration reason (UTF-8 bytes)."""
+MAX_PREFIX_HASHES = 65_536
+"""Most resident prefix hashes one heartbeat may report (33M tokens at 512-token blocks)."""
+
 
 @dataclass(frozen=True)
 class Registration:
@@ -108,6 +121,13 @@ class NodeEvent:
 def require_id(field_name: str, value: str) -> None:
     if not value:
         raise InvalidArgument(field_name, "must not be empty")
+    require_at_most_bytes(field_name, value, MAX_ID_BYTES)
+
+
+def require_at_most_bytes(field_name: str, value: str, limit: int) -> None:
+    size = len(value.encode())
+    if size > limit:
+        raise InvalidArgument(field_name, f"must be at most {limit} bytes, got {size}")
 
 
 def require_non_negative(field_name: str, value: float) -> None:
@@ -120,6 +140,11 @@ def validate_registration(registration: Registration) -> None:
     if registration.role not in ROLES:
         raise InvalidArgument("role", f"must be one of {ROLES}, got {registration.role!r}")
     require_id("address", registration.address)
+    require_at_most_bytes("address", registration.address, MAX_ADDRESS_BYTES)
+    require_at_most_bytes("transfer_address", registration.transfer_address, MAX_ADDRESS_BYTES)
+    require_at_most_bytes("model", registration.model, MAX_MODEL_BYTES)
+    for name in ("node", "rack", "pod"):
+        require_at_most_bytes(f"location.{name}", getattr(registration, name), MAX_ID_BYTES)
     require_non_negative("location.gpu_index", registration.gpu_index)
     require_non_negative("kv_capacity_blocks", registration.kv_capacity_blocks)
     require_non_negative("heartbeat_ttl_s", registration.heartbeat_ttl_s)
@@ -132,6 +157,12 @@ def validate_load(load: NodeLoad) -> None:
     require_non_negative("queued_work_s", load.queued_work_s)
     require_non_negative("running_requests", load.running_requests)
     require_non_negative("free_kv_blocks", load.free_kv_blocks)
+    if len(load.resident_prefix_hashes) > MAX_PREFIX_HASHES:
+        raise InvalidArgument(
+            "resident_prefix_hashes",
+            f"must hold at most {MAX_PREFIX_HASHES} hashes, got "
+            f"{len(load.resident_prefix_hashes)}",
+        )
 
 
 def validate_link_sample(sample: LinkSample) -> None:

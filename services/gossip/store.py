@@ -31,12 +31,14 @@ from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.redis_store import Keys
 from services.gossip.records import (
     ALIVE,
+    MAX_REASON_BYTES,
     LinkRecord,
     LinkSample,
     NodeEvent,
     NodeLoad,
     NodeRecord,
     Registration,
+    require_at_most_bytes,
     require_id,
     validate_link_sample,
     validate_load,
@@ -317,6 +319,7 @@ class GossipStore:
     async def deregister(self, instance_id: str, reason: str) -> None:
         """Marks an instance as left; repeating it is harmless, an unknown id is NotFound."""
         require_id("instance_id", instance_id)
+        require_at_most_bytes("reason", reason, MAX_REASON_BYTES)
         found = await self._deregister(
             keys=[self._live, self._events],
             args=[*self._common, instance_id, reason or "deregistered"],

@@ -146,9 +146,6 @@ def test_watch_events(stub, after_event_id):
     still_reads(stub)
 
 
-@pytest.mark.xfail(strict=True, reason="registration strings are not bounded: two 9 MB "
-                   "addresses make every ListNodes reply exceed the 16 MB message limit, so "
-                   "no scheduler or oracle can refresh (see docs/reliability.md)")
 def test_oversized_registrations_cannot_block_registry_reads(redis_url):
     plane = ControlPlane(redis_url, unique_prefix("huge")).start(services=("gossip",))
     channel = grpc.insecure_channel(plane.addresses["gossip"],

@@ -254,6 +254,18 @@ BAD_INPUTS = [
     ("ReportLinkSample", link_request(bandwidth_bps=-1.0), "bandwidth_bps"),
     ("ReportLinkSample", link_request(rtt_s=-0.1), "rtt_s"),
     ("ReportLinkSample", link_request(sample_bandwidth_bps=float("nan")), "sample_bandwidth_bps"),
+    # Sizes: every registry read carries every instance in one message.
+    ("RegisterNode", register_request(instance_id="i" * 257), "instance_id"),
+    ("RegisterNode", register_request(address="a" * 513), "address"),
+    ("RegisterNode", register_request(transfer_address="a" * 513), "transfer_address"),
+    ("RegisterNode", register_request(model="m" * 129), "model"),
+    ("RegisterNode", register_request(location=common_pb2.Location(rack="é" * 129)),
+     "location.rack"),
+    ("Heartbeat", gossip_pb2.HeartbeatRequest(
+        instance_id="d0", resident_prefix_hashes=range(65_537)), "resident_prefix_hashes"),
+    ("DeregisterNode", gossip_pb2.DeregisterNodeRequest(instance_id="d0", reason="r" * 1025),
+     "reason"),
+    ("ReportLinkSample", link_request(dst_instance_id="d" * 257), "dst_instance_id"),
 ]
 
 
