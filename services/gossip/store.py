@@ -11,6 +11,12 @@ Keys (all under one hash-tagged prefix, so every script touches a single slot):
 Every state change runs as one Lua script reading the Redis clock (`TIME`), so several
 gossip replicas share one clock and one truth: the script that removes an instance from
 the live set is the only one that reports it failed, and it does so exactly once.
+
+Expiries are only trusted while heartbeats could reach the registry. After Redis was
+unreachable from this process (and when the process starts), the first operation gives
+every live instance one full TTL from now before anything else runs: instances that
+kept beating through an outage longer than their TTL are not all declared failed at
+once, and one that really died is still reported, a TTL later.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import asdict
 from typing import TypeVar
 
@@ -174,6 +180,26 @@ redis.call('HSET', KEYS[1], ARGV[1], now .. ' ' .. ARGV[2])
 return now
 """
 
+# KEYS: live. ARGV: node-key prefix. Moves every live instance's expiry to at least now +
+# its TTL; returns how many were already past their expiry.
+_RESUME = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local live = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local overdue = 0
+for i = 1, #live, 2 do
+  local id, expiry = live[i], tonumber(live[i + 1])
+  local ttl_ms = tonumber(redis.call('HGET', ARGV[1] .. id, 'ttl_ms')) or 0
+  if expiry <= now then
+    overdue = overdue + 1
+  end
+  if expiry < now + ttl_ms then
+    redis.call('ZADD', KEYS[1], now + ttl_ms, id)
+  end
+end
+return overdue
+"""
+
 _LOAD_FIELDS = ("queue_depth", "queued_work_s", "running_requests", "free_kv_blocks")
 SWEEP_BATCH = 500
 
@@ -277,6 +303,25 @@ class GossipStore:
         self._deregister = client.register_script(_DEREGISTER)
         self._sweep = client.register_script(_SWEEP)
         self._report_link = client.register_script(_REPORT_LINK)
+        self._resume = client.register_script(_RESUME)
+        self._resume_pending = True
+        """Whether expiries need a fresh TTL before they are trusted (see module doc)."""
+
+    @contextlib.asynccontextmanager
+    async def _redis_call(self, trusts_expiries: bool) -> AsyncIterator[None]:
+        """Wraps every Redis round trip: notes when Redis was unreachable, and resumes
+        expiries before an operation that may declare a failure."""
+        try:
+            if trusts_expiries and self._resume_pending:
+                overdue = int(await self._resume(keys=[self._live], args=[self._node_prefix]))
+                self._resume_pending = False
+                if overdue:
+                    log.warning("registry reachable again: %d instances past their TTL get "
+                                "one TTL to heartbeat before they are declared failed", overdue)
+            yield
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            self._resume_pending = True
+            raise
 
     async def register(self, registration: Registration) -> NodeRecord:
         """Adds or refreshes an instance; "joined" only when it was not alive before."""
@@ -285,10 +330,11 @@ class GossipStore:
         fields = asdict(registration)
         del fields["heartbeat_ttl_s"]
         pairs = [str(part) for item in fields.items() for part in item]
-        flat = await self._register(
-            keys=[self._live, self._events, self._nodes],
-            args=[*self._common, registration.instance_id, ttl_ms, *pairs],
-        )
+        async with self._redis_call(trusts_expiries=True):
+            flat = await self._register(
+                keys=[self._live, self._events, self._nodes],
+                args=[*self._common, registration.instance_id, ttl_ms, *pairs],
+            )
         stored = {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
         return _node_record(stored, int(stored["last_seen_unix_ms"]))
 
@@ -304,9 +350,10 @@ class GossipStore:
         for name in _LOAD_FIELDS:
             pairs += [name, str(getattr(load, name))]
         pairs += ["resident_prefix_hashes", json.dumps(list(load.resident_prefix_hashes))]
-        reply = await self._heartbeat(
-            keys=[self._live, self._events], args=[*self._common, instance_id, *pairs]
-        )
+        async with self._redis_call(trusts_expiries=True):
+            reply = await self._heartbeat(
+                keys=[self._live, self._events], args=[*self._common, instance_id, *pairs]
+            )
         code = int(reply[0])
         if code == -1:
             raise NotFound(f"instance {instance_id!r} is not registered")
@@ -320,10 +367,11 @@ class GossipStore:
         """Marks an instance as left; repeating it is harmless, an unknown id is NotFound."""
         require_id("instance_id", instance_id)
         require_at_most_bytes("reason", reason, MAX_REASON_BYTES)
-        found = await self._deregister(
-            keys=[self._live, self._events],
-            args=[*self._common, instance_id, reason or "deregistered"],
-        )
+        async with self._redis_call(trusts_expiries=False):
+            found = await self._deregister(
+                keys=[self._live, self._events],
+                args=[*self._common, instance_id, reason or "deregistered"],
+            )
         if not int(found):
             raise NotFound(f"instance {instance_id!r} is not registered")
 
@@ -331,9 +379,10 @@ class GossipStore:
         """Declares every instance whose TTL passed failed; returns the ids this call failed."""
         failed: list[str] = []
         while True:
-            batch = await self._sweep(
-                keys=[self._live, self._events], args=[*self._common, SWEEP_BATCH]
-            )
+            async with self._redis_call(trusts_expiries=True):
+                batch = await self._sweep(
+                    keys=[self._live, self._events], args=[*self._common, SWEEP_BATCH]
+                )
             failed += [_text(item) for item in batch]
             if len(batch) < SWEEP_BATCH:
                 return failed
@@ -342,16 +391,17 @@ class GossipStore:
         self, role: str | None = None, include_down: bool = False
     ) -> tuple[list[NodeRecord], int]:
         """Instances (alive only unless `include_down`) and the Redis time of the listing."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.time()
-            pipe.smembers(self._nodes)
-            (seconds, micros), members = await pipe.execute()
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        ids = sorted(_text(member) for member in members)
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for instance_id in ids:
-                pipe.hgetall(self._node_prefix + instance_id)
-            hashes = await pipe.execute()
+        async with self._redis_call(trusts_expiries=False):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.time()
+                pipe.smembers(self._nodes)
+                (seconds, micros), members = await pipe.execute()
+            now_ms = int(seconds) * 1000 + int(micros) // 1000
+            ids = sorted(_text(member) for member in members)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for instance_id in ids:
+                    pipe.hgetall(self._node_prefix + instance_id)
+                hashes = await pipe.execute()
         records: list[NodeRecord] = []
         forgotten: list[str] = []
         for instance_id, raw in zip(ids, hashes, strict=True):
@@ -371,18 +421,20 @@ class GossipStore:
         """Stores the newest sample of a link; returns its time (unix ms, Redis clock)."""
         validate_link_sample(sample)
         link = json.dumps([sample.src_instance_id, sample.dst_instance_id])
-        return int(
-            await self._report_link(
-                keys=[self._links], args=[link, json.dumps(asdict(sample))]
+        async with self._redis_call(trusts_expiries=False):
+            return int(
+                await self._report_link(
+                    keys=[self._links], args=[link, json.dumps(asdict(sample))]
+                )
             )
-        )
 
     async def list_links(self) -> tuple[list[LinkRecord], int]:
         """Every link sample younger than the down retention, with its age."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.time()
-            pipe.hgetall(self._links)
-            (seconds, micros), raw = await pipe.execute()
+        async with self._redis_call(trusts_expiries=False):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.time()
+                pipe.hgetall(self._links)
+                (seconds, micros), raw = await pipe.execute()
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         records: list[LinkRecord] = []
         outdated: list[str] = []

@@ -191,6 +191,30 @@ async def test_late_heartbeat_before_the_sweep_still_fails(redis_url, redis_pref
         await handle.stop(0)
 
 
+async def test_a_gossip_restart_after_the_ttl_gives_instances_one_ttl(redis_url, redis_prefix):
+    """Gossip was down longer than the TTL: its successor lets the instances that beat
+    again within one TTL live, and still fails the one that stays silent."""
+    first = await start_gossip(redis_url, redis_prefix)
+    async with GossipClient(f"127.0.0.1:{first.port}") as client:
+        for name in ("decode-0", "decode-1"):
+            await client.register(decode(name))
+    await first.stop(0)
+    await asyncio.sleep(TTL_S * 2)
+    second = await start_gossip(redis_url, redis_prefix)
+    try:
+        async with GossipClient(f"127.0.0.1:{second.port}") as client:
+            for _ in range(4):
+                await asyncio.sleep(TTL_S / 4)
+                await client.heartbeat("decode-0")
+            events = await collect(client, "0", 3)
+            assert [(e.type, e.instance_id) for e in events] == [
+                ("joined", "decode-0"), ("joined", "decode-1"), ("failed", "decode-1")]
+            assert [n.registration.instance_id for n in await client.list_nodes()] == [
+                "decode-0"]
+    finally:
+        await second.stop(0)
+
+
 async def test_two_gossip_replicas_report_one_failure(redis_url, redis_prefix):
     first = await start_gossip(redis_url, redis_prefix)
     second = await start_gossip(redis_url, redis_prefix)
