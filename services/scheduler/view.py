@@ -5,6 +5,11 @@ task refreshes the copy every `refresh_s` (and at once on a failure event), and 
 gossip is unreachable the last copy keeps serving, flagged stale once it is older than
 `stale_after_s`. The copy is one immutable `DecisionState`, swapped whole, so a decision
 never sees half of a refresh.
+
+Gossip keeps failed and departed instances listed for minutes, so an alive instance that
+vanishes from a listing without a trace was lost by the registry (a Redis restart
+without persistence), not by the cluster: it stays in the view, flagged stale, for one
+heartbeat TTL, the time it has to register again.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ class DecisionState:
     links_used: int
     telemetry_key: tuple
     """What the network model was built from; an unchanged key reuses the model."""
+    carried_ids: frozenset[str] = frozenset()
+    """Alive instances the registry lost, kept from an earlier listing (see module doc)."""
 
     def age_s(self, now_s: float) -> float:
         return max(0.0, now_s - self.refreshed_at_s)
@@ -104,6 +111,9 @@ class ViewCache:
         self._wake = asyncio.Event()
         self.refresh_failures = 0
         self._failing_since_s: float | None = None
+        self._alive: dict[str, NodeRecord] = {}
+        """The alive instances of the last view, listed or carried."""
+        self._vanished_at_s: dict[str, float] = {}
 
     @property
     def state(self) -> DecisionState | None:
@@ -116,7 +126,7 @@ class ViewCache:
             raise Unavailable("no view of the cluster yet: gossip has not answered since start")
         now_s = self.clock() if now_s is None else now_s
         age_s = state.age_s(now_s)
-        stale = age_s > self.stale_after_s
+        stale = age_s > self.stale_after_s or bool(state.carried_ids)
         # The shared view's clock moves with each decision; decisions run between awaits on
         # one event loop, so none sees another's `now_s` change under it.
         cluster = state.cluster
@@ -190,10 +200,37 @@ class ViewCache:
             except TimeoutError:
                 pass
 
+    def _carry_vanished(self, snapshot: GossipSnapshot) -> tuple[NodeRecord, ...]:
+        """The alive instances of the last view that this listing lost without a trace,
+        each kept until one heartbeat TTL has passed since it vanished."""
+        listed = {node.registration.instance_id for node in snapshot.nodes}
+        now_s = snapshot.fetched_at_s
+        vanished_at_s: dict[str, float] = {}
+        carried = []
+        for instance_id, record in self._alive.items():
+            if instance_id in listed:
+                continue
+            vanished_at_s[instance_id] = self._vanished_at_s.get(instance_id, now_s)
+            if now_s - vanished_at_s[instance_id] <= record.heartbeat_ttl_s:
+                carried.append(record)
+        newly = vanished_at_s.keys() - self._vanished_at_s.keys()
+        if newly:
+            log.warning("%d alive instances vanished from gossip without a failure (the "
+                        "registry lost them?); kept, stale, for one heartbeat TTL: %s",
+                        len(newly), ", ".join(sorted(newly)))
+        self._vanished_at_s = vanished_at_s
+        self._alive = {
+            node.registration.instance_id: node
+            for node in (*snapshot.nodes, *carried)
+            if node.state == ALIVE
+        }
+        return tuple(carried)
+
     def _build(self, snapshot: GossipSnapshot) -> DecisionState:
         topology = self.inputs.topology
         instances: dict[str, InstanceState] = {}
-        for node in snapshot.nodes:
+        carried = self._carry_vanished(snapshot)
+        for node in (*snapshot.nodes, *carried):
             registration = node.registration
             if not self.is_known(registration.instance_id):
                 topology.add_instance(_instance_spec(registration))
@@ -223,6 +260,7 @@ class ViewCache:
             refreshed_at_s=snapshot.fetched_at_s,
             links_used=len(links),
             telemetry_key=key,
+            carried_ids=frozenset(record.registration.instance_id for record in carried),
         )
 
     def _network(self, snapshot: GossipSnapshot, links: tuple[LinkRecord, ...]) -> NetworkModel:

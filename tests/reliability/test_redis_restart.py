@@ -184,9 +184,6 @@ def test_a_redis_outage_longer_than_the_ttl_fails_no_healthy_instance(tmp_path):
     assert failed == [CLUSTER[-1][0]]
 
 
-@pytest.mark.xfail(strict=True, reason="a scheduler that refreshes onto a registry a Redis "
-                   "restart emptied refuses every placement until workers re-register, "
-                   "instead of deciding from its last view (see docs/reliability.md)")
 @pytest.mark.timeout(60)
 def test_a_redis_restart_that_lost_the_registry_refuses_no_placement(tmp_path):
     """Redis without persistence comes back empty; workers re-register within one heartbeat
@@ -216,6 +213,7 @@ def test_a_redis_restart_that_lost_the_registry_refuses_no_placement(tmp_path):
             pytest.fail(f"placement refused after the reset: {exc.code().name}: "
                         f"{exc.details()}")
         assert reply.decode_instance_id.startswith("decode-")
+        assert reply.view_stale, "a view the registry could not confirm must say so"
     finally:
         channel.close()
         plane.stop()

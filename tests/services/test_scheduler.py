@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis.asyncio as redis_async
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvrs.model import model_spec
@@ -268,6 +269,33 @@ async def test_a_failure_event_removes_the_instance_before_the_next_refresh(plan
         assert time.monotonic() < deadline, "the left event never reached the view"
         await asyncio.sleep(0.02)
     assert plane.scheduler_handle.view.state.age_s(time.time()) < 60.0
+
+
+async def test_instances_a_registry_loses_stay_for_one_ttl_flagged_stale(plane):
+    """Redis restarted empty: the registry lists nothing, but the instances did not fail;
+    they are kept (stale) for the one TTL they have to register again, then dropped."""
+    ttl_s = 1.0
+    for instance_id, role, node, rack, pod in CLUSTER:
+        await plane.gossip.register(Registration(
+            instance_id=instance_id, role=role, address=f"{instance_id}:50060", node=node,
+            rack=rack, pod=pod, heartbeat_ttl_s=ttl_s))
+    stub = await plane.scheduler(view_refresh_s=60.0, view_stale_after_s=120.0)
+    assert not (await stub.SelectDecode(select(), timeout=5)).view_stale
+    client = redis_async.Redis.from_url(plane.redis_url)
+    try:
+        keys = [key async for key in client.scan_iter(match=f"{plane.redis_prefix}gossip:*")]
+        await client.delete(*keys)
+    finally:
+        await client.aclose()
+    await plane.refresh()
+    kept = await stub.SelectDecode(select(), timeout=5)
+    assert kept.decode_instance_id == "decode-near" and kept.view_stale
+    await asyncio.sleep(ttl_s + 0.1)
+    await plane.refresh()
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await stub.SelectDecode(select(), timeout=5)
+    assert failure.value.code() in (grpc.StatusCode.FAILED_PRECONDITION,
+                                    grpc.StatusCode.NOT_FOUND), failure.value.details()
 
 
 @pytest.mark.parametrize(
