@@ -10,6 +10,7 @@ A measurement older than the staleness bound is ignored (and flagged in the esti
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,10 @@ from kvrs.errors import InvalidArgument
 from kvrs.estimator import LinkEstimate, StalenessPolicy
 from kvrs.topology import LinkId, Tier, Topology
 from kvrs.units import BITS_PER_BYTE
+
+_INPUT_VERSIONS = itertools.count(1)
+"""One counter for every model: a version never names the inputs of two different models,
+so caches keyed by `NetworkModel.version` cannot mix up two networks."""
 
 __all__ = ["DEFAULT_STALENESS", "NetworkModel", "PathTable", "PathTerms", "TransferEstimate"]
 
@@ -103,7 +108,7 @@ class NetworkModel:
         self._flows: dict[LinkId, int] = {}
         self._paths: dict[tuple[str, str], PathTerms] = {}
         self._tables: dict[str, PathTable] = {}
-        self._inputs_version = 0
+        self._inputs_version = next(_INPUT_VERSIONS)
         self._topology_version = topology.version
 
     @property
@@ -128,7 +133,7 @@ class NetworkModel:
             raise InvalidArgument("bandwidth_bps", f"must be > 0, got {estimate.bandwidth_bps}")
         self._estimates[(src_id, dst_id)] = estimate
         self._paths.pop((src_id, dst_id), None)
-        self._inputs_version += 1
+        self._inputs_version = next(_INPUT_VERSIONS)
 
     def set_flows(self, flows: Mapping[LinkId, int]) -> None:
         """Replace the flows known to be on each link (transfers in progress)."""
@@ -137,7 +142,7 @@ class NetworkModel:
                 raise InvalidArgument("flows", f"{link}: count must be >= 0, got {count}")
         self._flows = {link: int(count) for link, count in flows.items() if count}
         self._paths.clear()
-        self._inputs_version += 1
+        self._inputs_version = next(_INPUT_VERSIONS)
 
     def rate_and_rtt(
         self, src_id: str, dst_id: str, now_s: float,

@@ -131,3 +131,34 @@ def test_unknown_instances_and_bad_bytes() -> None:
     with pytest.raises(InvalidArgument) as info:
         network.transfer("p", "d", -1, 0.0)
     assert info.value.field == "kv_bytes"
+
+
+def test_two_models_never_share_a_version_so_cached_paths_never_mix():
+    from kvrs.cluster import ClusterView, InstanceState
+    from kvrs.costmodel import CostModel
+    from kvrs.estimator import LinkEstimate
+    from kvrs.model import model_spec
+    from kvrs.network import NetworkModel
+    from kvrs.placement import NetKv, PlacementRequest
+    from kvrs.profile import compute_profile
+    from kvrs.topology import Role
+
+    topology = Topology.fat_tree(nodes=2, gpus_per_node=2, nodes_per_rack=1, racks_per_pod=1)
+    prefill, *_ = [i.instance_id for i in topology.instances.values() if i.role is Role.PREFILL]
+    decodes = [i.instance_id for i in topology.instances.values() if i.role is Role.DECODE]
+    slow, fast = NetworkModel(topology), NetworkModel(topology)
+    for decode in decodes:
+        slow.set_link_estimate(prefill, decode, LinkEstimate(1e9, 1e-3, 0.0, 1))
+        fast.set_link_estimate(prefill, decode, LinkEstimate(1e11, 1e-3, 0.0, 1))
+    assert slow.version != fast.version
+    view = ClusterView(
+        {d: InstanceState(instance_id=d, role=Role.DECODE) for d in decodes}, now_s=0.0
+    )
+    request = PlacementRequest("r", prefill, prompt_tokens=4096)
+    spec = model_spec("llama3-8b")
+    picks = [
+        NetKv().select(request, view.decode_instances(),
+                       CostModel(spec, compute_profile("llama3-8b"), network), 0.0)
+        for network in (slow, fast)
+    ]
+    assert picks[0].transfer.transfer_s > 50 * picks[1].transfer.transfer_s
