@@ -14,6 +14,11 @@ Each sample feeds the link's EWMA (`kvrs.estimator.EwmaEstimator`), published to
 A link is probed again only after `duration / budget_fraction - duration` (and never
 sooner than `interval_s`), so probes take at most `budget_fraction` of its time. Links
 are probed one at a time, so probes never share a path with each other.
+
+A probe that fails publishes the link as down (`DOWN_BANDWIDTH_BPS`): keeping its last
+good sample would let placements go on choosing a cut link. The EWMA keeps its good
+samples for when the link comes back, and a failed link is tried again every
+`interval_s` (a failed probe moved nothing, so it costs the link no budget).
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ SIZING_TOKENS = 64
 """Tokens of the first pull of a link never measured before (sizes the next pulls)."""
 MIN_WIRE_FRACTION = 0.05
 """A pull's wire time after subtracting the fixed cost is at least this share of it."""
+DOWN_BANDWIDTH_BPS = 1.0
+"""What a link whose probe failed is reported at: the least gossip accepts, so every
+transfer over it is priced out of any decision."""
 
 
 class Transport(Protocol):
@@ -146,12 +154,24 @@ class LinkProber:
         if src.instance_id == dst.instance_id:
             raise InvalidArgument("dst_instance_id", "must differ from src_instance_id")
         state = self.link(src, dst)
+        try:
+            await self._probe_now(state, probe_bytes)
+        except KvrsError:
+            await self._publish(state, down=True)
+            raise
+        state.last_error = ""
+        await self._publish(state)
+        return state
+
+    async def _probe_now(self, state: LinkState, probe_bytes: int) -> None:
         async with self._lock:
             started = self._clock()
             if math.isnan(state.first_probe_at_s):
                 state.first_probe_at_s = started
+            failed = True
             try:
                 await self._measure(state, probe_bytes)
+                failed = False
             except KvrsError as exc:
                 state.last_error = str(exc)
                 self.stats.probe_failures_total += 1
@@ -161,10 +181,8 @@ class LinkProber:
                 state.busy_s += duration
                 self.stats.busy_s += duration
                 self.stats.probes_total += 1
-                state.next_due_s = self._clock() + self._pause_s(duration)
-        state.last_error = ""
-        await self._publish(state)
-        return state
+                pause_s = self.settings.interval_s if failed else self._pause_s(duration)
+                state.next_due_s = self._clock() + pause_s
 
     def _pause_s(self, duration_s: float) -> float:
         budget = self.settings.budget_fraction
@@ -242,11 +260,20 @@ class LinkProber:
         await self.transport.drop(dst, kv_id)
         return pulled
 
-    async def _publish(self, state: LinkState) -> None:
+    async def _publish(self, state: LinkState, down: bool = False) -> None:
+        """Reports the link's estimate to gossip, or, `down`, that its probe failed."""
         estimate = state.estimate
-        assert estimate is not None
-        try:
-            await self.publisher.report_link_sample(LinkSample(
+        if down:
+            sample = LinkSample(
+                src_instance_id=state.src.instance_id,
+                dst_instance_id=state.dst.instance_id,
+                bandwidth_bps=DOWN_BANDWIDTH_BPS,
+                rtt_s=estimate.rtt_s if estimate is not None else 0.0,
+                samples=estimate.samples if estimate is not None else 0,
+            )
+        else:
+            assert estimate is not None
+            sample = LinkSample(
                 src_instance_id=state.src.instance_id,
                 dst_instance_id=state.dst.instance_id,
                 bandwidth_bps=estimate.bandwidth_bps,
@@ -254,7 +281,9 @@ class LinkProber:
                 rtt_s=estimate.rtt_s,
                 probe_bytes=state.probe_bytes,
                 samples=estimate.samples,
-            ))
+            )
+        try:
+            await self.publisher.report_link_sample(sample)
         except KvrsError as exc:
             log.warning("reporting link %s -> %s to gossip failed: %s",
                         state.src.instance_id, state.dst.instance_id, exc)

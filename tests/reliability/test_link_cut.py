@@ -174,9 +174,6 @@ def test_a_cut_link_is_noticed_by_the_prober_and_spares_the_others(lab):
     assert pull_failed_s < PULL_DEADLINE_S + 2, "the pull outlived its deadline"
 
 
-@pytest.mark.xfail(strict=True, reason="a failed probe publishes nothing: gossip keeps the "
-                   "link's last good sample, so the scheduler keeps placing over the cut "
-                   "link (see docs/reliability.md)")
 def test_new_placements_avoid_a_cut_link(lab):
     netns, plane, workers = lab
     probe(plane, "prefill-0", "decode-0")  # the prober tried the link after the cut

@@ -20,6 +20,7 @@ from services.gossip.client import GossipClient
 from services.gossip.config import Config as GossipConfig
 from services.gossip.records import LinkSample, NodeLoad, Registration
 from services.gossip.server import build_server as build_gossip
+from services.prober.probing import DOWN_BANDWIDTH_BPS
 from services.scheduler.config import Config
 from services.scheduler.inputs import InputsConfig
 from services.scheduler.server import build_server
@@ -222,6 +223,16 @@ async def test_netkv_avoids_a_congested_path_that_cache_load_cannot_see(plane):
     blind = await stub.SelectDecode(select(policy="cache_load"), timeout=5)
     assert blind.decode_instance_id == "decode-a" and blind.policy == "cache_load"
     assert blind.predicted_ttft_s == pytest.approx(after.runner_up_ttft_s)
+
+
+async def test_select_decode_avoids_a_link_the_prober_reported_down(plane):
+    await plane.register()
+    stub = await plane.scheduler()
+    assert (await stub.SelectDecode(select(), timeout=5)).decode_instance_id == "decode-near"
+    await plane.link("prefill-0", "decode-near", bandwidth_bps=DOWN_BANDWIDTH_BPS)
+    await plane.refresh()
+    reply = await stub.SelectDecode(select(), timeout=5)
+    assert reply.decode_instance_id == "decode-rack"
 
 
 async def test_select_decode_honours_exclusions_and_candidate_lists(plane):
