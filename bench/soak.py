@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import sys
@@ -64,7 +65,6 @@ PREFILL_WORKERS = ("prefill-0", "prefill-1")
 PROMPTS = 32
 """Distinct prompts the load draws from (their reference continuations are computed once)."""
 SOAK_SERVICES = tuple(spec for spec in SERVICES if spec.name != "openai-http")
-WORKER_ENV = {"WORKER_HEARTBEAT_TTL_S": "1.0"}
 
 
 # -- the reference model ---------------------------------------------------------------------
@@ -158,12 +158,14 @@ async def closed_loop(stub, args, concurrency: int, duration_s: float) -> float:
 # -- processes -------------------------------------------------------------------------------
 
 
-def _with_worker_env(spec: ServiceSpec) -> ServiceSpec:
-    """Workers heartbeat with a short TTL, so a killed one is noticed within a second."""
+def _with_worker_env(spec: ServiceSpec, heartbeat_ttl_s: float) -> ServiceSpec:
+    """Workers heartbeat with `heartbeat_ttl_s`: how soon a killed one is noticed, and how
+    late a starved one may be before it is (falsely) declared failed."""
     if spec.kind not in ("prefill", "decode"):
         return spec
     base = spec.env
-    return dataclasses.replace(spec, env=lambda wiring: {**base(wiring), **WORKER_ENV})
+    extra = {"WORKER_HEARTBEAT_TTL_S": str(heartbeat_ttl_s)}
+    return dataclasses.replace(spec, env=lambda wiring: {**base(wiring), **extra})
 
 
 def rss_bytes(pid: int) -> int:
@@ -181,10 +183,11 @@ def process_rss(state: ClusterState) -> dict[str, int]:
 class Supervisor:
     """Kills and restarts cluster processes like a crash and a redeploy."""
 
-    def __init__(self, state: ClusterState, options: ClusterOptions) -> None:
+    def __init__(self, state: ClusterState, options: ClusterOptions,
+                 specs: tuple[ServiceSpec, ...]) -> None:
         self.state = state
         self.options = options
-        self.specs = {spec.name: spec for spec in SOAK_SERVICES}
+        self.specs = {spec.name: spec for spec in specs}
         self.restarted: set[str] = set()
 
     def record(self, name: str):
@@ -202,7 +205,7 @@ class Supervisor:
         wiring = Wiring(addresses={r.name: r.address for r in self.state.processes},
                         options=self.options)
         shared = common_env(wiring, None, self.state.redis_url, self.state.redis_prefix)
-        spec = _with_worker_env(self.specs[name])
+        spec = self.specs[name]
         env = {**shared, spec.listen_env: old.address, "OTEL_SERVICE_NAME": f"kvrs-{name}",
                **spec.env(wiring)}
         record = spawn(name, spec.kind, [sys.executable, "-m", spec.module, *spec.args],
@@ -296,6 +299,7 @@ async def run_load(state: ClusterState, supervisor: Supervisor, args) -> dict:
         report["held_at_end"] = await held_at_the_end(state)
 
     report["faults"] = faults
+    report["declared_failed"] = declared_failed(state)
     report["requests"] = summarise(outcomes)
     report["rss_bytes"] = {
         name: {"start": rss_start.get(name, 0), "end": rss_end.get(name, 0),
@@ -303,6 +307,28 @@ async def run_load(state: ClusterState, supervisor: Supervisor, args) -> dict:
         for name in sorted(set(rss_start) | set(rss_end))
     }
     return report
+
+
+def declared_failed(state: ClusterState) -> dict[str, int]:
+    """Failure declarations per instance, from gossip's log and the workers' own (a worker
+    that finds itself declared failed re-registers): more than the kills = false alarms."""
+    counts: dict[str, int] = {}
+    logs = Path(state.run_dir) / "logs"
+    for name in (*PREFILL_WORKERS, *DECODE_WORKERS):
+        try:
+            text = (logs / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            continue
+        counts[name] = text.count("re-registered after being declared failed")
+    try:
+        gossip = (logs / "gossip.log").read_text(errors="replace")
+    except OSError:
+        gossip = ""
+    for line in gossip.splitlines():
+        if "failed: heartbeats stopped" in line:
+            name = line.split("instance ", 1)[1].split(" ", 1)[0]
+            counts[f"{name} (gossip sweep)"] = counts.get(f"{name} (gossip sweep)", 0) + 1
+    return counts
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -323,7 +349,7 @@ def summarise(outcomes: list[Outcome]) -> dict:
     errors: dict[str, int] = {}
     for outcome in outcomes:
         if outcome.error:
-            key = outcome.error[:120]
+            key = re.sub(r"soak-[0-9a-f]+", "<request>", outcome.error)[:160]
             errors[key] = errors.get(key, 0) + 1
 
     def latency(group: list[Outcome]) -> dict:
@@ -363,6 +389,8 @@ def print_report(report: dict) -> None:
         print(f"  {name:12s} {rss['start'] / 2**20:7.1f} -> {rss['end'] / 2**20:7.1f} MiB "
               f"({growth / 2**20:+.1f}){note}")
     print(f"held after the drain: {json.dumps(report['held_at_end'])}")
+    print(f"kills: {len(report['faults'])}; failure declarations: "
+          f"{json.dumps(report['declared_failed'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-every-s", type=float, default=60.0)
     parser.add_argument("--first-fault-s", type=float, default=30.0)
     parser.add_argument("--restart-after-s", type=float, default=5.0)
+    parser.add_argument("--heartbeat-ttl-s", type=float, default=2.0,
+                        help="workers' heartbeat TTL (the gossip default is 2 s)")
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--calibrate-s", type=float, default=10.0)
@@ -385,13 +415,13 @@ def main(argv: list[str] | None = None) -> int:
 
     options = ClusterOptions(run_dir=args.run_dir / "cluster", workers_model="tiny",
                              startup_timeout_s=180)
-    services = tuple(_with_worker_env(spec) for spec in SOAK_SERVICES)
+    services = tuple(_with_worker_env(spec, args.heartbeat_ttl_s) for spec in SOAK_SERVICES)
     started_s = time.monotonic()
     state = start_cluster(options, services)
     print(f"cluster up in {time.monotonic() - started_s:.1f} s: "
           f"{', '.join(r.name for r in state.processes)}", flush=True)
     try:
-        report = asyncio.run(run_load(state, Supervisor(state, options), args))
+        report = asyncio.run(run_load(state, Supervisor(state, options, services), args))
     finally:
         stop_cluster(options.run_dir, grace_s=5.0)
     print_report(report)
