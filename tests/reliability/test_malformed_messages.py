@@ -29,6 +29,7 @@ def test_unparsable_request_is_invalid_argument(plane, service, method):
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (
             f"{failure.value.code().name}: {failure.value.details()}"
         )
+        assert failure.value.details().startswith("request:"), failure.value.details()
         assert failure.value.details().startswith("request: cannot be parsed as kvrs.v1.")
     finally:
         channel.close()
