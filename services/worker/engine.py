@@ -36,6 +36,10 @@ from services.worker.model import Transformer
 log = logging.getLogger(__name__)
 
 _MAX_REQUEST_ID_CHARS = 256
+MAX_LEASE_S = 86_400.0
+"""Longest KV lease a request may ask for (a day); an unbounded one overflows expiries."""
+MIN_PACING_BPS = 1e6
+"""Slowest pacing a transfer may ask for: below it a sender would sleep for ages."""
 _REJECTION_GRACE_S = 2.0
 """After a failed SendKv, how long the pending receive may take to see the rejection."""
 
@@ -150,8 +154,8 @@ class WorkerEngine:
         return ids
 
     def _lease(self, lease_s: float) -> float:
-        if lease_s < 0:
-            raise InvalidArgument("lease_s", f"must be >= 0, got {lease_s}")
+        if not 0 <= lease_s <= MAX_LEASE_S:  # NaN fails too
+            raise InvalidArgument("lease_s", f"must be in [0, {MAX_LEASE_S:.0f}] s, got {lease_s}")
         return lease_s or self._lease_s
 
     def _check_positions(self, tokens: int, field: str) -> None:
@@ -321,8 +325,7 @@ class WorkerEngine:
         if not 0 <= prompt_tokens <= token_end:
             raise InvalidArgument("prompt_tokens", f"must be in [0, token_end], got "
                                   f"{prompt_tokens}")
-        if pacing_bps < 0:
-            raise InvalidArgument("pacing_bps", f"must be >= 0, got {pacing_bps}")
+        _require_pacing(pacing_bps)
         prefix = self._tokens(prefix_token_ids, "prefix_token_ids", allow_empty=True)
         if prefix and len(prefix) != token_start:
             raise InvalidArgument("prefix_token_ids", f"must hold token_start ({token_start}) "
@@ -461,8 +464,7 @@ class WorkerEngine:
 
     async def send_kv(self, ticket: TransferTicket, pacing_bps: float = 0.0) -> SendResult:
         """Push the ticket's range of a resident request to the receiver it names."""
-        if pacing_bps < 0:
-            raise InvalidArgument("pacing_bps", f"must be >= 0, got {pacing_bps}")
+        _require_pacing(pacing_bps)
         if ticket.sender_id != self.instance_id:
             # The receiver waits on a pair named after the worker it meant: unreachable.
             raise InvalidArgument("ticket.sender_instance_id", f"names {ticket.sender_id!r}, "
@@ -519,3 +521,10 @@ class WorkerEngine:
             if gone:
                 log.info("leases expired: %s", ", ".join(gone))
 
+
+def _require_pacing(pacing_bps: float) -> None:
+    """0 (the worker's own setting) or a rate a transfer can finish at; NaN is refused."""
+    if pacing_bps != 0 and not pacing_bps >= MIN_PACING_BPS:
+        raise InvalidArgument(
+            "pacing_bps", f"must be 0 or at least {MIN_PACING_BPS:.0f} bit/s, got {pacing_bps}"
+        )
