@@ -24,7 +24,7 @@ class Config:
     budget_fraction: float = 0.02
     """PROBER_BUDGET_FRACTION: the most of a link's time its probes may take (probe time
     over wall time); the pause after a probe of d seconds is d / fraction - d."""
-    target_probe_s: float = 0.05
+    target_probe_s: float = 0.2
     """PROBER_TARGET_PROBE_S: how long one probe should keep the link busy; the payload is
     sized from the link's estimate so short probes do not drown in per-transfer setup."""
     interval_s: float = 5.0
@@ -57,7 +57,7 @@ class Config:
             gossip_addr=env_str("GOSSIP_ADDR", "127.0.0.1:50051", env),
             pairs=env_str("PROBER_PAIRS", "prefill-decode", env),
             budget_fraction=env_float("PROBER_BUDGET_FRACTION", 0.02, env),
-            target_probe_s=env_float("PROBER_TARGET_PROBE_S", 0.05, env),
+            target_probe_s=env_float("PROBER_TARGET_PROBE_S", 0.2, env),
             interval_s=env_float("PROBER_INTERVAL_S", 5.0, env),
             payload_tokens=env_int("PROBER_PAYLOAD_TOKENS", 2048, env),
             max_pulls=env_int("PROBER_MAX_PULLS", 16, env),

@@ -4,11 +4,14 @@ A probe of link src -> dst pulls a synthetic KV payload that src keeps resident,
 as a decode instance pulls a prompt's KV (same libkvxfer path, same pacing), and times
 the wire on the receiver:
 
-1. a one-token pull measures the fixed cost of a transfer (ticket, SendKv, pair setup):
-   it is the link's `rtt_s` in T_x = rtt + 8 * bytes / bandwidth;
-2. pulls sized from the running rate follow until the wire has been busy for
-   `target_probe_s` (or `max_pulls`); the sample is 8 * bytes / (wire time - fixed cost)
-   over them, leaving out the first, small sizing pull once bigger ones exist.
+1. small reference pulls (1 MiB, or a quarter of the payload; the median of three, after
+   one more on a pair never probed, whose first transfer also builds its process group);
+2. pulls sized from the running rate follow until they have kept the wire busy for
+   `target_probe_s` beyond the reference (or `max_pulls`). The sample is the slope
+   8 * (bytes - reference bytes) / (time - reference time) over them: what every
+   transfer pays regardless of size (ticket, SendKv, pair setup, and a shaper's burst
+   credit after idle) cancels out. The intercept, reference time - 8 * reference bytes
+   / sample, is the link's `rtt_s` in T_x = rtt + 8 * bytes / bandwidth.
 
 Each sample feeds the link's EWMA (`kvrs.estimator.EwmaEstimator`), published to gossip.
 A link is probed again only after `duration / budget_fraction - duration` (and never
@@ -40,10 +43,13 @@ from services.router.records import Endpoint
 
 log = logging.getLogger(__name__)
 
-SIZING_TOKENS = 64
-"""Tokens of the first pull of a link never measured before (sizes the next pulls)."""
+REFERENCE_BYTES = 1 << 20
+"""Size of the reference pull (at most a quarter of the payload): larger than a shaper's
+burst allowance, small enough to cost little next to the measured pulls."""
+REFERENCE_PULLS = 3
+"""Reference pulls per probe; their median is used (one slow scheduling blip is ignored)."""
 MIN_WIRE_FRACTION = 0.05
-"""A pull's wire time after subtracting the fixed cost is at least this share of it."""
+"""A pull's time beyond the reference pull's is taken as at least this share of it."""
 DOWN_BANDWIDTH_BPS = 1.0
 """What a link whose probe failed is reported at: the least gossip accepts, so every
 transfer over it is priced out of any decision."""
@@ -68,7 +74,7 @@ class Publisher(Protocol):
 @dataclass(frozen=True)
 class ProbeSettings:
     budget_fraction: float = 0.02
-    target_probe_s: float = 0.05
+    target_probe_s: float = 0.2
     interval_s: float = 5.0
     payload_tokens: int = 2048
     max_pulls: int = 16
@@ -210,43 +216,52 @@ class LinkProber:
                 src, kv_id, settings.payload_tokens, settings.payload_lease_s)
             self._payload_bytes[src.instance_id] = payload_bytes
         bytes_per_token = payload_bytes / settings.payload_tokens
-        fixed = await self._pull(dst, src, kv_id, 1)
-        fixed_s = fixed.transfer_s
+        ref_tokens = max(1, min(settings.payload_tokens // 4,
+                                math.ceil(REFERENCE_BYTES / bytes_per_token)))
+        warmup = []
+        if state.estimate is None:
+            # The first transfer of a pair also builds its process group: not a sample.
+            warmup.append(await self._pull(dst, src, kv_id, ref_tokens))
+        refs = [await self._pull(dst, src, kv_id, ref_tokens) for _ in range(REFERENCE_PULLS)]
+        ref = sorted(refs, key=lambda pulled: pulled.transfer_s)[len(refs) // 2]
         estimate = state.estimate
-        rate_bps = estimate.bandwidth_bps if estimate is not None else 0.0
+        rate_bps = estimate.bandwidth_bps if estimate is not None else \
+            8.0 * ref.kv_bytes / max(ref.transfer_s, 1e-9)
         pulls: list[tuple[int, float]] = []
         wire_s = 0.0
         moved = 0
+        total_bytes = sum(pulled.kv_bytes for pulled in (*warmup, *refs))
         while len(pulls) < settings.max_pulls and (
                 moved < probe_bytes if probe_bytes else wire_s < settings.target_probe_s):
             if probe_bytes:
-                tokens = min(settings.payload_tokens,
-                             max(1, math.ceil((probe_bytes - moved) / bytes_per_token)))
+                tokens = math.ceil((probe_bytes - moved) / bytes_per_token) + ref_tokens
             else:
-                tokens = self._size(rate_bps, settings.target_probe_s - wire_s,
-                                    bytes_per_token)
+                tokens = ref_tokens + self._size(rate_bps, settings.target_probe_s - wire_s,
+                                                 bytes_per_token)
+            tokens = max(2 * ref_tokens, min(settings.payload_tokens, tokens))
             pulled = await self._pull(dst, src, kv_id, tokens)
-            pull_wire_s = max(pulled.transfer_s - fixed_s, MIN_WIRE_FRACTION * pulled.transfer_s)
-            pulls.append((pulled.kv_bytes, pull_wire_s))
-            wire_s += pull_wire_s
-            moved += pulled.kv_bytes
-            rate_bps = 8.0 * sum(b for b, _ in pulls) / sum(s for _, s in pulls)
-        counted = pulls[1:] if len(pulls) > 1 and pulls[0][0] < pulls[-1][0] else pulls
-        total_bytes = sum(b for b, _ in counted)
-        sample_bps = 8.0 * total_bytes / sum(s for _, s in counted)
-        state.estimator.update(sample_bps, fixed_s, time.time())
+            # Against the reference pull: the fixed cost (and a shaper's burst credit,
+            # which every pull starting from an idle link gets) cancels out.
+            extra_bytes = pulled.kv_bytes - ref.kv_bytes
+            extra_s = max(pulled.transfer_s - ref.transfer_s,
+                          MIN_WIRE_FRACTION * pulled.transfer_s)
+            pulls.append((extra_bytes, extra_s))
+            wire_s += extra_s
+            moved += extra_bytes
+            total_bytes += pulled.kv_bytes
+            rate_bps = 8.0 * sum(b for b, _ in pulls) / sum(t for _, t in pulls)
+        sample_bps = rate_bps
+        rtt_s = max(0.0, ref.transfer_s - 8.0 * ref.kv_bytes / sample_bps)
+        state.estimator.update(sample_bps, rtt_s, time.time())
         state.sample_bps = sample_bps
-        state.rtt_s = fixed_s
-        state.probe_bytes = sum(b for b, _ in pulls)
+        state.rtt_s = rtt_s
+        state.probe_bytes = total_bytes
         state.probe_s = wire_s
         state.measured_unix_ms = int(time.time() * 1000)
 
     def _size(self, rate_bps: float, left_s: float, bytes_per_token: float) -> int:
-        payload = self.settings.payload_tokens
-        if rate_bps <= 0:
-            return min(SIZING_TOKENS, payload)
         tokens = int(left_s * rate_bps / (8.0 * bytes_per_token))
-        return max(1, min(payload, tokens))
+        return max(1, min(self.settings.payload_tokens, tokens))
 
     async def _pull(self, dst: Endpoint, src: Endpoint, kv_id: str, tokens: int) -> Pulled:
         """One pull, and the copy dropped again (a resident copy would satisfy the next

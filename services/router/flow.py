@@ -277,6 +277,9 @@ class Router:
         summary.decode_instance_id = placement.decode.instance_id
         summary.predicted_ttft_s = placement.predicted_ttft_s
         prompt_tokens = len(request.prompt)
+        # Counted among the instance's requests from now on, so a failure during the pull
+        # is planned together with the requests already decoding there.
+        self._attach(run, placement.decode, asyncio.Queue())
         try:
             pulled = await self.executor.pull(
                 run, placement.decode, run.prefill_kv_id, run.prefill, 0, prompt_tokens,

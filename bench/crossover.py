@@ -1,0 +1,224 @@
+"""Migrate-vs-recompute crossover on real workers, measured against the cost model.
+
+    python -m bench.crossover [--rates 0.1,0.2,0.3] [--lengths 16,32,...,1024] [--repeats 2]
+
+Three opt-125m workers (bf16, as deployed) on loopback: `remote` holds the prompt's KV
+(the prefill instance that survived), `local` is a prefill instance next to the target
+`decode` (same node: its transfer is unpaced). For each prompt length L:
+
+    MIGRATE   decode pulls [0, L) from remote, paced at the link rate R (libkvxfer pacing)
+    RECOMPUTE local prefills L tokens, decode pulls them unpaced
+
+both measured to "KV ready on the target" (the router's recovery time). The model prices
+the same two with `kvrs calibrate`'s profile for T_pf and T_x = rtt + 8 S(L) / rate, with
+rtt and the local rate measured here, R the pacing rate: what the prober would publish.
+
+Printed per rate: measured and predicted times per L, the measured crossover (where the
+two measured curves cross, interpolated in log L) and the predicted one, and the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from kvrs.model import model_spec
+from kvrs.profile import ComputeProfile
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "opt-125m"
+PORTS = {"remote": 50180, "local": 50181, "decode": 50182}
+
+
+def start_worker(name: str, role: str, port: int, log_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "WORKER_INSTANCE_ID": name, "WORKER_LISTEN_ADDR": f"127.0.0.1:{port}",
+           "WORKER_TRANSFER_HOST": "127.0.0.1", "WORKER_MODEL": MODEL, "GOSSIP_ADDR": "",
+           "WORKER_KV_CAPACITY_BYTES": str(2 << 30), "WORKER_TRANSFER_CHUNK_TOKENS": "64"}
+    log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the worker
+    return subprocess.Popen([sys.executable, "-m", "services.worker", "--role", role], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def calibrate(lengths: list[int], path: Path) -> ComputeProfile:
+    command = [sys.executable, "-m", "kvrs", "calibrate", "--model", MODEL, "--lengths",
+               ",".join(str(x) for x in lengths), "--repeats", "2", "--output", str(path)]
+    subprocess.run(command, check=True, capture_output=True, cwd=ROOT, timeout=900)
+    return ComputeProfile.load(path)
+
+
+async def measure(lengths: list[int], rates_bps: list[float], repeats: int) -> dict:
+    from services.common import GrpcSettings
+    from services.common.healthcheck import SERVING, check_health
+    from services.router.peers import WorkerPool
+    from services.router.records import Endpoint
+
+    endpoints = {name: Endpoint(name, f"127.0.0.1:{port}") for name, port in PORTS.items()}
+    for endpoint in endpoints.values():
+        deadline = time.monotonic() + 300
+        while await check_health(endpoint.address, GrpcSettings(), timeout_s=1.0) != SERVING:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{endpoint.instance_id} did not start")
+            await asyncio.sleep(0.5)
+    pool = WorkerPool(GrpcSettings(), None, timeout_s=600)
+    remote, local, decode = endpoints["remote"], endpoints["local"], endpoints["decode"]
+    longest = max(lengths)
+    prompt = [(11 * i + 5) % 50000 for i in range(longest)]
+    await pool.prefill(remote, "held", prompt)
+
+    async def pull(source: Endpoint, kv_id: str, tokens: int, pacing_bps: float) -> float:
+        started = time.perf_counter()
+        await pool.pull_kv(decode, kv_id, source, 0, tokens, tokens, pacing_bps=pacing_bps)
+        elapsed = time.perf_counter() - started
+        await pool.release_kv(decode, kv_id)
+        return elapsed
+
+    # Warm-up: the first transfer of each pair also builds its process group.
+    await pull(remote, "held", 1, 0.0)
+    await pool.prefill(local, "warm", prompt[:8])
+    await pull(local, "warm", 8, 0.0)
+    await pool.release_kv(local, "warm")
+    await pull(remote, "held", longest, 0.0)
+    rtt_s = statistics.median([await pull(remote, "held", 1, 0.0) for _ in range(5)])
+    local_full_s = statistics.median([await pull(remote, "held", longest, 0.0)
+                                      for _ in range(3)])
+    bytes_per_token = model_spec(MODEL).kv_bytes_per_token
+    local_bps = 8 * bytes_per_token * longest / max(local_full_s - rtt_s, 1e-6)
+    # What a Prefill RPC costs beyond the forward pass the profile times.
+    rpc_runs = []
+    for _ in range(5):
+        started = time.perf_counter()
+        await pool.prefill(local, "rpc", prompt[:8])
+        rpc_runs.append(time.perf_counter() - started)
+        await pool.release_kv(local, "rpc")
+    prefill_rpc_8_s = statistics.median(rpc_runs)
+    recompute: dict[int, float] = {}
+    for length in lengths:
+        runs = []
+        for _ in range(repeats):
+            kv_id = f"re-{uuid.uuid4().hex[:8]}"
+            started = time.perf_counter()
+            await pool.prefill(local, kv_id, prompt[:length])
+            await pool.pull_kv(decode, kv_id, local, 0, length, length)
+            runs.append(time.perf_counter() - started)
+            await pool.release_kv(decode, kv_id)
+            await pool.release_kv(local, kv_id)
+        recompute[length] = min(runs)
+    migrate: dict[float, dict[int, float]] = {}
+    for rate in rates_bps:
+        migrate[rate] = {
+            length: min([await pull(remote, "held", length, rate)
+                                       for _ in range(repeats)])
+            for length in lengths}
+    await pool.release_kv(remote, "held")
+    await pool.close()
+    return {"rtt_s": rtt_s, "local_bps": local_bps, "recompute": recompute,
+            "prefill_rpc_8_s": prefill_rpc_8_s,
+            "migrate": {str(rate): values for rate, values in migrate.items()}}
+
+
+def crossover(lengths: list[int], diff) -> float | None:
+    """Where diff(L) = migrate - recompute changes sign, interpolated in log L."""
+    values = [diff(length) for length in lengths]
+    for (l0, d0), (l1, d1) in zip(zip(lengths, values, strict=True),
+                                  zip(lengths[1:], values[1:], strict=True), strict=False):
+        if d0 == 0:
+            return float(l0)
+        if (d0 < 0) != (d1 < 0):
+            t = d0 / (d0 - d1)
+            return math.exp(math.log(l0) + t * (math.log(l1) - math.log(l0)))
+    return None
+
+
+def predicted_crossover(profile: ComputeProfile, rate_bps: float, rtt_s: float,
+                        local_bps: float, low: int, high: int,
+                        prefill_overhead_s: float = 0.0) -> float | None:
+    bits = 8 * model_spec(MODEL).kv_bytes_per_token
+
+    def diff(length: float) -> float:
+        tokens = max(1, round(length))
+        migrate = rtt_s + bits * tokens / rate_bps
+        recompute = (profile.prefill_s(tokens) + prefill_overhead_s + rtt_s
+                     + bits * tokens / local_bps)
+        return migrate - recompute
+
+    grid = sorted({round(math.exp(math.log(low) + i * (math.log(high) - math.log(low)) / 200))
+                   for i in range(201)})
+    return crossover(grid, diff)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.crossover",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="0.1,0.2,0.3",
+                        help="link rates in Gbit/s (on a CPU, prefill runs at milliseconds "
+                             "per token: the crossover sits at tens of Mbit/s)")
+    parser.add_argument("--lengths", default="16,32,64,128,256,512,1024")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    rates = [float(x) * 1e9 for x in args.rates.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="kvrs-crossover-"))
+    print(f"calibrating {MODEL} (kvrs calibrate) ...", flush=True)
+    profile = calibrate(lengths, work / "profile.json")
+    workers = [start_worker(name, "decode" if name == "decode" else "prefill", port, work)
+               for name, port in PORTS.items()]
+    try:
+        result = asyncio.run(measure(lengths, rates, args.repeats))
+    finally:
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            worker.wait(15)
+    print(json.dumps({"profile": profile.to_json()}))
+    rtt_s, local_bps = result["rtt_s"], result["local_bps"]
+    bits = 8 * model_spec(MODEL).kv_bytes_per_token
+    rpc_overhead_s = max(0.0, result["prefill_rpc_8_s"] - profile.prefill_s(8))
+    print(f"\nper-transfer cost {rtt_s * 1e3:.1f} ms, local (unpaced) rate "
+          f"{local_bps / 1e9:.2f} Gbit/s, S(L) = {bits // 8} B/token, Prefill RPC cost "
+          f"beyond T_pf {rpc_overhead_s * 1e3:.1f} ms (not in the model)")
+    errors, errors_rpc = [], []
+    for rate in rates:
+        measured_m = result["migrate"][str(rate)]
+        measured_r = result["recompute"]
+        print(f"\nlink {rate / 1e9:g} Gbit/s   (seconds)")
+        print(f"  {'L':>6} {'migrate':>9} {'recompute':>10} {'pred mig':>9} {'pred rec':>9}")
+        for length in lengths:
+            pred_m = rtt_s + bits * length / rate
+            pred_r = profile.prefill_s(length) + rtt_s + bits * length / local_bps
+            print(f"  {length:>6} {measured_m[length]:>9.3f} {measured_r[length]:>10.3f} "
+                  f"{pred_m:>9.3f} {pred_r:>9.3f}")
+        meas = crossover(lengths, lambda n, m=measured_m, r=measured_r: m[n] - r[n])
+        pred = predicted_crossover(profile, rate, rtt_s, local_bps, lengths[0], lengths[-1])
+        if meas is None or pred is None:
+            print(f"  crossover: measured {'none in range' if meas is None else f'{meas:.0f}'}"
+                  f", predicted {'none in range' if pred is None else f'{pred:.0f}'}")
+            continue
+        error = abs(pred - meas) / meas
+        errors.append(error)
+        print(f"  crossover: measured L* = {meas:.0f} tokens, predicted {pred:.0f} "
+              f"(error {error:.1%})")
+        with_rpc = predicted_crossover(profile, rate, rtt_s, local_bps, lengths[0],
+                                       lengths[-1], rpc_overhead_s)
+        if with_rpc is not None:
+            errors_rpc.append(abs(with_rpc - meas) / meas)
+            print(f"  with the Prefill RPC cost added to T_pf: predicted {with_rpc:.0f} "
+                  f"(error {errors_rpc[-1]:.1%})")
+    if errors:
+        print(f"\nmean crossover error {statistics.mean(errors):.1%} over {len(errors)} rates"
+              + (f"; {statistics.mean(errors_rpc):.1%} with the RPC cost" if errors_rpc
+                 else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

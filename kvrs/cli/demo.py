@@ -1,0 +1,270 @@
+"""`kvrs demo`: requests through a local cluster, a decode worker killed mid-stream, and how
+each affected request recovered.
+
+    kvrs demo [--requests 8] [--cluster-dir DIR]
+
+Starts a local cluster (`kvrs up`'s launcher; or reuses the one in --cluster-dir), streams
+a batch of requests through the router, kill -9s the decode worker serving most of them
+once every stream is under way, then prints each affected request's recovery decision and
+its cost terms, checks that every request completed, replays the prompts on the
+survivors to show the recovered streams equal undisturbed ones, and tears the cluster
+down (a reused cluster is left running, minus the killed worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+PROMPTS = (
+    "kvrs moves KV caches across the datacenter network. ",
+    "When a decode instance dies, every request on it must continue elsewhere. ",
+    "Migrate the KV still held by the prefill instance, or recompute it? ",
+    "The answer depends on the link, the queue and the prompt length. ",
+    "A hybrid recomputes a prefix while the rest streams over the network. ",
+    "Abort early when no path can meet the deadline. ",
+)
+ACTION_NAMES = {1: "MIGRATE", 2: "RECOMPUTE", 3: "HYBRID", 4: "ABORT"}
+DEMO_SERVICES = (
+    "gossip", "slot-broker", "cost-oracle", "scheduler-1", "prefill-0", "prefill-1",
+    "decode-0", "decode-1", "prober", "router",
+)
+JAEGER_UI_PORT = 16686
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=8,
+                        help="requests to stream through the router (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=1500,
+                        help="tokens per request (default 1500)")
+    parser.add_argument("--cluster-dir", type=Path, default=None,
+                        help="reuse the cluster running from this run directory (kvrs up "
+                             "--dir); default: start a fresh one and stop it afterwards")
+    parser.add_argument("--workers-model", default="tiny",
+                        help="model preset of a fresh cluster's workers (default tiny)")
+    parser.add_argument("--timeout-s", type=float, default=120.0,
+                        help="deadline of each request (default 120)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvrs.localcluster import ClusterError
+
+    if args.requests < 1 or args.max_new_tokens < 2:
+        print("kvrs demo: --requests must be >= 1 and --max-new-tokens >= 2", file=sys.stderr)
+        return 2
+    try:
+        state, owned = _cluster(args)
+    except ClusterError as exc:
+        print(f"kvrs demo: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return asyncio.run(_demo(args, state))
+    finally:
+        if owned:
+            from kvrs.localcluster import stop_cluster
+
+            stop_cluster(Path(state.run_dir), grace_s=5.0)
+            print(f"cluster stopped ({state.run_dir})")
+
+
+def _cluster(args: argparse.Namespace):
+    """The cluster to use and whether this command started it (and so stops it)."""
+    from kvrs.localcluster import SERVICES, ClusterOptions, ClusterState, start_cluster
+
+    if args.cluster_dir is not None:
+        state = ClusterState.load(args.cluster_dir)
+        print(f"reusing the cluster in {state.run_dir}")
+        return state, False
+    run_dir = Path(tempfile.mkdtemp(prefix="kvrs-demo-")) / "cluster"
+    redis_url = os.environ.get("REDIS_URL", "")
+    options = ClusterOptions(
+        run_dir=run_dir,
+        workers_model=args.workers_model,
+        otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
+        redis_url=redis_url,
+        redis_prefix=f"{{kvrs-demo-{uuid.uuid4().hex[:8]}}}:" if redis_url else "",
+    )
+    print(f"starting a local cluster in {run_dir} ...", flush=True)
+    started_s = time.monotonic()
+    services = [spec for spec in SERVICES if spec.name in DEMO_SERVICES]
+    state = start_cluster(options, services)
+    print(f"cluster up in {time.monotonic() - started_s:.1f} s", flush=True)
+    return state, True
+
+
+@dataclass
+class Stream:
+    request_id: str
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    summary: Any = None
+    error: str = ""
+
+
+async def _demo(args: argparse.Namespace, state) -> int:
+    from kvrs.tokenizer import encode
+    from kvrs.v1 import router_pb2_grpc
+    from services.common import GrpcSettings, TlsConfig, open_channel
+
+    env = {**os.environ, **state.client_env()}
+    settings = GrpcSettings(tls=TlsConfig.from_env(env))
+    await _wait_for_workers(state, settings)
+    run_id = uuid.uuid4().hex[:6]
+    streams = [
+        Stream(f"demo-{run_id}-{i}", encode(PROMPTS[i % len(PROMPTS)] * (1 + i % 3)))
+        for i in range(args.requests)
+    ]
+    async with open_channel(state.address("router"), settings) as channel:
+        router = router_pb2_grpc.RouterServiceStub(channel)
+        print(f"\nstreaming {len(streams)} requests of {args.max_new_tokens} tokens "
+              "through the router ...", flush=True)
+        tasks = [asyncio.create_task(_stream(router, s, args)) for s in streams]
+        victim = await _kill_busiest_decode(state, settings, streams, tasks)
+        await asyncio.gather(*tasks)
+        _report(streams, victim, args.max_new_tokens)
+        completed = sum(1 for s in streams if len(s.tokens) == args.max_new_tokens)
+        print(f"\n{completed}/{len(streams)} requests completed")
+        identical = await _replay(router, streams, args)
+    print(f"{identical}/{completed} streams identical to a fault-free rerun of their prompt")
+    _traces(env, streams)
+    failed = completed != len(streams) or identical != completed
+    return 1 if failed else 0
+
+
+async def _stream(router, stream: Stream, args: argparse.Namespace) -> None:
+    import grpc
+
+    from kvrs.v1 import router_pb2
+
+    request = router_pb2.GenerateRequest(
+        request_id=stream.request_id, prompt_token_ids=stream.prompt,
+        max_new_tokens=args.max_new_tokens)
+    try:
+        async for message in router.Generate(request, timeout=args.timeout_s):
+            if message.index >= 0:
+                stream.tokens.append(message.token_id)
+            if message.HasField("summary"):
+                stream.summary = message.summary
+    except grpc.aio.AioRpcError as exc:
+        stream.error = f"{exc.code().name}: {exc.details()}"
+
+
+async def _wait_for_workers(state, settings, timeout_s: float = 30.0) -> None:
+    """Until gossip lists both decode workers alive (they register after their canary)."""
+    from services.gossip.client import GossipClient
+
+    client = GossipClient(state.address("gossip"), settings, timeout_s=2.0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            nodes = await client.list_nodes()
+            if sum(1 for n in nodes if n.registration.role == "decode") >= 2 and \
+                    sum(1 for n in nodes if n.registration.role == "prefill") >= 1:
+                return
+            await asyncio.sleep(0.2)
+    finally:
+        await client.close()
+
+
+async def _kill_busiest_decode(state, settings, streams, tasks) -> str:
+    """Once every stream is under way, kill -9 the decode worker running the most."""
+    from kvrs.v1 import worker_pb2, worker_pb2_grpc
+    from services.common import open_channel
+
+    deadline = time.monotonic() + 60.0
+    while min(len(s.tokens) for s in streams) < 5 and time.monotonic() < deadline:
+        if all(task.done() for task in tasks):
+            break
+        await asyncio.sleep(0.002)
+    decoders = [r for r in state.processes if r.kind == "decode"]
+    running: dict[str, int] = {}
+    for record in decoders:
+        async with open_channel(record.address, settings) as channel:
+            try:
+                stats = await worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerStats(
+                    worker_pb2.GetWorkerStatsRequest(), timeout=2.0)
+            except Exception:  # noqa: BLE001 - a worker that does not answer is skipped
+                continue
+            running[record.name] = stats.running_requests
+    victim = max(running, key=lambda name: running[name])
+    record = next(r for r in decoders if r.name == victim)
+    os.killpg(record.pid, signal.SIGKILL)
+    at = {s.request_id: len(s.tokens) for s in streams}
+    print(f"kill -9 {victim} (pid {record.pid}) with {running[victim]} requests decoding "
+          f"on it; tokens streamed so far: {min(at.values())}..{max(at.values())}", flush=True)
+    return victim
+
+
+def _best(options, action: int) -> float:
+    costs = [o.cost_s for o in options if o.action == action and o.feasible]
+    return min(costs) if costs else math.inf
+
+
+def _seconds(value: float) -> str:
+    return "-" if not math.isfinite(value) else f"{value:.4f}"
+
+
+def _report(streams: list[Stream], victim: str, max_new_tokens: int) -> None:
+    header = ["REQUEST", "AT TOKEN", "ACTION", "TARGET", "MIGRATE s", "RECOMPUTE s",
+              "HYBRID s", "MEASURED s", "SPLIT", "SLACK s", "BATCH"]
+    rows = []
+    for stream in streams:
+        summary = stream.summary
+        if summary is None:
+            continue
+        for report in summary.recoveries:
+            action = ACTION_NAMES.get(report.action, "?")
+            if not report.succeeded and report.action != 4:
+                action += " (failed)"
+            rows.append([
+                stream.request_id, str(report.generated_tokens), action,
+                report.target_instance_id or "-",
+                _seconds(_best(report.options, 1)), _seconds(_best(report.options, 2)),
+                _seconds(_best(report.options, 3)), _seconds(report.measured_s),
+                str(report.split_tokens) if report.action == 3 else "-",
+                _seconds(report.slo_slack_s), str(report.batch_size),
+            ])
+    print(f"\nrecoveries after {victim} died (predicted cost per option, best target; "
+          "measured = decision to KV ready on the target):")
+    if not rows:
+        print("  (none: every request had finished before the kill)")
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    for row in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    for stream in streams:
+        if stream.error:
+            print(f"  {stream.request_id}: {stream.error}")
+
+
+async def _replay(router, streams: list[Stream], args: argparse.Namespace) -> int:
+    """Streams every completed prompt again (no failure now); how many match exactly."""
+    replays = [Stream(f"{s.request_id}-replay", s.prompt) for s in streams
+               if len(s.tokens) == args.max_new_tokens]
+    await asyncio.gather(*(_stream(router, r, args) for r in replays))
+    originals = {f"{s.request_id}-replay": s for s in streams}
+    return sum(1 for r in replays if r.tokens == originals[r.request_id].tokens)
+
+
+def _traces(env: dict[str, str], streams: list[Stream]) -> None:
+    endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    if not endpoint:
+        return
+    host = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}").hostname
+    print(f"\ntraces: http://{host or 'localhost'}:{JAEGER_UI_PORT}/search?service=kvrs-router")
+    for stream in streams:
+        if stream.summary is not None and stream.summary.recoveries:
+            print(f"  {stream.request_id}: http://{host or 'localhost'}:{JAEGER_UI_PORT}"
+                  f"/trace/{stream.summary.trace_id}")

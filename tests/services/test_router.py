@@ -1,0 +1,177 @@
+"""Router over an in-process cluster (real gossip, slot broker, scheduler, tiny workers):
+token-exact streams, bad input, one trace per request, recovery when a decode instance
+goes away (its stream breaks, or gossip says it left), batching, and nothing leaked."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import pytest
+
+from kvrs.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.services.router_plane import Plane, reference
+
+pytestmark = pytest.mark.timeout(90)
+
+PROMPT = tuple((5 * i + 3) % 250 for i in range(48))
+
+
+@pytest.fixture
+async def plane(redis_url, redis_prefix):
+    cluster = Plane(redis_url, redis_prefix)
+    await cluster.start()
+    yield cluster
+    await cluster.stop()
+
+
+def router(plane: Plane) -> router_pb2_grpc.RouterServiceStub:
+    return router_pb2_grpc.RouterServiceStub(plane.channel("router"))
+
+
+async def collect(stub, request: router_pb2.GenerateRequest, progress: list | None = None):
+    """(tokens, summary, error) of one Generate stream."""
+    tokens: list[int] = []
+    summary = None
+    try:
+        async for message in stub.Generate(request, timeout=60):
+            if message.index >= 0:
+                assert message.index == len(tokens)
+                tokens.append(message.token_id)
+                if progress is not None:
+                    progress.append(message.index)
+            if message.HasField("summary"):
+                summary = message.summary
+    except grpc.aio.AioRpcError as exc:
+        return tokens, summary, exc
+    return tokens, summary, None
+
+
+def generate(request_id: str, prompt=PROMPT, max_new_tokens: int = 24, **fields):
+    return router_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt),
+                                      max_new_tokens=max_new_tokens, **fields)
+
+
+async def test_one_request_streams_the_reference_tokens_under_one_trace(plane):
+    tokens, summary, error = await collect(router(plane), generate("r-one"))
+    assert error is None
+    assert tokens == reference(PROMPT, 24)
+    assert summary.generated_tokens == 24
+    assert summary.prompt_tokens == len(PROMPT)
+    assert summary.finish_reason == "length"
+    assert summary.kv_bytes == len(PROMPT) * 1024
+    assert summary.final_decode_instance_id == summary.decode_instance_id
+    assert summary.decode_instance_id.startswith("decode-")
+    assert not summary.recoveries
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        assert await plane.resident_requests(name) == 0
+
+    spans = plane.exporter.get_finished_spans()
+    (root,) = [s for s in spans if s.name == "router.generate"]
+    assert format(root.context.trace_id, "032x") == summary.trace_id
+    in_trace = {s.name for s in spans if s.context.trace_id == root.context.trace_id}
+    assert {"router.prefill", "router.select_decode", "kvrs.select_decode", "router.pull_kv",
+            "kvxfer.send", "kvxfer.recv", "/kvrs.v1.WorkerService/Decode"} <= in_trace
+    assert root.attributes["kvrs.outcome"] == "completed"
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"request_id": ""}, "request_id"),
+    ({"prompt_token_ids": []}, "prompt_token_ids"),
+    ({"prompt_token_ids": [1, -2]}, "prompt_token_ids[1]"),
+    ({"prompt_token_ids": [1, 100000]}, "prompt_token_ids[1]"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"ttft_slo_s": -1.0}, "ttft_slo_s"),
+    ({"ttft_slo_s": math.nan}, "ttft_slo_s"),
+    ({"deadline_unix_ms": -5}, "deadline_unix_ms"),
+    ({"placement_policy": "fastest"}, "policy"),
+])
+async def test_bad_input_is_invalid_argument_naming_the_field(plane, fields, field):
+    request = generate("r-bad")
+    for name, value in fields.items():
+        if name == "prompt_token_ids":
+            del request.prompt_token_ids[:]
+            request.prompt_token_ids.extend(value)
+        else:
+            setattr(request, name, value)
+    _, _, error = await collect(router(plane), request)
+    assert error is not None
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith(f"{field}:"), error.details()
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        assert await plane.resident_requests(name) == 0
+
+
+async def test_an_unknown_prefill_instance_is_not_found(plane):
+    _, _, error = await collect(router(plane), generate("r-nf", prefill_instance_id="nope"))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert "prefill_instance_id" in error.details()
+
+
+async def start_streams(plane, requests, min_tokens: int):
+    stub = router(plane)
+    progress = [[] for _ in requests]
+    tasks = [asyncio.create_task(collect(stub, r, p)) for r, p in zip(requests, progress,
+                                                                       strict=True)]
+    while min(len(p) for p in progress) < min_tokens:
+        assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+        await asyncio.sleep(0.001)
+    return tasks
+
+
+async def test_requests_of_a_stopped_decode_worker_are_recovered_together(plane):
+    requests = [generate(f"r-stop-{i}", prompt=PROMPT[: 30 + 6 * i], max_new_tokens=800,
+                         decode_instance_id="decode-0") for i in range(3)]
+    tasks = await start_streams(plane, requests, min_tokens=5)
+    await plane.handles.pop("decode-0").stop(0)
+    results = await asyncio.gather(*tasks)
+    for request, (tokens, summary, error) in zip(requests, results, strict=True):
+        assert error is None
+        assert tokens == reference(tuple(request.prompt_token_ids), 800)
+        (recovery,) = summary.recoveries
+        assert recovery.succeeded
+        assert recovery.failed_instance_id == "decode-0"
+        assert recovery.target_instance_id == "decode-1"
+        assert recovery.batch_size == 3
+        assert recovery.action != common_pb2.RECOVERY_ACTION_ABORT
+        assert summary.final_decode_instance_id == "decode-1"
+    assert plane.handles["router"].router.batcher.calls == 1
+    recovered = plane.metrics.recovery_actual_s
+    assert sum(s.value for m in recovered.collect() for s in m.samples
+               if s.name.endswith("_count")) == 3
+    assert await plane.slots_in_use() == 0
+    for name in ("prefill-0", "prefill-1", "decode-1"):
+        assert await plane.resident_requests(name) == 0
+
+
+async def test_a_gossip_left_event_moves_a_healthy_stream_and_releases_its_kv(plane):
+    request = generate("r-left", max_new_tokens=1500, decode_instance_id="decode-0",
+                       recovery_policy="always_migrate")
+    (task,) = await start_streams(plane, [request], min_tokens=5)
+    await plane.gossip.deregister("decode-0", "operator drained it")
+    tokens, summary, error = await task
+    assert error is None
+    assert tokens == reference(PROMPT, 1500)
+    (recovery,) = summary.recoveries
+    assert recovery.detected_by == "gossip"
+    assert recovery.action == common_pb2.RECOVERY_ACTION_MIGRATE
+    assert recovery.succeeded
+    # decode-0 still answers: the router released the KV it had there.
+    assert await plane.resident_requests("decode-0") == 0
+
+
+async def test_no_decode_instance_left_ends_the_stream_unavailable_after_the_summary(plane):
+    request = generate("r-none", max_new_tokens=1500, decode_instance_id="decode-0")
+    (task,) = await start_streams(plane, [request], min_tokens=5)
+    await plane.handles.pop("decode-1").stop(0)
+    await plane.handles.pop("decode-0").stop(0)
+    tokens, summary, error = await task
+    assert error is not None
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "decode" in error.details()
+    assert summary.finish_reason == "abort"
+    assert summary.generated_tokens == len(tokens)
+    assert tokens == reference(PROMPT, 1500)[: len(tokens)]
+    assert await plane.resident_requests("prefill-0") == 0
+    assert await plane.resident_requests("prefill-1") == 0
