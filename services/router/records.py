@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 from kvrs.errors import InvalidArgument
-from kvrs.recovery import Action, OptionCost
+from kvrs.placement import PLACEMENT_POLICY_NAMES
+from kvrs.recovery import RECOVERY_POLICY_NAMES, Action, OptionCost
 
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
@@ -52,6 +53,13 @@ class GenerateInput:
         if self.deadline_unix_ms < 0:
             raise InvalidArgument("deadline_unix_ms", f"must be >= 0, got "
                                   f"{self.deadline_unix_ms}")
+        for field_name, value, known in (
+            ("placement_policy", self.placement_policy, PLACEMENT_POLICY_NAMES),
+            ("recovery_policy", self.recovery_policy, RECOVERY_POLICY_NAMES),
+        ):
+            if value and value not in known:
+                raise InvalidArgument(field_name, f"unknown policy {value!r} (known: "
+                                      f"{', '.join(known)})")
 
 
 @dataclass(frozen=True)

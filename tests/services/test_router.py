@@ -85,7 +85,8 @@ async def test_one_request_streams_the_reference_tokens_under_one_trace(plane):
     ({"ttft_slo_s": -1.0}, "ttft_slo_s"),
     ({"ttft_slo_s": math.nan}, "ttft_slo_s"),
     ({"deadline_unix_ms": -5}, "deadline_unix_ms"),
-    ({"placement_policy": "fastest"}, "policy"),
+    ({"placement_policy": "fastest"}, "placement_policy"),
+    ({"recovery_policy": "pray"}, "recovery_policy"),
 ])
 async def test_bad_input_is_invalid_argument_naming_the_field(plane, fields, field):
     request = generate("r-bad")
@@ -159,6 +160,28 @@ async def test_a_gossip_left_event_moves_a_healthy_stream_and_releases_its_kv(pl
     assert recovery.succeeded
     # decode-0 still answers: the router released the KV it had there.
     assert await plane.resident_requests("decode-0") == 0
+    # The recovery nests in the request's trace: decision at the scheduler, then the steps.
+    spans = plane.exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+    in_trace = [s for s in spans if format(s.context.trace_id, "032x") == summary.trace_id]
+
+    def ancestors(span) -> list[str]:
+        names = []
+        while span.parent is not None and span.parent.span_id in by_id:
+            span = by_id[span.parent.span_id]
+            names.append(span.name)
+        return names
+
+    (decide,) = [s for s in in_trace if s.name == "kvrs.recover"]
+    assert ancestors(decide)[0] == "/kvrs.v1.SchedulerService/Recover"
+    assert {"router.recover.decide", "router.recover", "router.generate"} <= set(
+        ancestors(decide))
+    (recover,) = [s for s in in_trace if s.name == "router.recover"]
+    assert recover.attributes["kvrs.action"] == "migrate"
+    assert recover.attributes["kvrs.detected_by"] == "gossip"
+    recv = [s for s in in_trace if s.name == "kvxfer.recv"
+            and "router.recover.execute" in ancestors(s)]
+    assert recv, "the migration's transfer is not in the request's trace"
 
 
 async def test_no_decode_instance_left_ends_the_stream_unavailable_after_the_summary(plane):
