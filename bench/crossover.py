@@ -13,8 +13,8 @@ both measured to "KV ready on the target" (the router's recovery time). The mode
 the same two with `kvrs calibrate`'s profile for T_pf and T_x = rtt + 8 S(L) / rate, with
 rtt and the local rate measured here, R the pacing rate: what the prober would publish.
 
-Printed per rate: measured and predicted times per L, the measured crossover (where the
-two measured curves cross, interpolated in log L) and the predicted one, and the error.
+Printed per rate: measured and predicted times per L, the measured crossovers (where the
+two measured curves cross, interpolated in log L) and the predicted ones, and the errors.
 """
 
 from __future__ import annotations
@@ -93,14 +93,6 @@ async def measure(lengths: list[int], rates_bps: list[float], repeats: int) -> d
                                       for _ in range(3)])
     bytes_per_token = model_spec(MODEL).kv_bytes_per_token
     local_bps = 8 * bytes_per_token * longest / max(local_full_s - rtt_s, 1e-6)
-    # What a Prefill RPC costs beyond the forward pass the profile times.
-    rpc_runs = []
-    for _ in range(5):
-        started = time.perf_counter()
-        await pool.prefill(local, "rpc", prompt[:8])
-        rpc_runs.append(time.perf_counter() - started)
-        await pool.release_kv(local, "rpc")
-    prefill_rpc_8_s = statistics.median(rpc_runs)
     recompute: dict[int, float] = {}
     for length in lengths:
         runs = []
@@ -122,38 +114,39 @@ async def measure(lengths: list[int], rates_bps: list[float], repeats: int) -> d
     await pool.release_kv(remote, "held")
     await pool.close()
     return {"rtt_s": rtt_s, "local_bps": local_bps, "recompute": recompute,
-            "prefill_rpc_8_s": prefill_rpc_8_s,
             "migrate": {str(rate): values for rate, values in migrate.items()}}
 
 
-def crossover(lengths: list[int], diff) -> float | None:
-    """Where diff(L) = migrate - recompute changes sign, interpolated in log L."""
+def crossovers(lengths: list[int], diff) -> list[float]:
+    """Every L where diff(L) = migrate - recompute changes sign, interpolated in log L
+    (prefill grows faster than linearly, so recompute can win only in a middle band)."""
     values = [diff(length) for length in lengths]
+    found = []
     for (l0, d0), (l1, d1) in zip(zip(lengths, values, strict=True),
                                   zip(lengths[1:], values[1:], strict=True), strict=False):
-        if d0 == 0:
-            return float(l0)
         if (d0 < 0) != (d1 < 0):
             t = d0 / (d0 - d1)
-            return math.exp(math.log(l0) + t * (math.log(l1) - math.log(l0)))
-    return None
+            found.append(math.exp(math.log(l0) + t * (math.log(l1) - math.log(l0))))
+    return found
 
 
-def predicted_crossover(profile: ComputeProfile, rate_bps: float, rtt_s: float,
-                        local_bps: float, low: int, high: int,
-                        prefill_overhead_s: float = 0.0) -> float | None:
+def predicted_crossovers(profile: ComputeProfile, rate_bps: float, rtt_s: float,
+                         local_bps: float, low: int, high: int) -> list[float]:
     bits = 8 * model_spec(MODEL).kv_bytes_per_token
 
     def diff(length: float) -> float:
         tokens = max(1, round(length))
         migrate = rtt_s + bits * tokens / rate_bps
-        recompute = (profile.prefill_s(tokens) + prefill_overhead_s + rtt_s
-                     + bits * tokens / local_bps)
+        recompute = profile.prefill_s(tokens) + rtt_s + bits * tokens / local_bps
         return migrate - recompute
 
     grid = sorted({round(math.exp(math.log(low) + i * (math.log(high) - math.log(low)) / 200))
                    for i in range(201)})
-    return crossover(grid, diff)
+    return crossovers(grid, diff)
+
+
+def _tokens(values: list[float]) -> str:
+    return ", ".join(f"{v:.0f}" for v in values) if values else "none in range"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,11 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"profile": profile.to_json()}))
     rtt_s, local_bps = result["rtt_s"], result["local_bps"]
     bits = 8 * model_spec(MODEL).kv_bytes_per_token
-    rpc_overhead_s = max(0.0, result["prefill_rpc_8_s"] - profile.prefill_s(8))
     print(f"\nper-transfer cost {rtt_s * 1e3:.1f} ms, local (unpaced) rate "
-          f"{local_bps / 1e9:.2f} Gbit/s, S(L) = {bits // 8} B/token, Prefill RPC cost "
-          f"beyond T_pf {rpc_overhead_s * 1e3:.1f} ms (not in the model)")
-    errors, errors_rpc = [], []
+          f"{local_bps / 1e9:.2f} Gbit/s, S(L) = {bits // 8} B/token")
+    errors = []
     for rate in rates:
         measured_m = result["migrate"][str(rate)]
         measured_r = result["recompute"]
@@ -197,26 +188,16 @@ def main(argv: list[str] | None = None) -> int:
             pred_r = profile.prefill_s(length) + rtt_s + bits * length / local_bps
             print(f"  {length:>6} {measured_m[length]:>9.3f} {measured_r[length]:>10.3f} "
                   f"{pred_m:>9.3f} {pred_r:>9.3f}")
-        meas = crossover(lengths, lambda n, m=measured_m, r=measured_r: m[n] - r[n])
-        pred = predicted_crossover(profile, rate, rtt_s, local_bps, lengths[0], lengths[-1])
-        if meas is None or pred is None:
-            print(f"  crossover: measured {'none in range' if meas is None else f'{meas:.0f}'}"
-                  f", predicted {'none in range' if pred is None else f'{pred:.0f}'}")
-            continue
-        error = abs(pred - meas) / meas
-        errors.append(error)
-        print(f"  crossover: measured L* = {meas:.0f} tokens, predicted {pred:.0f} "
-              f"(error {error:.1%})")
-        with_rpc = predicted_crossover(profile, rate, rtt_s, local_bps, lengths[0],
-                                       lengths[-1], rpc_overhead_s)
-        if with_rpc is not None:
-            errors_rpc.append(abs(with_rpc - meas) / meas)
-            print(f"  with the Prefill RPC cost added to T_pf: predicted {with_rpc:.0f} "
-                  f"(error {errors_rpc[-1]:.1%})")
+        measured = crossovers(lengths, lambda n, m=measured_m, r=measured_r: m[n] - r[n])
+        predicted = predicted_crossovers(profile, rate, rtt_s, local_bps, lengths[0],
+                                         lengths[-1])
+        print(f"  crossovers: measured {_tokens(measured)}, predicted {_tokens(predicted)}")
+        for meas, pred in zip(measured, predicted, strict=False):
+            errors.append(abs(pred - meas) / meas)
+            print(f"    L* measured {meas:.0f}, predicted {pred:.0f}: error {errors[-1]:.1%}")
     if errors:
-        print(f"\nmean crossover error {statistics.mean(errors):.1%} over {len(errors)} rates"
-              + (f"; {statistics.mean(errors_rpc):.1%} with the RPC cost" if errors_rpc
-                 else ""))
+        print(f"\nmean crossover error {statistics.mean(errors):.1%} over {len(errors)} "
+              "crossovers")
     return 0
 
 

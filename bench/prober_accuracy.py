@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"shaping by {how}")
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "kvrs-prober-accuracy"
     log_dir.mkdir(parents=True, exist_ok=True)
-    worst = 0.0
+    worst = worst_bulk = 0.0
     for rate_gbps in (float(x) for x in args.rates.split(",")):
         workers: list[subprocess.Popen] = []
         try:
@@ -213,10 +213,12 @@ def main(argv: list[str] | None = None) -> int:
                     worker.kill()
             if mode == "netns":
                 teardown_netns()
-        vs_rate, _ = report(rate_gbps, result)
-        worst = max(worst, abs(vs_rate))
-    print(f"\nworst error after {args.probes} probes against the shaping rate: {worst:.1%} "
-          f"(goal: within 10 %)")
+        vs_rate, vs_bulk = report(rate_gbps, result)
+        worst, worst_bulk = max(worst, abs(vs_rate)), max(worst_bulk, abs(vs_bulk))
+    print(f"\nworst error after {args.probes} probes: {worst:.1%} against the shaping rate, "
+          f"{worst_bulk:.1%} against what a bulk KV transfer achieves on the same path "
+          "(goal: within 10 %; where libkvxfer cannot fill the link, the bulk rate is the "
+          "one T_x needs)")
     return 0
 
 

@@ -4,8 +4,9 @@ A probe of link src -> dst pulls a synthetic KV payload that src keeps resident,
 as a decode instance pulls a prompt's KV (same libkvxfer path, same pacing), and times
 the wire on the receiver:
 
-1. small reference pulls (1 MiB, or a quarter of the payload; the median of three, after
-   one more on a pair never probed, whose first transfer also builds its process group);
+1. small reference pulls (1 MiB, or a quarter of the payload; the median of three),
+   preceded on a pair never probed by one full-payload pull that is not a sample (the
+   first transfers of a pair also build its process group and fault in buffers);
 2. pulls sized from the running rate follow until they have kept the wire busy for
    `target_probe_s` beyond the reference (or `max_pulls`). The sample is the slope
    8 * (bytes - reference bytes) / (time - reference time) over them: what every
@@ -220,8 +221,9 @@ class LinkProber:
                                 math.ceil(REFERENCE_BYTES / bytes_per_token)))
         warmup = []
         if state.estimate is None:
-            # The first transfer of a pair also builds its process group: not a sample.
-            warmup.append(await self._pull(dst, src, kv_id, ref_tokens))
+            # The first transfers of a pair build its process group and fault in the
+            # receiver's buffers: a full-payload pull takes that cost out of the sample.
+            warmup.append(await self._pull(dst, src, kv_id, settings.payload_tokens))
         refs = [await self._pull(dst, src, kv_id, ref_tokens) for _ in range(REFERENCE_PULLS)]
         ref = sorted(refs, key=lambda pulled: pulled.transfer_s)[len(refs) // 2]
         estimate = state.estimate

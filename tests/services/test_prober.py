@@ -87,9 +87,9 @@ async def test_a_probe_measures_the_link_rate_net_of_the_fixed_transfer_cost(rat
     assert state.probe_s >= SETTINGS.target_probe_s or len(link.pulls) == 4 + SETTINGS.max_pulls
     assert state.probe_bytes == sum(link.pulls) * BYTES_PER_TOKEN
     assert link.placed == [payload_id("prefill-0")]
-    # A warm-up and three reference pulls of 512 tokens (a quarter of the payload), then
-    # pulls at least twice that long.
-    assert link.pulls[:4] == [512] * 4
+    # A full-payload warm-up, three reference pulls of 512 tokens (a quarter of the
+    # payload), then pulls at least twice that long.
+    assert link.pulls[:4] == [2048, 512, 512, 512]
     assert min(link.pulls[4:]) >= 1024
     assert not link.resident
     (sample,) = gossip.samples
