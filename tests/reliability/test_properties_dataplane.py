@@ -285,9 +285,6 @@ def test_a_refused_pull_names_a_field_of_pull_kv(cluster, workers):
         "source_instance_id")
 
 
-@pytest.mark.xfail(strict=True, reason="the router passes the scheduler's refusal through "
-                   "naming the scheduler's field (policy), not GenerateRequest's "
-                   "placement_policy (see docs/reliability.md)")
 def test_an_unknown_placement_policy_names_placement_policy(router):
     stream = router.Generate(router_pb2.GenerateRequest(
         request_id=uuid.uuid4().hex, prompt_token_ids=[1, 2, 3], max_new_tokens=2,
