@@ -23,6 +23,8 @@ class Config:
     """COST_ORACLE_PEER_TIMEOUT_S: deadline of each gossip call."""
     inputs: InputsConfig = field(default_factory=InputsConfig)
     """KVRS_TOPOLOGY_FILE, KVRS_MODEL, KVRS_PROFILE_FILE, KVRS_TELEMETRY_STALE_AFTER_S."""
+    metrics_addr: str = ""
+    """KVRS_METRICS_ADDR: host:port of the Prometheus endpoint; empty = off."""
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
     """TLS, message size and shutdown grace (KVRS_TLS_*, KVRS_MAX_MESSAGE_BYTES, ...)."""
 
@@ -34,6 +36,7 @@ class Config:
             refresh_s=env_float("COST_ORACLE_REFRESH_S", 0.5, env),
             peer_timeout_s=env_float("COST_ORACLE_PEER_TIMEOUT_S", 1.0, env),
             inputs=InputsConfig.from_env(env),
+            metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             grpc=GrpcSettings.from_env(env),
         )
         for name, value in (

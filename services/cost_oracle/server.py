@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.v1 import oracle_pb2, oracle_pb2_grpc
 from services.common import ServerHandle, run_until_signal, start_server
+from services.common.metrics import Metrics, serve_metrics
 from services.cost_oracle.config import Config
 from services.cost_oracle.estimates import CostOracle
 from services.cost_oracle.servicer import CostOracleServicer
@@ -32,8 +33,11 @@ class CostOracleServerHandle(ServerHandle):
     view: ViewCache | None = None
 
 
-async def build_server(config: Config, provider: TracerProvider) -> CostOracleServerHandle:
-    """Starts a cost oracle on `config.listen_addr` after one attempt to read gossip."""
+async def build_server(
+    config: Config, provider: TracerProvider, metrics: Metrics | None = None
+) -> CostOracleServerHandle:
+    """Starts a cost oracle on `config.listen_addr` after one attempt to read gossip;
+    `metrics.telemetry_age_s` then reads the age of the view it prices from."""
     inputs = load_inputs(config.inputs)
     source = GossipSource(
         lambda: GossipClient(config.gossip_addr, config.grpc, timeout_s=config.peer_timeout_s)
@@ -45,6 +49,8 @@ async def build_server(config: Config, provider: TracerProvider) -> CostOracleSe
         log.warning("gossip at %s did not answer; pricing from the topology file alone",
                     config.gossip_addr)
     oracle = CostOracle(view)
+    if metrics is not None:
+        metrics.telemetry_age_s.set_function(lambda: _view_age_s(view))
 
     def register(server: grpc.aio.Server) -> None:
         oracle_pb2_grpc.add_CostOracleServiceServicer_to_server(
@@ -74,5 +80,13 @@ async def build_server(config: Config, provider: TracerProvider) -> CostOracleSe
 
 async def serve(config: Config, provider: TracerProvider) -> None:
     """Runs the cost oracle until SIGTERM/SIGINT, then drains and shuts down."""
-    handle = await build_server(config, provider)
+    metrics = Metrics()
+    serve_metrics(metrics, config.metrics_addr)
+    handle = await build_server(config, provider, metrics)
     await run_until_signal(handle, config.grpc, provider)
+
+
+def _view_age_s(view: ViewCache) -> float:
+    """Seconds since the view was read from gossip; NaN before the first read."""
+    state = view.state
+    return float("nan") if state is None else state.age_s(view.clock())

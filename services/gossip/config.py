@@ -38,6 +38,8 @@ class Config:
     down_retention_s: float = 600.0
     """GOSSIP_DOWN_RETENTION_S: how long failed/left instances stay listable and link
     samples are kept."""
+    metrics_addr: str = ""
+    """KVRS_METRICS_ADDR: host:port of the Prometheus endpoint; empty = off."""
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
     """TLS, message size and shutdown grace (KVRS_TLS_*, KVRS_MAX_MESSAGE_BYTES, ...)."""
 
@@ -51,6 +53,7 @@ class Config:
             sweep_interval_s=env_float("GOSSIP_SWEEP_INTERVAL_S", 0.1, env),
             events_maxlen=env_int("GOSSIP_EVENTS_MAXLEN", 10_000, env),
             down_retention_s=env_float("GOSSIP_DOWN_RETENTION_S", 600.0, env),
+            metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             grpc=GrpcSettings.from_env(env),
         )
         for name, value in (

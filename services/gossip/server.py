@@ -11,6 +11,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
 from services.common import ServerHandle, connect_redis, run_until_signal, start_server
+from services.common.metrics import Metrics, serve_metrics
 from services.gossip.config import Config
 from services.gossip.servicer import GossipServicer
 from services.gossip.store import GossipStore, sweep_forever
@@ -74,5 +75,6 @@ async def build_server(
 
 async def serve(config: Config, provider: TracerProvider) -> None:
     """Runs the gossip service until SIGTERM/SIGINT, then drains and shuts down."""
+    serve_metrics(Metrics(), config.metrics_addr)
     handle = await build_server(config, provider)
     await run_until_signal(handle, config.grpc, provider)

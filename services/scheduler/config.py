@@ -50,6 +50,8 @@ class Config:
     window returns the first decision and lease instead of deciding again."""
     recover_replay_entries: int = 4096
     """SCHEDULER_RECOVER_REPLAY_ENTRIES: at most this many decisions are remembered."""
+    metrics_addr: str = ""
+    """KVRS_METRICS_ADDR: host:port of the Prometheus endpoint; empty = off."""
     inputs: InputsConfig = field(default_factory=InputsConfig)
     """KVRS_TOPOLOGY_FILE, KVRS_MODEL, KVRS_PROFILE_FILE, KVRS_TELEMETRY_STALE_AFTER_S."""
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
@@ -70,6 +72,7 @@ class Config:
             holder_id=env_str("SCHEDULER_HOLDER_ID", _default_holder_id(), env),
             recover_replay_s=env_float("SCHEDULER_RECOVER_REPLAY_S", 30.0, env),
             recover_replay_entries=env_int("SCHEDULER_RECOVER_REPLAY_ENTRIES", 4096, env),
+            metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             inputs=InputsConfig.from_env(env),
             grpc=GrpcSettings.from_env(env),
         )

@@ -36,6 +36,7 @@ from kvrs.recovery import (
     make_recovery_policy,
 )
 from kvrs.topology import Role
+from services.common.metrics import Metrics
 from services.scheduler import spans
 from services.scheduler.leases import Lease, SlotBroker
 from services.scheduler.records import (
@@ -66,8 +67,10 @@ class Scheduler:
         recovery_policy: str,
         recent: RecentRecoveries,
         clock: Callable[[], float] = time.time,
+        metrics: Metrics | None = None,
     ) -> None:
         self.view = view
+        self.metrics = metrics
         self.slots = slots
         self.tracer = tracer
         self.default_placement = placement_policy
@@ -105,10 +108,18 @@ class Scheduler:
                 "kvrs.prompt_tokens": request.prompt_tokens,
                 "kvrs.prefix_blocks": len(request.prefix_hashes),
             }
+            started = time.perf_counter()
             try:
-                return self._select_decode(request, attributes)
+                selection = self._select_decode(request, attributes)
             finally:
                 span.set_attributes(attributes)
+            if self.metrics is not None:
+                self.metrics.decisions.labels("select_decode", "placed").inc()
+                self.metrics.decision_latency_s.labels("select_decode").observe(
+                    time.perf_counter() - started
+                )
+                self.metrics.telemetry_age_s.set(selection.view_age_s)
+            return selection
 
     def _select_decode(
         self, request: SelectDecodeInput, attributes: dict[str, AttributeValue]
@@ -160,6 +171,7 @@ class Scheduler:
     async def recover(self, request: RecoverInput) -> RecoveryOutcome:
         with self.tracer.start_as_current_span("kvrs.recover") as span:
             attributes = spans.recover_input_attributes(request)
+            started = time.perf_counter()
             try:
                 self._validate_recover(request, "")
                 policy = self.recovery_policy(request.policy)
@@ -169,6 +181,7 @@ class Scheduler:
                     outcome = dataclasses.replace(await asyncio.shield(pending), replayed=True)
                 else:
                     outcome = await self._recover_once(request, policy)
+                    self._record("recover", [outcome], started)
                 attributes.update(spans.recovery_attributes(outcome))
                 return outcome
             finally:
@@ -313,6 +326,7 @@ class Scheduler:
         self, failed_id: str, items: Sequence[RecoverInput], policy_name: str,
         skip_slot: bool, attributes: dict[str, AttributeValue],
     ) -> BatchOutcome:
+        started = time.perf_counter()
         _require_id("failed_instance_id", failed_id)
         seen: set[str] = set()
         for i, item in enumerate(items):
@@ -346,6 +360,7 @@ class Scheduler:
             for d in plan.decisions
         ))
         attributes.update(spans.batch_attributes(outcomes, plan.makespan_s))
+        self._record("recover_batch", outcomes, started)
         return BatchOutcome(
             outcomes=tuple(outcomes), makespan_s=plan.makespan_s, slots_free=slots_free
         )
@@ -363,6 +378,21 @@ class Scheduler:
             return self._outcome(core_request, decision, broker_note + decision.reason, None,
                                  SlotOutcome.UNREACHABLE, view)
         return await self._hold_slot(core_request, decision, policy, view, skip_slot)
+
+    def _record(self, kind: str, outcomes: Sequence[RecoveryOutcome], started: float) -> None:
+        """Counts each decision by action, its predicted cost and its slot outcome."""
+        metrics = self.metrics
+        if metrics is None:
+            return
+        metrics.decision_latency_s.labels(kind).observe(time.perf_counter() - started)
+        for outcome in outcomes:
+            action = outcome.decision.action.value
+            metrics.decisions.labels(kind, action).inc()
+            if outcome.decision.action is not Action.ABORT:
+                metrics.recovery_predicted_s.labels(action).observe(outcome.decision.cost_s)
+            if outcome.slot_outcome != SlotOutcome.NOT_NEEDED:
+                metrics.slot_requests.labels(outcome.slot_outcome).inc()
+            metrics.telemetry_age_s.set(outcome.view_age_s)
 
     # -- shared checks --------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import ServerHandle, run_until_signal, start_server
+from services.common.metrics import Metrics, serve_metrics
 from services.gossip.client import GossipClient
 from services.scheduler.config import Config
 from services.scheduler.decisions import Scheduler
@@ -34,7 +35,9 @@ class SchedulerServerHandle(ServerHandle):
     view: ViewCache | None = None
 
 
-async def build_server(config: Config, provider: TracerProvider) -> SchedulerServerHandle:
+async def build_server(
+    config: Config, provider: TracerProvider, metrics: Metrics | None = None
+) -> SchedulerServerHandle:
     """Starts a scheduler on `config.listen_addr` after one attempt to load the view.
 
     Serves even when gossip does not answer yet: decisions then fail UNAVAILABLE until
@@ -62,6 +65,7 @@ async def build_server(config: Config, provider: TracerProvider) -> SchedulerSer
         recent=RecentRecoveries(
             config.recover_replay_s, config.recover_replay_entries, clock=view.clock
         ),
+        metrics=metrics,
     )
 
     def register(server: grpc.aio.Server) -> None:
@@ -95,5 +99,7 @@ async def build_server(config: Config, provider: TracerProvider) -> SchedulerSer
 
 async def serve(config: Config, provider: TracerProvider) -> None:
     """Runs the scheduler until SIGTERM/SIGINT, then drains and shuts down."""
-    handle = await build_server(config, provider)
+    metrics = Metrics()
+    serve_metrics(metrics, config.metrics_addr)
+    handle = await build_server(config, provider, metrics)
     await run_until_signal(handle, config.grpc, provider)

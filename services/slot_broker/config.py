@@ -39,6 +39,8 @@ class Config:
     purge_interval_s: float = 0.5
     """SLOT_BROKER_PURGE_INTERVAL_S: how often expired leases are dropped when idle (every
     call drops them too)."""
+    metrics_addr: str = ""
+    """KVRS_METRICS_ADDR: host:port of the Prometheus endpoint; empty = off."""
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
     """TLS, message size and shutdown grace (KVRS_TLS_*, KVRS_MAX_MESSAGE_BYTES, ...)."""
 
@@ -53,6 +55,7 @@ class Config:
             lease_ttl_s=env_float("SLOT_BROKER_LEASE_TTL_S", 10.0, env),
             max_lease_ttl_s=env_float("SLOT_BROKER_MAX_LEASE_TTL_S", 600.0, env),
             purge_interval_s=env_float("SLOT_BROKER_PURGE_INTERVAL_S", 0.5, env),
+            metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             grpc=GrpcSettings.from_env(env),
         )
         for name, value in (

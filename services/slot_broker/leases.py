@@ -27,6 +27,7 @@ import redis.asyncio as redis_async
 import redis.exceptions
 
 from kvrs.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.common.metrics import Metrics
 from services.common.redis_store import Keys
 
 log = logging.getLogger(__name__)
@@ -227,8 +228,11 @@ class SlotStore:
         link_cap: int = 0,
         default_ttl_s: float = 10.0,
         max_ttl_s: float = 600.0,
+        metrics: Metrics | None = None,
     ) -> None:
         keys = Keys(prefix)
+        self._client = client
+        self._metrics = metrics
         self.cluster_cap = cluster_cap
         self.link_cap = link_cap
         self.default_ttl_s = default_ttl_s
@@ -276,10 +280,12 @@ class SlotStore:
         status = _text(reply[0])
         if status == "denied":
             cap_name, in_use, cap = _text(reply[1]), int(reply[2]), int(reply[3])
+            self._count("denied", in_use)
             where = "cluster-wide" if cap_name == "cluster_cap" else f"on {link}"
             raise ResourceExhausted(
                 f"{in_use} of {cap} migration slots in use {where}", field=cap_name
             )
+        self._count("granted", int(reply[7]))
         return Grant(_lease(reply), int(reply[7]), self.cluster_cap, status == "existing")
 
     async def renew(self, lease_id: str, ttl_s: float = 0.0) -> Lease:
@@ -295,7 +301,12 @@ class SlotStore:
     async def release(self, lease_id: str) -> bool:
         """Returns a slot; False when the lease had already expired or been released."""
         _require("lease_id", lease_id)
-        return bool(int(await self._release(keys=self._keys, args=[self._prefix, lease_id])))
+        released = bool(int(await self._release(keys=self._keys, args=[self._prefix, lease_id])))
+        if self._metrics is not None:
+            # The release script answers only whether it dropped the lease; the count of
+            # what is left costs one more round trip, paid only when metrics are on.
+            self._metrics.slots_in_use.set(await self._client.zcard(self._keys[0]))
+        return released
 
     async def stats(self) -> SlotStats:
         in_use, links, totals, _ = await self._stats(keys=self._keys, args=[self._prefix])
@@ -315,8 +326,17 @@ class SlotStore:
 
     async def purge(self) -> int:
         """Drops expired leases now; returns how many."""
-        *_, purged = await self._stats(keys=self._keys, args=[self._prefix])
+        in_use, _, _, purged = await self._stats(keys=self._keys, args=[self._prefix])
+        self._count("expired", int(in_use), int(purged))
         return int(purged)
+
+    def _count(self, outcome: str, in_use: int, requests: int = 1) -> None:
+        """Records `requests` slot requests ending in `outcome` and the slots now in use."""
+        if self._metrics is None:
+            return
+        if requests:
+            self._metrics.slot_requests.labels(outcome).inc(requests)
+        self._metrics.slots_in_use.set(in_use)
 
 
 async def purge_forever(store: SlotStore, interval_s: float, stop: asyncio.Event) -> None:

@@ -10,6 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.v1 import slots_pb2, slots_pb2_grpc
 from services.common import ServerHandle, connect_redis, run_until_signal, start_server
+from services.common.metrics import Metrics, serve_metrics
 from services.slot_broker.config import Config
 from services.slot_broker.leases import SlotStore, purge_forever
 from services.slot_broker.servicer import SlotBrokerServicer
@@ -21,6 +22,7 @@ async def build_server(
     config: Config,
     provider: TracerProvider,
     redis_client: redis_async.Redis | None = None,
+    metrics: Metrics | None = None,
 ) -> ServerHandle:
     """Starts a slot broker on `config.listen_addr` (a Redis client is opened from
     `config.redis_url` unless one is passed; it is then closed on stop)."""
@@ -33,6 +35,7 @@ async def build_server(
         link_cap=config.link_cap,
         default_ttl_s=config.lease_ttl_s,
         max_ttl_s=config.max_lease_ttl_s,
+        metrics=metrics,
     )
     servicer = SlotBrokerServicer(store)
 
@@ -58,5 +61,7 @@ async def build_server(
 
 async def serve(config: Config, provider: TracerProvider) -> None:
     """Runs the slot broker until SIGTERM/SIGINT, then drains and shuts down."""
-    handle = await build_server(config, provider)
+    metrics = Metrics()
+    serve_metrics(metrics, config.metrics_addr)
+    handle = await build_server(config, provider, metrics=metrics)
     await run_until_signal(handle, config.grpc, provider)

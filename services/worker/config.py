@@ -73,6 +73,8 @@ class Config:
     the model's preset profile."""
     canary_interval_s: float = 10.0
     """WORKER_CANARY_INTERVAL_S: how often the one-token canary re-checks health."""
+    metrics_addr: str = ""
+    """KVRS_METRICS_ADDR: host:port of the Prometheus endpoint; empty = off."""
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
     """TLS, message size and shutdown grace (KVRS_TLS_*, KVRS_MAX_MESSAGE_BYTES, ...)."""
 
@@ -109,6 +111,7 @@ class Config:
             torch_threads=env_int("WORKER_TORCH_THREADS", 1, env),
             profile_path=env_str("WORKER_PROFILE_PATH", "", env),
             canary_interval_s=env_float("WORKER_CANARY_INTERVAL_S", 10.0, env),
+            metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             grpc=GrpcSettings.from_env(env),
         )
         for name, value in (

@@ -30,6 +30,7 @@ from services.common import (
     run_until_signal,
     start_server,
 )
+from services.common.metrics import Metrics, serve_metrics
 from services.gossip.client import GossipClient, HeartbeatLoop
 from services.gossip.records import NodeLoad, Registration
 from services.worker.compute import ComputeQueue, Estimates
@@ -128,7 +129,9 @@ async def _cancel(task: asyncio.Task) -> None:
         await task
 
 
-async def build_server(config: Config, provider: TracerProvider) -> WorkerServerHandle:
+async def build_server(
+    config: Config, provider: TracerProvider, metrics: Metrics | None = None
+) -> WorkerServerHandle:
     """Start a worker on `config.listen_addr`; SERVING once the canary passed."""
     torch.set_num_threads(config.torch_threads)
     dtype_name = _dtype_name(config)
@@ -153,7 +156,7 @@ async def build_server(config: Config, provider: TracerProvider) -> WorkerServer
     location = common_pb2.Location(node=config.location.node, rack=config.location.rack,
                                    pod=config.location.pod,
                                    gpu_index=config.location.gpu_index)
-    servicer = WorkerServicer(engine, config.role, dtype_name, location)
+    servicer = WorkerServicer(engine, config.role, dtype_name, location, metrics)
 
     def register(server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
@@ -227,5 +230,7 @@ async def _join_gossip(config: Config, handle: WorkerServerHandle, engine: Worke
 
 async def serve(config: Config, provider: TracerProvider) -> None:
     """Run a worker until SIGTERM/SIGINT, then drain and shut down."""
-    handle = await build_server(config, provider)
+    metrics = Metrics()
+    serve_metrics(metrics, config.metrics_addr)
+    handle = await build_server(config, provider, metrics)
     await run_until_signal(handle, config.grpc, provider)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -10,6 +11,7 @@ from kvrs.errors import InvalidArgument
 from kvrs.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from libkvxfer import PROTOCOL_VERSION, TransferTicket
 from services.common import traceparent
+from services.common.metrics import Metrics
 from services.worker.engine import SendResult, WorkerEngine
 
 ROLE_TO_PB = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
@@ -49,8 +51,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """One worker's RPCs; every domain error maps through the shared interceptor."""
 
     def __init__(self, engine: WorkerEngine, role: str, dtype: str,
-                 location: common_pb2.Location) -> None:
+                 location: common_pb2.Location, metrics: Metrics | None = None) -> None:
         self._engine = engine
+        self._metrics = metrics or Metrics()
         self._role = role
         self._dtype = dtype
         self._location = location
@@ -69,12 +72,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeResponse]:
         stop = request.stop_token_id if request.HasField("stop_token_id") else None
-        async for token in self._engine.decode(request.request_id, request.generated_token_ids,
-                                               request.max_new_tokens, stop,
-                                               request.release_when_done):
-            yield worker_pb2.DecodeResponse(request_id=request.request_id,
-                                            token_id=token.token_id, index=token.index,
-                                            step_s=token.step_s, last=token.last)
+        outcome = "failed"
+        try:
+            async for token in self._engine.decode(request.request_id,
+                                                   request.generated_token_ids,
+                                                   request.max_new_tokens, stop,
+                                                   request.release_when_done):
+                yield worker_pb2.DecodeResponse(request_id=request.request_id,
+                                                token_id=token.token_id, index=token.index,
+                                                step_s=token.step_s, last=token.last)
+            outcome = "completed"
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            self._metrics.requests.labels(outcome=outcome).inc()
 
     async def Extend(self, request: worker_pb2.ExtendRequest,
                      context: grpc.aio.ServicerContext) -> worker_pb2.ExtendResponse:
@@ -91,6 +103,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             request.token_start, request.token_end, request.prompt_tokens,
             request.prefix_token_ids, request.lease_s, request.pacing_bps,
             traceparent=traceparent(), deadline_s=context.time_remaining())
+        self._record_transfer("received", result.transferred_kv_bytes, result.transfer_s)
         return worker_pb2.PullKvResponse(
             request_id=request.request_id, resident_tokens=result.resident_tokens,
             transferred_kv_bytes=result.transferred_kv_bytes, transfer_s=result.transfer_s,
@@ -105,9 +118,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise InvalidArgument("ticket.request_id", f"{ticket.request_id!r} differs from "
                                   f"request_id {request.request_id!r}")
         result = await self._engine.send_kv(ticket, request.pacing_bps)
+        self._record_transfer("sent", result.kv_bytes, result.transfer_s)
         return worker_pb2.SendKvResponse(request_id=request.request_id, kv_bytes=result.kv_bytes,
                                          transfer_s=result.transfer_s,
                                          token_ids=result.token_ids)
+
+    def _record_transfer(self, direction: str, kv_bytes: int, transfer_s: float) -> None:
+        """Counts the bytes of one completed transfer; its rate only when any moved."""
+        if kv_bytes <= 0:
+            return
+        self._metrics.transfer_bytes.labels(direction).inc(kv_bytes)
+        if transfer_s > 0:
+            self._metrics.transfer_rate_bps.observe(kv_bytes * 8 / transfer_s)
 
     async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest,
                         context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseKvResponse:
