@@ -433,7 +433,8 @@ class WorkerEngine:
         try:
             sent = await self._send_kv(source_address, ticket, pacing_bps, deadline)
         except KvrsError as send_error:
-            raise await self._pull_failure(ticket, received, send_error) from send_error
+            error = await self._pull_failure(ticket, received, send_error)
+            raise _as_pull_error(error) from send_error
         except BaseException:
             self.agent.abandon(ticket, "pull cancelled")
             with contextlib.suppress(KvrsError):
@@ -528,3 +529,22 @@ def _require_pacing(pacing_bps: float) -> None:
         raise InvalidArgument(
             "pacing_bps", f"must be 0 or at least {MIN_PACING_BPS:.0f} bit/s, got {pacing_bps}"
         )
+
+
+_SEND_TO_PULL_FIELDS = {
+    "request_id": "request_id",
+    "ticket.sender_instance_id": "source_instance_id",
+    "ticket.token_start": "token_start",
+    "ticket.token_end": "token_end",
+    "pacing_bps": "pacing_bps",
+}
+"""SendKv fields a source may refuse, by the PullKv field they came from."""
+
+
+def _as_pull_error(error: KvrsError) -> KvrsError:
+    """A source's refusal of its SendKv, named after the PullKv field behind it: the
+    caller of PullKv never sent a SendKv, so the source's field names are not theirs."""
+    if not isinstance(error, InvalidArgument):
+        return error
+    field = _SEND_TO_PULL_FIELDS.get(error.field, "source_address")
+    return InvalidArgument(field, f"the source refused the transfer: {error}")

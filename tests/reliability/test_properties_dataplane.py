@@ -112,7 +112,7 @@ def still_generates(stub) -> None:
 def unary(method, request, peer_codes: frozenset = frozenset(),
           peer_fields: bool = False, timeout_s: float = CALL_TIMEOUT_S) -> None:
     """`peer_fields`: the refusal may name a field of the request the worker sent on to
-    its peer (a known naming gap, see test_a_refused_pull_names_a_field_of_pull_kv)."""
+    its peer."""
     try:
         reply = method(request, timeout=timeout_s)
     except grpc.RpcError as exc:
@@ -193,7 +193,7 @@ def test_decode(workers, request):
 def test_pull_kv(cluster, workers, request):
     if request.source_address in ("", "PREFILL"):
         request.source_address = cluster.address("prefill-0")
-    unary(workers["decode-0"].PullKv, request, PEER_CODES, peer_fields=True)
+    unary(workers["decode-0"].PullKv, request, PEER_CODES)
     # A pulled copy would satisfy the next example without a transfer.
     unary(workers["decode-0"].ReleaseKv, worker_pb2.ReleaseKvRequest(
         request_id=request.request_id))
@@ -275,9 +275,6 @@ def test_a_tiny_pacing_rate_is_invalid_argument(cluster, workers, pacing_bps):
         pacing_bps=pacing_bps), "pacing_bps", timeout_s=3.0)
 
 
-@pytest.mark.xfail(strict=True, reason="a pull refused by its source names the source's "
-                   "SendKv field (ticket.sender_instance_id), not PullKv's (see "
-                   "docs/reliability.md)")
 def test_a_refused_pull_names_a_field_of_pull_kv(cluster, workers):
     expect_invalid(workers["decode-0"].PullKv, worker_pb2.PullKvRequest(
         request_id="resident", source_instance_id="someone-else",
