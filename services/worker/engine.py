@@ -36,6 +36,8 @@ from services.worker.model import Transformer
 log = logging.getLogger(__name__)
 
 _MAX_REQUEST_ID_CHARS = 256
+_MAX_INSTANCE_ID_CHARS = 256
+_MAX_ADDRESS_CHARS = 512
 MAX_LEASE_S = 86_400.0
 """Longest KV lease a request may ask for (a day); an unbounded one overflows expiries."""
 MIN_PACING_BPS = 1e6
@@ -312,10 +314,19 @@ class WorkerEngine:
         _check_request_id(request_id)
         if not source_instance_id:
             raise InvalidArgument("source_instance_id", "must not be empty")
+        if len(source_instance_id) > _MAX_INSTANCE_ID_CHARS:
+            # It names the transfer pair's keys, which the rendezvous store caps in size.
+            raise InvalidArgument("source_instance_id",
+                                  f"longer than {_MAX_INSTANCE_ID_CHARS} characters")
         if source_instance_id == self.instance_id:
             raise InvalidArgument("source_instance_id", "is this worker itself")
         if not source_address:
             raise InvalidArgument("source_address", "must not be empty")
+        if (len(source_address) > _MAX_ADDRESS_CHARS or not source_address.isascii()
+                or not source_address.isprintable() or " " in source_address):
+            # gRPC cannot even build a channel to such a target.
+            raise InvalidArgument("source_address", f"must be host:port, got "
+                                  f"{source_address[:64]!r}")
         if token_start < 0:
             raise InvalidArgument("token_start", f"must be >= 0, got {token_start}")
         if token_end <= token_start:

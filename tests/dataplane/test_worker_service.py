@@ -191,6 +191,16 @@ async def test_bad_input_is_invalid_argument_naming_the_field(workers, stubs):
         (pull(b, workers["prefill-a"], "r-bad", 2, 5, prefix_token_ids=[1]), "prefix_token_ids"),
         (b.PullKv(pb.PullKvRequest(request_id="r-bad", source_instance_id="prefill-a",
                                    token_end=4)), "source_address"),
+        (b.PullKv(pb.PullKvRequest(request_id="r-bad", source_instance_id="prefill-a",
+                                   source_address="\x00", token_end=4)), "source_address"),
+        # The pair's rendezvous keys carry the source's id: the store refuses huge keys
+        # and drops the connection every later transfer needs.
+        (b.PullKv(pb.PullKvRequest(request_id="r-bad", source_instance_id="p" * 9000,
+                                   source_address="127.0.0.1:1", token_end=4)),
+         "source_instance_id"),
+        (a.Prefill(pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[1],
+                                     lease_s=float("nan"))), "lease_s"),
+        (pull(b, workers["prefill-a"], "r-bad", 0, 4, pacing_bps=1e-3), "pacing_bps"),
     ]
     for call, field in cases:
         with pytest.raises(grpc.aio.AioRpcError) as info:
