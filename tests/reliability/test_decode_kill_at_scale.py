@@ -1,4 +1,4 @@
-"""kill -9 of a decode worker with 64 requests in flight: 64 of 64 complete, token-exact.
+"""kill -9 of a decode worker with 64 requests in flight: all complete, token-exact.
 
 A local cluster of real processes (`kvrs up`'s launcher): gossip, slot broker, one
 scheduler, the router and four tiny float64 workers, whose greedy decoding is bit-exact,
@@ -28,6 +28,7 @@ from kvrs.localcluster import (
     stop_cluster,
 )
 from kvrs.v1 import (
+    common_pb2,
     router_pb2,
     router_pb2_grpc,
     slots_pb2,
@@ -38,18 +39,19 @@ from kvrs.v1 import (
 from services.worker.model import Transformer
 
 IN_FLIGHT = 64
+SENT = 80
 PROMPT_TOKENS = 48
 MAX_NEW_TOKENS = 256
-"""Long enough that the first stream is still going when the 64th starts."""
+"""Long enough that 64 streams overlap."""
 CLUSTER_SERVICES = (
     "gossip", "slot-broker", "scheduler-1", "prefill-0", "prefill-1", "decode-0", "decode-1",
     "router",
 )
 EXTRA_ENV = {
-    "prefill-0": {"WORKER_HEARTBEAT_TTL_S": "1.0"},
-    "prefill-1": {"WORKER_HEARTBEAT_TTL_S": "1.0"},
-    "decode-0": {"WORKER_HEARTBEAT_TTL_S": "1.0"},
-    "decode-1": {"WORKER_HEARTBEAT_TTL_S": "1.0"},
+    "prefill-0": {"WORKER_HEARTBEAT_TTL_S": "2.0"},
+    "prefill-1": {"WORKER_HEARTBEAT_TTL_S": "2.0"},
+    "decode-0": {"WORKER_HEARTBEAT_TTL_S": "2.0"},
+    "decode-1": {"WORKER_HEARTBEAT_TTL_S": "2.0"},
     "router": {"ROUTER_BATCH_WINDOW_S": "0.2"},
 }
 
@@ -125,30 +127,33 @@ async def leaked(state, workers) -> dict[str, int]:
 
 
 async def test_kill_9_of_a_decode_worker_with_64_requests_in_flight(cluster):
+    """The kill comes once at least 64 streams are between their first and last token
+    (more requests than that are sent, so a slow machine still gets 64 at once)."""
     victim = next(r for r in cluster.processes if r.name == "decode-0")
     requests = [
         router_pb2.GenerateRequest(request_id=f"scale-{i}-{uuid.uuid4().hex[:6]}",
                                    prompt_token_ids=prompt(i), max_new_tokens=MAX_NEW_TOKENS,
                                    decode_instance_id="decode-0")
-        for i in range(IN_FLIGHT)
+        for i in range(SENT)
     ]
     tokens: list[list[int]] = [[] for _ in requests]
     summaries: list[list] = [[] for _ in requests]
+
+    def streaming() -> list[int]:
+        return [i for i, t in enumerate(tokens) if 1 <= len(t) < MAX_NEW_TOKENS]
+
     async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         started_s = time.monotonic()
         tasks = [asyncio.create_task(generate(stub, r, t, s))
                  for r, t, s in zip(requests, tokens, summaries, strict=True)]
-        while min(len(t) for t in tokens) < 1:
-            ended = [(len(t), task.result()) for t, task in zip(tokens, tasks, strict=True)
-                     if task.done()]
-            assert not ended, f"streams ended before the kill: {ended[:3]}"
+        while len(streaming()) < IN_FLIGHT:
+            failed = [task.result() for task in tasks if task.done() and task.result()]
+            assert not failed, f"streams failed before the kill: {failed[:3]}"
             assert time.monotonic() - started_s < 90, "the requests did not start streaming"
             await asyncio.sleep(0.005)
-        all_streaming_s = time.monotonic() - started_s
-        most = max(len(t) for t in tokens)
         os.killpg(victim.pid, signal.SIGSTOP)  # frozen: it answers nothing more
-        in_flight = sum(len(t) < MAX_NEW_TOKENS for t in tokens)
+        in_flight = streaming()
         os.killpg(victim.pid, signal.SIGKILL)
         killed_s = time.monotonic()
         errors = await asyncio.gather(*tasks)
@@ -156,24 +161,24 @@ async def test_kill_9_of_a_decode_worker_with_64_requests_in_flight(cluster):
     while is_running(victim):
         await asyncio.sleep(0.01)
 
-    recovered = [s[0] for s in summaries if s and s[0].recoveries]
-    actions = {}
-    for summary in recovered:
-        action = summary.recoveries[-1].action
-        actions[action] = actions.get(action, 0) + 1
-    print(f"\nall {IN_FLIGHT} streaming {all_streaming_s:.1f} s after the first call (the "
-          f"furthest at token {most}); "
-          f"{in_flight} of {IN_FLIGHT} requests in flight at the kill; "
-          f"{sum(e is None for e in errors)} completed, {len(recovered)} recovered "
-          f"(final actions {actions}); last stream ended {done_s - killed_s:.1f} s after "
-          "the kill")
-    assert in_flight == IN_FLIGHT
     assert [e for e in errors if e is not None] == []
+    hit = [summaries[i][0] for i in in_flight]
+    actions: dict[str, int] = {}
+    for summary in hit:
+        action = common_pb2.RecoveryAction.Name(summary.recoveries[-1].action)
+        actions[action] = actions.get(action, 0) + 1
+    print(f"\n{len(in_flight)} of {SENT} requests streaming at the kill, "
+          f"{killed_s - started_s:.1f} s after the first call; "
+          f"{sum(e is None for e in errors)} of {SENT} completed; final recovery actions of "
+          f"those in flight {actions}; last stream ended {done_s - killed_s:.1f} s after "
+          "the kill")
+    assert len(in_flight) >= IN_FLIGHT
     for request, streamed, summary in zip(requests, tokens, summaries, strict=True):
         assert streamed == reference(list(request.prompt_token_ids), MAX_NEW_TOKENS), (
             request.request_id)
         assert summary[0].generated_tokens == MAX_NEW_TOKENS
-        assert summary[0].final_decode_instance_id != "decode-0"
-    assert len(recovered) == IN_FLIGHT
+    for summary in hit:
+        assert summary.recoveries and summary.recoveries[-1].succeeded
+        assert summary.final_decode_instance_id != "decode-0"
     assert await leaked(cluster, ("prefill-0", "prefill-1", "decode-1")) == {
         "prefill-0": 0, "prefill-1": 0, "decode-1": 0, "slots": 0}
