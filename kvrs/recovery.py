@@ -157,6 +157,9 @@ def _split(profile: ComputeProfile, prompt_tokens: int, bits_per_token: float, b
         return 0, 0.0
     # k = 0 is MIGRATE: computed with MIGRATE's arithmetic, so it costs exactly the same.
     best_k, best_s = 0, rtt_s + bits_per_token * prompt_tokens / bps
+    if not math.isfinite(best_s):
+        # A path too slow to carry even one token's KV in finite time: recompute it all.
+        return prompt_tokens, profile.prefill_s(prompt_tokens)
     if profile.table:
         prefill_s = profile.prefill_s
         lo, hi = 0, prompt_tokens  # invariant: T_pf(hi) >= T_x(hi) (T_x(L) = 0)

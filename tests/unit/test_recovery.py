@@ -164,6 +164,19 @@ def test_split_is_optimal_by_brute_force(profile: ComputeProfile) -> None:
             assert term == pytest.approx(best, rel=1e-12)
 
 
+@pytest.mark.parametrize("profile", [PROFILE, TABLE_PROFILE], ids=["fit", "table"])
+def test_a_path_too_slow_for_one_token_prices_hybrid_as_a_full_recompute(
+    profile: ComputeProfile,
+) -> None:
+    cost = two_node_cluster(1e-309, profile)
+    k, term = hybrid_split(cost, "p0", "d1", 1477, 0.0)
+    assert (k, term) == (1477, profile.prefill_s(1477))
+    request = RecoveryRequest("r", 1477, 3, "p0", exclude_ids=frozenset({"d0"}))
+    decision = Kvrs().decide(request, view_of(), cost, 0.0)
+    assert decision.action is not Action.MIGRATE
+    assert all(o.cost_s == o.cost_s for o in decision.options), "no NaN cost"
+
+
 def test_slow_network_makes_hybrid_win() -> None:
     cost = two_node_cluster(5.0)
     request = RecoveryRequest("r", 8000, 0, "p0", exclude_ids=frozenset({"d0"}))
