@@ -7,17 +7,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvrs.recovery import OptionCost
-from kvrs.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2
+from kvrs.v1 import router_pb2, router_pb2_grpc
 from services.router.flow import Router
 from services.router.records import GenerateInput, RecoveryRecord, Summary, Token
-
-ACTION_TO_PB = {
-    "migrate": common_pb2.RECOVERY_ACTION_MIGRATE,
-    "recompute": common_pb2.RECOVERY_ACTION_RECOMPUTE,
-    "hybrid": common_pb2.RECOVERY_ACTION_HYBRID,
-    "abort": common_pb2.RECOVERY_ACTION_ABORT,
-}
+from services.scheduler.convert import ACTION_TO_PB, option_to_pb
 
 
 def generate_from_pb(request: router_pb2.GenerateRequest) -> GenerateInput:
@@ -31,21 +24,6 @@ def generate_from_pb(request: router_pb2.GenerateRequest) -> GenerateInput:
         recovery_policy=request.recovery_policy,
         prefill_instance_id=request.prefill_instance_id,
         decode_instance_id=request.decode_instance_id,
-    )
-
-
-def _option_to_pb(option: OptionCost) -> scheduler_pb2.OptionCost:
-    return scheduler_pb2.OptionCost(
-        action=ACTION_TO_PB[option.action.value],
-        target_instance_id=option.target_id,
-        source_instance_id=option.source_id,
-        cost_s=option.cost_s,
-        wait_s=option.wait_s,
-        transfer_s=option.transfer_s,
-        compute_s=option.compute_s,
-        split_tokens=option.split_tokens,
-        feasible=option.feasible,
-        infeasible_reason=option.infeasible_reason,
     )
 
 
@@ -63,12 +41,12 @@ def recovery_to_pb(record: RecoveryRecord) -> router_pb2.RecoveryReport:
     )
     decision = record.decision
     if decision is not None:
-        report.action = ACTION_TO_PB[decision.action.value]
+        report.action = ACTION_TO_PB[decision.action]
         report.target_instance_id = decision.target.instance_id
         report.source_instance_id = decision.source.instance_id
         report.split_tokens = decision.split_tokens
         report.predicted_cost_s = decision.predicted_cost_s
-        report.options.extend(_option_to_pb(option) for option in decision.options)
+        report.options.extend(option_to_pb(option) for option in decision.options)
         report.slo_slack_s = decision.slo_slack_s
         report.reason = decision.reason
         report.batch_size = decision.batch_size

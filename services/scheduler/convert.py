@@ -89,7 +89,7 @@ def recover_items_from_pb(request: scheduler_pb2.RecoverBatchRequest) -> list[Re
     ]
 
 
-def _option_to_pb(option: OptionCost) -> scheduler_pb2.OptionCost:
+def option_to_pb(option: OptionCost) -> scheduler_pb2.OptionCost:
     return scheduler_pb2.OptionCost(
         action=ACTION_TO_PB[option.action],
         target_instance_id=option.target_id,
@@ -127,7 +127,7 @@ def recovery_to_pb(outcome: RecoveryOutcome) -> scheduler_pb2.RecoverResponse:
         source_address=outcome.source.address,
         source_transfer_address=outcome.source.transfer_address,
         predicted_cost_s=decision.cost_s,
-        options=[_option_to_pb(option) for option in decision.options],
+        options=[option_to_pb(option) for option in decision.options],
         hybrid_split_tokens=decision.split_tokens,
         reason=outcome.reason,
         slo_slack_s=decision.slack_s,
