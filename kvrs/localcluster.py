@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -82,12 +82,16 @@ class Wiring:
     addresses: Mapping[str, str]
     """Service name -> host:port."""
     options: ClusterOptions
+    health_addresses: Mapping[str, str] = field(default_factory=dict)
+    """Service name -> host:port of its separate health listener (ServiceSpec.health_port)."""
+    run_dir: Path = Path(DEFAULT_RUN_DIR)
 
     def address(self, name: str) -> str:
         return self.addresses[name]
 
 
 EnvBuilder = Callable[[Wiring], dict[str, str]]
+CommandBuilder = Callable[[Wiring], list[str]]
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,11 @@ class ServiceSpec:
     """Service-specific variables, beyond those every process gets."""
     health_path: str = ""
     """HTTP path answering 200 when ready; empty = the gRPC health service says SERVING."""
+    health_port: int = 0
+    """Standard port of a separate listener serving `health_path` (an admin port);
+    0 = `health_path` is asked on `port`."""
+    command: CommandBuilder | None = None
+    """The command line of a process that is not `python -m <module>`."""
 
 
 def _worker(name: str, role: str, port: int) -> ServiceSpec:
@@ -160,6 +169,61 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ),
 )
 """The cluster, in start order: adding a service is adding a row."""
+
+ADAPTER_PREFIX = "openai-http-"
+
+
+def _pinned_adapter(decode_instance: str, port: int) -> ServiceSpec:
+    """An OpenAI HTTP adapter placing every completion on `decode_instance` first: the
+    HTTP endpoint a gateway reaches that instance at."""
+    return ServiceSpec(
+        f"{ADAPTER_PREFIX}{decode_instance}", "services.openai_http", "OPENAI_HTTP_LISTEN_ADDR",
+        stage=3, port=port, health_path="/health",
+        env=lambda wiring: {"OPENAI_HTTP_DECODE_INSTANCE": decode_instance},
+    )
+
+
+def _epp_env(wiring: Wiring) -> dict[str, str]:
+    endpoints = [
+        f"{name.removeprefix(ADAPTER_PREFIX)}={address}"
+        for name, address in wiring.addresses.items()
+        if name.startswith(f"{ADAPTER_PREFIX}decode-")
+    ]
+    return {"EPP_ENDPOINTS": ",".join(endpoints)}
+
+
+def _envoy_command(wiring: Wiring) -> list[str]:
+    """Renders the gateway's configuration into the run directory; the envoy command line."""
+    from services.epp.envoy_config import find_envoy
+
+    config_file = wiring.run_dir / "envoy.yaml"
+    listen_port = wiring.address("envoy").rpartition(":")[2]
+    admin_port = wiring.health_addresses["envoy"].rpartition(":")[2]
+    result = subprocess.run(
+        [sys.executable, "-m", "services.epp.envoy_config", "--epp-addr", wiring.address("epp"),
+         "--listen-port", listen_port, "--admin-port", admin_port, "--output", str(config_file)],
+        capture_output=True, text=True, check=False, cwd=REPO_ROOT,
+    )
+    if result.returncode != 0:
+        raise ClusterError(f"cannot render the Envoy configuration:\n{result.stderr}")
+    try:
+        binary = find_envoy()
+    except FileNotFoundError as exc:
+        raise ClusterError(str(exc)) from None
+    return [binary, "-c", str(config_file), "--disable-hot-restart", "--log-level", "warning"]
+
+
+ENVOY_SERVICES: tuple[ServiceSpec, ...] = (
+    _pinned_adapter("decode-0", 8001),
+    _pinned_adapter("decode-1", 8002),
+    ServiceSpec("epp", "services.epp", "EPP_LISTEN_ADDR", stage=3, port=9002, env=_epp_env),
+    ServiceSpec(
+        "envoy", "envoy", "", stage=4, port=8081, kind="gateway", health_path="/ready",
+        health_port=9901, command=_envoy_command,
+    ),
+)
+"""`kvrs up --envoy`: Envoy with the endpoint picker in front of one OpenAI adapter per
+decode instance."""
 
 
 def common_env(wiring: Wiring, tls_dir: Path | None, redis_url: str, redis_prefix: str) -> dict:
@@ -230,6 +294,8 @@ class ProcessRecord:
     never mistaken for it; -1 where /proc is unavailable."""
     health_path: str = ""
     """See ServiceSpec.health_path."""
+    health_addr: str = ""
+    """host:port `health_path` is asked at; empty = `address`."""
 
 
 @dataclass
@@ -527,7 +593,7 @@ async def probe_health(record: ProcessRecord, settings) -> str:
 
     if record.health_path:
         return await asyncio.to_thread(
-            _http_health, f"http://{record.address}{record.health_path}"
+            _http_health, f"http://{record.health_addr or record.address}{record.health_path}"
         )
     return await check_health(record.address, settings, timeout_s=0.5)
 
@@ -594,7 +660,8 @@ def start_cluster(
     run_dir = options.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     _check_not_running(run_dir)
-    missing = [spec.name for spec in services if not has_main(spec.module)]
+    missing = [spec.name for spec in services
+               if spec.command is None and not has_main(spec.module)]
     if missing:
         raise ClusterError(f"services not installed in this checkout: {', '.join(missing)}")
     if not options.topology_file.is_file():
@@ -603,16 +670,24 @@ def start_cluster(
         stale.unlink()
 
     private_redis = not options.redis_url
-    spare = free_ports(len(services) + 1)
+    # Every listener: each service's port, then the separate health ports.
+    listeners = [*services, *(replace(spec, port=spec.health_port)
+                              for spec in services if spec.health_port)]
+    spare = free_ports(len(listeners) + 1)
     if options.base_port:
-        ports = layout_ports(options.base_port, services)
+        ports = layout_ports(options.base_port, listeners)
         spare = [port for port in spare if port not in ports]
     else:
-        ports = spare[: len(services)]
+        ports = spare[: len(listeners)]
     addresses = {
-        spec.name: f"127.0.0.1:{port}" for spec, port in zip(services, ports, strict=True)
+        spec.name: f"127.0.0.1:{port}" for spec, port in zip(services, ports, strict=False)
     }
-    wiring = Wiring(addresses=addresses, options=options)
+    health_addresses = {
+        spec.name: f"127.0.0.1:{port}"
+        for spec, port in zip(listeners[len(services):], ports[len(services):], strict=True)
+    }
+    wiring = Wiring(addresses=addresses, options=options, health_addresses=health_addresses,
+                    run_dir=run_dir)
 
     tls_dir = generate_certs(run_dir) if options.tls else None
     started: list[ProcessRecord] = []
@@ -638,15 +713,18 @@ def start_cluster(
             for spec in (s for s in services if s.stage == stage):
                 env = {
                     **shared,
-                    spec.listen_env: addresses[spec.name],
+                    **({spec.listen_env: addresses[spec.name]} if spec.listen_env else {}),
                     "OTEL_SERVICE_NAME": f"kvrs-{spec.name}",
                     **spec.env(wiring),
                 }
-                command = [sys.executable, "-m", spec.module, *spec.args]
-                batch.append(
-                    spawn(spec.name, spec.kind, command, spec.module, addresses[spec.name],
-                          env, run_dir, spec.health_path)
-                )
+                if spec.command is not None:
+                    command = spec.command(wiring)
+                else:
+                    command = [sys.executable, "-m", spec.module, *spec.args]
+                record = spawn(spec.name, spec.kind, command, spec.module, addresses[spec.name],
+                               env, run_dir, spec.health_path)
+                record.health_addr = health_addresses.get(spec.name, "")
+                batch.append(record)
             started.extend(batch)
             state.save()
             stage_started_s = time.monotonic()

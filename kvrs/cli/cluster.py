@@ -37,6 +37,9 @@ def register(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--otlp-endpoint", default=os.environ.get(
             "OTEL_EXPORTER_OTLP_ENDPOINT", ""),
                             help="export spans over OTLP gRPC (e.g. http://127.0.0.1:4317)")
+        parser.add_argument("--envoy", action="store_true",
+                            help="also run Envoy with the endpoint picker in front of one "
+                                 "OpenAI adapter per decode instance")
         parser.add_argument("--base-port", type=int, default=0,
                             help="the standard ports shifted to start here (50051: gossip "
                                  "50051, cost-oracle 50052, scheduler-1 50053, ...; "
@@ -69,7 +72,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from kvrs.localcluster import DEFAULT_TOPOLOGY_FILE, ClusterOptions, start_cluster
+    from kvrs.localcluster import (
+        DEFAULT_TOPOLOGY_FILE,
+        ENVOY_SERVICES,
+        SERVICES,
+        ClusterOptions,
+        start_cluster,
+    )
 
     logging.basicConfig(level=logging.INFO, format="kvrs up: %(message)s")
     options = ClusterOptions(
@@ -84,7 +93,7 @@ def _up(args: argparse.Namespace) -> int:
         startup_timeout_s=args.timeout_s,
     )
     started_s = time.monotonic()
-    state = start_cluster(options)
+    state = start_cluster(options, SERVICES + ENVOY_SERVICES if args.envoy else SERVICES)
     elapsed_s = time.monotonic() - started_s
     print(f"kvrs cluster up in {elapsed_s:.1f} s (run dir {state.run_dir})")
     rows = [[r.name, r.kind, r.address, str(r.pid), r.log_file] for r in state.processes]
@@ -92,6 +101,8 @@ def _up(args: argparse.Namespace) -> int:
     for record in state.processes:
         if record.health_path:
             print(f"{record.name}: http://{record.address}")
+        if record.kind == "gateway":
+            print(f"Envoy (OpenAI API through the endpoint picker): http://{record.address}/v1")
     print(f"\nredis {state.redis_url}  prefix {state.redis_prefix}")
     print("client environment:")
     for name, value in state.client_env().items():

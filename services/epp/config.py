@@ -9,6 +9,7 @@ from kvrs.client import parse_addresses
 from kvrs.errors import KvrsError
 from kvrs.model import model_spec
 from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str
+from services.epp.endpoints import split_address
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class Config:
     target_port: int = 0
     """EPP_TARGET_PORT: the port Envoy sends requests to on a decode instance's host (the
     InferencePool's target port); 0 = the port the instance registered in gossip."""
+    endpoints: Mapping[str, str] = field(default_factory=dict)
+    """EPP_ENDPOINTS: `instance=host:port,...`, where the gateway reaches each decode
+    instance (e.g. an OpenAI adapter pinned to it); overrides the gossip address and
+    EPP_TARGET_PORT, and instances it does not name are not routed to; empty = gossip."""
     model: str = "opt-125m"
     """KVRS_MODEL: model preset; its block size cuts prompts into prefix-hash blocks."""
     endpoints_refresh_s: float = 0.5
@@ -57,6 +62,7 @@ class Config:
             prefill_instance_id=env_str("EPP_PREFILL_INSTANCE", "", env),
             policy=env_str("EPP_POLICY", "", env),
             target_port=env_int("EPP_TARGET_PORT", 0, env),
+            endpoints=parse_endpoints(env_str("EPP_ENDPOINTS", "", env)),
             model=env_str("KVRS_MODEL", "opt-125m", env),
             endpoints_refresh_s=env_float("EPP_ENDPOINTS_REFRESH_S", 0.5, env),
             scheduler_timeout_s=env_float("EPP_SCHEDULER_TIMEOUT_S", 0.5, env),
@@ -80,3 +86,23 @@ class Config:
             model_spec(self.model)
         except KvrsError as exc:
             raise ConfigError(f"KVRS_MODEL: {exc}") from None
+
+
+def parse_endpoints(text: str) -> dict[str, str]:
+    """EPP_ENDPOINTS (`instance=host:port,...`) as instance id -> host:port."""
+    endpoints: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        instance_id, sep, address = item.partition("=")
+        instance_id, address = instance_id.strip(), address.strip()
+        try:
+            if not sep or not instance_id:
+                raise ValueError
+            split_address(address)
+        except ValueError:
+            raise ConfigError(
+                f"EPP_ENDPOINTS must be instance=host:port,..., got {item!r}"
+            ) from None
+        endpoints[instance_id] = address
+    return endpoints

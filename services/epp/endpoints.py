@@ -4,8 +4,10 @@ Envoy names an upstream by `ip:port`; kvrs names it by instance id. The director
 builds the map from gossip's list of alive instances: a decode instance registered at
 `host:port` is the endpoint `ip(host):port` (or `ip(host):target_port` when the gateway
 reaches the instances on another port than the one they registered, as an
-InferencePool's target port does). Host names are resolved, because Envoy's
-original-destination cluster only accepts IP addresses. The map is reused for
+InferencePool's target port does), or the address `endpoints` names for it, when
+another process serves the instance's HTTP (an OpenAI adapter pinned to it). Host
+names are resolved, because Envoy's original-destination cluster only accepts IP
+addresses. The map is reused for
 `refresh_s`; when gossip cannot be reached the last map keeps serving.
 """
 
@@ -90,12 +92,16 @@ class EndpointDirectory:
         *,
         refresh_s: float,
         target_port: int = 0,
+        endpoints: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._source = source
         self.refresh_s = refresh_s
         self.target_port = target_port
+        self.endpoints = dict(endpoints or {})
+        """Decode instance id -> host:port the gateway reaches it at; when set, instances
+        it does not name are not routed to."""
         self._timeout_s = timeout_s
         self._clock = clock
         self._current: Endpoints | None = None
@@ -131,13 +137,18 @@ class EndpointDirectory:
         decode = [node for node in alive if node.role == common_pb2.ROLE_DECODE]
         hosts: list[tuple[str, str, int]] = []
         for node in decode:
-            try:
-                host, port = split_address(node.address)
-            except ValueError:
-                log.warning("decode instance %s registered an unusable address %r",
-                            node.instance_id, node.address)
+            if self.endpoints and node.instance_id not in self.endpoints:
                 continue
-            hosts.append((node.instance_id, host, self.target_port or port))
+            address = self.endpoints.get(node.instance_id, node.address)
+            try:
+                host, port = split_address(address)
+            except ValueError:
+                log.warning("decode instance %s has an unusable address %r",
+                            node.instance_id, address)
+                continue
+            if not self.endpoints:
+                port = self.target_port or port
+            hosts.append((node.instance_id, host, port))
         ips = await asyncio.gather(*(_resolve(host) for _, host, _ in hosts),
                                    return_exceptions=True)
         by_endpoint: dict[str, str] = {}

@@ -46,6 +46,7 @@ async def build_server(
         client,
         refresh_s=config.endpoints_refresh_s,
         target_port=config.target_port,
+        endpoints=config.endpoints,
         timeout_s=config.scheduler_timeout_s,
     )
     picker = Picker(

@@ -31,6 +31,9 @@ from services.openai_http import protocol
 from services.openai_http.config import Config
 from services.openai_http.generation import Finished, GenerateCall, Generator, Token
 
+DECODE_INSTANCE_HEADER = "x-kvrs-decode-instance"
+"""Response header of a non-streamed completion: the decode instance(s) that finished it."""
+
 log = logging.getLogger(__name__)
 
 Event = tuple[int, Token | Finished]
@@ -122,6 +125,7 @@ class CompletionsApi:
                     max_new_tokens=parsed.max_tokens,
                     timeout_s=self.config.request_timeout_s,
                     ttft_slo_s=self.config.ttft_slo_s,
+                    decode_instance_id=self.config.decode_instance_id,
                 )
                 for index, prompt in enumerate(parsed.prompts)
             ]
@@ -159,6 +163,7 @@ class CompletionsApi:
     ) -> web.Response:
         tokens: list[list[int]] = [[] for _ in calls]
         reasons = ["length"] * len(calls)
+        served_by: set[str] = set()
         try:
             async with contextlib.aclosing(_merged(self.generator, calls)) as events:
                 async for index, event in events:
@@ -166,15 +171,17 @@ class CompletionsApi:
                         tokens[index].append(event.token_id)
                     else:
                         reasons[index] = event.finish_reason
+                        served_by.add(event.decode_instance_id)
         except KvrsError as exc:
             return self._error(exc, span)
+        served_by.discard("")
         usage = protocol.Usage(sum(len(p) for p in parsed.prompts), sum(map(len, tokens)))
         span.set_attributes({"kvrs.generated_tokens": usage.completion_tokens,
                              "kvrs.openai.status": 200})
         self._count("ok")
         return web.json_response(protocol.completion_body(
             completion_id, parsed.model, [decode(t) for t in tokens], reasons, usage,
-        ))
+        ), headers={DECODE_INSTANCE_HEADER: ",".join(sorted(served_by))} if served_by else None)
 
     async def _stream(
         self,

@@ -26,6 +26,9 @@ class Config:
     recovery aborts early when no option can finish in time); beyond it the client gets 504."""
     ttft_slo_s: float = 0.0
     """OPENAI_HTTP_TTFT_SLO_S: time-to-first-token objective reported by the router; 0 = none."""
+    decode_instance_id: str = ""
+    """OPENAI_HTTP_DECODE_INSTANCE: decode instance every completion is placed on first
+    (one adapter per instance behind a gateway that picks it); empty = the router's choice."""
     metrics_addr: str = ""
     """KVRS_METRICS_ADDR: host:port of the Prometheus endpoint; empty = off."""
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
@@ -40,6 +43,7 @@ class Config:
             max_tokens_limit=env_int("OPENAI_HTTP_MAX_TOKENS", 4096, env),
             request_timeout_s=env_float("OPENAI_HTTP_REQUEST_TIMEOUT_S", 300.0, env),
             ttft_slo_s=env_float("OPENAI_HTTP_TTFT_SLO_S", 0.0, env),
+            decode_instance_id=env_str("OPENAI_HTTP_DECODE_INSTANCE", "", env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             grpc=GrpcSettings.from_env(env),
         )

@@ -34,6 +34,8 @@ class GenerateCall:
     timeout_s: float
     """The completion's deadline, from now."""
     ttft_slo_s: float = 0.0
+    decode_instance_id: str = ""
+    """Decode instance the router places the request on first; empty = its choice."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class Finished:
     """OpenAI's: "length" (max_tokens reached) or "stop"."""
     prompt_tokens: int
     generated_tokens: int
+    decode_instance_id: str = ""
+    """Where decoding ended (after any recovery); empty when unknown."""
 
 
 class Generator(Protocol):
@@ -76,6 +80,7 @@ class RouterGenerator:
             max_new_tokens=call.max_new_tokens,
             ttft_slo_s=call.ttft_slo_s,
             deadline_unix_ms=int((time.time() + call.timeout_s) * 1000),
+            decode_instance_id=call.decode_instance_id,
         )
         stream = self._stub.Generate(request, timeout=call.timeout_s)
         received = 0
@@ -96,7 +101,8 @@ class RouterGenerator:
                 if summary.finish_reason == FINISH_ABORT:
                     aborted = summary
                     continue
-                yield Finished("length", summary.prompt_tokens, summary.generated_tokens)
+                yield Finished("length", summary.prompt_tokens, summary.generated_tokens,
+                               summary.final_decode_instance_id)
                 return
         except grpc.aio.AioRpcError as exc:
             if aborted is not None:
