@@ -214,12 +214,7 @@ async def _join_gossip(config: Config, handle: WorkerServerHandle, engine: Worke
                         resident_prefix_hashes=tuple(stats.resident_prefix_hashes))
 
     def forget_requests() -> None:
-        # Gossip declared this worker failed: its decode streams were recovered elsewhere.
-        # A prefill worker keeps its KV under the leases it already has: a false failure
-        # (a starved heartbeat) must not take away the source a migration reads from.
-        if config.role != "decode":
-            log.warning("re-registered after being declared failed; KV kept under its leases")
-            return
+        # Gossip declared this worker failed: its requests were recovered elsewhere.
         request_ids = engine.store.request_ids()
         for request_id in request_ids:
             engine.store.release(request_id)
