@@ -9,6 +9,7 @@ from services.common.config import (
     env_float,
     env_int,
     env_str,
+    require_positive,
 )
 from services.common.errors import ErrorInterceptor, status_for
 from services.common.metrics import Metrics, serve_metrics
@@ -46,6 +47,7 @@ __all__ = [
     "env_int",
     "env_str",
     "open_channel",
+    "require_positive",
     "run_until_signal",
     "serve_metrics",
     "server_interceptors",

@@ -54,6 +54,13 @@ def env_bool(name: str, default: bool, env: Mapping[str, str] | None = None) -> 
     raise ConfigError(f"{name} must be a boolean (1/0, true/false), got {raw!r}")
 
 
+def require_positive(*settings: tuple[str, float]) -> None:
+    """ConfigError naming the first variable whose value is not > 0 (NaN included)."""
+    for name, value in settings:
+        if not value > 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     """TLS material for gRPC servers and clients, read from `KVRS_TLS_*`.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.common import ConfigError, GrpcSettings, env_float, env_str
+from services.common import GrpcSettings, env_float, env_str, require_positive
 from services.scheduler.inputs import InputsConfig
 
 
@@ -39,10 +39,8 @@ class Config:
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             grpc=GrpcSettings.from_env(env),
         )
-        for name, value in (
+        require_positive(
             ("COST_ORACLE_REFRESH_S", config.refresh_s),
             ("COST_ORACLE_PEER_TIMEOUT_S", config.peer_timeout_s),
-        ):
-            if not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
+        )
         return config

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvrs.client import parse_addresses
 from kvrs.errors import KvrsError
 from kvrs.model import model_spec
-from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str
+from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str, require_positive
 from services.epp.endpoints import split_address
 
 
@@ -74,12 +74,10 @@ class Config:
 
     def validate(self) -> None:
         """Fails fast, naming the variable, on a value the picker cannot run with."""
-        for name, value in (
+        require_positive(
             ("EPP_ENDPOINTS_REFRESH_S", self.endpoints_refresh_s),
             ("EPP_SCHEDULER_TIMEOUT_S", self.scheduler_timeout_s),
-        ):
-            if not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
+        )
         if not 0 <= self.target_port <= 65535:
             raise ConfigError(f"EPP_TARGET_PORT must be a port (0-65535), got {self.target_port}")
         try:

@@ -12,6 +12,7 @@ from services.common import (
     env_float,
     env_int,
     env_str,
+    require_positive,
 )
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -56,14 +57,12 @@ class Config:
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             grpc=GrpcSettings.from_env(env),
         )
-        for name, value in (
+        require_positive(
             ("GOSSIP_HEARTBEAT_TTL_S", config.heartbeat_ttl_s),
             ("GOSSIP_SWEEP_INTERVAL_S", config.sweep_interval_s),
             ("GOSSIP_EVENTS_MAXLEN", config.events_maxlen),
             ("GOSSIP_DOWN_RETENTION_S", config.down_retention_s),
-        ):
-            if not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
+        )
         if "{" not in config.redis_prefix or "}" not in config.redis_prefix:
             raise ConfigError(
                 f"KVRS_REDIS_PREFIX must contain a hash tag like '{{kvrs}}:', "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str
+from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str, require_positive
 
 PAIR_MODES = ("prefill-decode", "all")
 
@@ -81,7 +81,7 @@ class Config:
                 f"PROBER_BUDGET_FRACTION must be in (0, 1], got {self.budget_fraction}")
         if not 0 < self.ewma_alpha <= 1:
             raise ConfigError(f"PROBER_EWMA_ALPHA must be in (0, 1], got {self.ewma_alpha}")
-        for name, value in (
+        require_positive(
             ("PROBER_TARGET_PROBE_S", self.target_probe_s),
             ("PROBER_INTERVAL_S", self.interval_s),
             ("PROBER_PAYLOAD_TOKENS", self.payload_tokens),
@@ -89,8 +89,6 @@ class Config:
             ("PROBER_PAYLOAD_LEASE_S", self.payload_lease_s),
             ("PROBER_WORKER_TIMEOUT_S", self.worker_timeout_s),
             ("PROBER_REFRESH_S", self.refresh_s),
-        ):
-            if not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
+        )
         if self.pacing_bps < 0:
             raise ConfigError(f"PROBER_PACING_BPS must be >= 0, got {self.pacing_bps}")

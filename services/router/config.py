@@ -9,7 +9,7 @@ from kvrs.client import parse_addresses
 from kvrs.errors import KvrsError
 from kvrs.placement import make_placement_policy
 from kvrs.recovery import make_recovery_policy
-from services.common import ConfigError, GrpcSettings, env_float, env_str
+from services.common import ConfigError, GrpcSettings, env_float, env_str, require_positive
 
 
 @dataclass(frozen=True)
@@ -79,14 +79,12 @@ class Config:
 
     def validate(self) -> None:
         """Fails fast, naming the variable, on a value the router cannot run with."""
-        for name, value in (
+        require_positive(
             ("ROUTER_WORKER_TIMEOUT_S", self.worker_timeout_s),
             ("ROUTER_DECODE_IDLE_TIMEOUT_S", self.decode_idle_timeout_s),
             ("ROUTER_CONTROL_TIMEOUT_S", self.control_timeout_s),
             ("ROUTER_VIEW_REFRESH_S", self.view_refresh_s),
-        ):
-            if not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
+        )
         if self.batch_window_s < 0:
             raise ConfigError(f"ROUTER_BATCH_WINDOW_S must be >= 0, got {self.batch_window_s}")
         for name, make, value in (

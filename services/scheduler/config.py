@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from kvrs.errors import KvrsError
 from kvrs.placement import make_placement_policy
 from kvrs.recovery import make_recovery_policy
-from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str
+from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str, require_positive
 from services.scheduler.inputs import InputsConfig
 
 
@@ -81,14 +81,12 @@ class Config:
 
     def validate(self) -> None:
         """Fails fast, naming the variable, on a value the scheduler cannot run with."""
-        for name, value in (
+        require_positive(
             ("SCHEDULER_VIEW_REFRESH_S", self.view_refresh_s),
             ("SCHEDULER_VIEW_STALE_AFTER_S", self.view_stale_after_s),
             ("SCHEDULER_PEER_TIMEOUT_S", self.peer_timeout_s),
             ("SCHEDULER_RECOVER_REPLAY_ENTRIES", self.recover_replay_entries),
-        ):
-            if not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
+        )
         for name, value in (
             ("SCHEDULER_SLOT_TTL_S", self.slot_ttl_s),
             ("SCHEDULER_RECOVER_REPLAY_S", self.recover_replay_s),

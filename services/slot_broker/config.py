@@ -12,6 +12,7 @@ from services.common import (
     env_float,
     env_int,
     env_str,
+    require_positive,
 )
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -58,14 +59,12 @@ class Config:
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             grpc=GrpcSettings.from_env(env),
         )
-        for name, value in (
+        require_positive(
             ("SLOT_BROKER_CLUSTER_CAP", config.cluster_cap),
             ("SLOT_BROKER_LEASE_TTL_S", config.lease_ttl_s),
             ("SLOT_BROKER_MAX_LEASE_TTL_S", config.max_lease_ttl_s),
             ("SLOT_BROKER_PURGE_INTERVAL_S", config.purge_interval_s),
-        ):
-            if not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
+        )
         if config.link_cap < 0:
             raise ConfigError(f"SLOT_BROKER_LINK_CAP must be >= 0, got {config.link_cap}")
         if config.lease_ttl_s > config.max_lease_ttl_s:
