@@ -43,15 +43,18 @@ Event = tuple[int, Token | Finished]
 async def _merged(generator: Generator, calls: Sequence[GenerateCall]) -> AsyncIterator[Event]:
     """The events of every call, each tagged with its prompt's index, as they come."""
     if len(calls) == 1:
-        async for event in generator.generate(calls[0]):
-            yield 0, event
+        # Closed here, so a client that goes away cancels its router call at once.
+        async with contextlib.aclosing(generator.generate(calls[0])) as events:
+            async for event in events:
+                yield 0, event
         return
     queue: asyncio.Queue[tuple[int, Token | Finished | Exception | None]] = asyncio.Queue()
 
     async def pump(index: int, call: GenerateCall) -> None:
         try:
-            async for event in generator.generate(call):
-                await queue.put((index, event))
+            async with contextlib.aclosing(generator.generate(call)) as events:
+                async for event in events:
+                    await queue.put((index, event))
         except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
             await queue.put((index, exc))
         else:

@@ -10,7 +10,7 @@ the client never sees).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,7 +55,7 @@ class Finished:
 
 
 class Generator(Protocol):
-    def generate(self, call: GenerateCall) -> AsyncIterator[Token | Finished]:
+    def generate(self, call: GenerateCall) -> AsyncGenerator[Token | Finished, None]:
         """Tokens in order, then one `Finished`; a `KvrsError` when the request fails."""
         ...
 
@@ -73,7 +73,7 @@ class RouterGenerator:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[Token | Finished]:
+    async def generate(self, call: GenerateCall) -> AsyncGenerator[Token | Finished, None]:
         request = router_pb2.GenerateRequest(
             request_id=call.request_id,
             prompt_token_ids=list(call.prompt_token_ids),

@@ -179,7 +179,8 @@ class Router:
                 self.metrics.requests.labels(outcome=outcome).inc()
                 span.set_attribute("kvrs.outcome", outcome)
                 self._detach(run)
-                await self._release_all(run)
+                # Shielded: a second cancellation must not leave KV on a worker.
+                await asyncio.shield(self._release_all(run))
 
     def _first_token(self, run: Run, started: float) -> None:
         summary = run.summary

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import AsyncIterator
 
 import grpc
 
@@ -82,20 +82,26 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    ) -> None:
+        # Written with context.write from a coroutine, not yielded from a generator: when
+        # the client hangs up (the HTTP adapter does right after the summary) the
+        # cancellation lands here, and closing the flow's generator releases the request's
+        # KV at once. A suspended generator would wait for the garbage collector.
         domain = generate_from_pb(request)
         last_index = domain.max_new_tokens - 1
         held: Token | None = None
-        async for item in self._router.generate(domain):
-            if isinstance(item, Token):
-                if item.index == last_index:
-                    held = item
+        async with contextlib.aclosing(self._router.generate(domain)) as items:
+            async for item in items:
+                if isinstance(item, Token):
+                    if item.index == last_index:
+                        held = item
+                    else:
+                        await context.write(
+                            router_pb2.GenerateResponse(index=item.index, token_id=item.token_id))
+                    continue
+                summary = summary_to_pb(item)
+                if held is not None:
+                    await context.write(router_pb2.GenerateResponse(
+                        index=held.index, token_id=held.token_id, summary=summary))
                 else:
-                    yield router_pb2.GenerateResponse(index=item.index, token_id=item.token_id)
-                continue
-            if held is not None:
-                yield router_pb2.GenerateResponse(
-                    index=held.index, token_id=held.token_id, summary=summary_to_pb(item)
-                )
-            else:
-                yield router_pb2.GenerateResponse(index=-1, summary=summary_to_pb(item))
+                    await context.write(router_pb2.GenerateResponse(index=-1, summary=summary))

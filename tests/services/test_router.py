@@ -198,3 +198,31 @@ async def test_no_decode_instance_left_ends_the_stream_unavailable_after_the_sum
     assert tokens == reference(PROMPT, 1500)[: len(tokens)]
     assert await plane.resident_requests("prefill-0") == 0
     assert await plane.resident_requests("prefill-1") == 0
+
+
+async def wait_until_released(plane: Plane, timeout_s: float = 10.0) -> None:
+    """Until no worker holds KV (the router releases it as the stream ends)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        resident = {name: await plane.resident_requests(name)
+                    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1")}
+        if not any(resident.values()):
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"KV left behind: {resident}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("hang_up_after", ["3 tokens", "the summary"])
+async def test_a_client_that_hangs_up_leaves_no_kv_behind(plane, hang_up_after):
+    """The OpenAI adapter cancels its call once it has the summary; a user may close a
+    stream at any token. Either way the request's KV on prefill and decode is released."""
+    max_new_tokens = 400 if hang_up_after == "3 tokens" else 8
+    call = router(plane).Generate(generate(f"r-hangup-{len(hang_up_after)}",
+                                           max_new_tokens=max_new_tokens), timeout=60)
+    received = 0
+    async for message in call:
+        received += 1
+        if message.HasField("summary") or (hang_up_after == "3 tokens" and received == 3):
+            break
+    call.cancel()
+    await wait_until_released(plane)
