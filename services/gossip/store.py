@@ -105,8 +105,10 @@ local fields = {}
 for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', node, unpack(fields))
 if state ~= 'alive' then
+  -- A (re)joining instance holds no requests: all of its KV memory is free.
+  local capacity = redis.call('HGET', node, 'kv_capacity_blocks') or 0
   redis.call('HSET', node, 'queue_depth', 0, 'queued_work_s', 0, 'running_requests', 0,
-    'free_kv_blocks', 0, 'resident_prefix_hashes', '[]')
+    'free_kv_blocks', capacity, 'resident_prefix_hashes', '[]')
 end
 redis.call('HSET', node, 'state', 'alive', 'last_seen_unix_ms', now, 'ttl_ms', ttl_ms)
 redis.call('HDEL', node, 'down_unix_ms')

@@ -1,7 +1,7 @@
 """Worker server assembly: model, KV store, transfer agent, gRPC server, canary, gossip.
 
 Lifecycle: build the model (in a thread) → start the server NOT_SERVING → one-token
-canary → SERVING and register with gossip. The canary repeats; a failure turns health
+canary → register with gossip → SERVING. The canary repeats; a failure turns health
 NOT_SERVING until it passes again. On SIGTERM: deregister (the scheduler stops placing
 here) → NOT_SERVING → in-flight RPCs (decode streams) get the grace period → close
 channels, transfer agent and compute thread. `stop` is safe twice and after a partial
@@ -179,13 +179,15 @@ async def build_server(
     handle.cleanups.append(close_resources)
     try:
         await engine.canary()
+        # Registered before SERVING: whoever waits for health (a launcher, a readiness
+        # probe) then finds the worker in the cluster, with its free KV memory.
+        if config.gossip_addr:
+            handle.heartbeat = await _join_gossip(config, handle, engine, provider)
         await handle.set_serving(True)
         for task in (asyncio.create_task(_canary_forever(engine, handle,
                                                          config.canary_interval_s)),
                      asyncio.create_task(engine.expire_forever(_LEASE_SWEEP_S))):
             handle.cleanups.append(lambda t=task: _cancel(t))
-        if config.gossip_addr:
-            handle.heartbeat = await _join_gossip(config, handle, engine, provider)
     except BaseException:
         await handle.stop(0)
         raise

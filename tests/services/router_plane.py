@@ -98,8 +98,7 @@ class Plane:
             self.handles["router"] = await build_router(config, self.provider, self.metrics)
 
     async def wait_for_heartbeats(self, names, timeout_s: float = 10.0) -> None:
-        """Until every named worker has reported its load (a registration alone reports no
-        free KV memory, so the scheduler would not place anything there)."""
+        """Until gossip lists every named worker with free KV memory to place work on."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             nodes = {n.registration.instance_id: n for n in await self.gossip.list_nodes()}

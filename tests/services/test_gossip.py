@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -110,6 +111,15 @@ async def test_register_heartbeat_and_list(client):
     await asyncio.sleep(0.15)
     aged = {n.registration.instance_id: n for n in await client.list_nodes(role="prefill")}
     assert aged["prefill-0"].age_s >= 0.15
+
+
+async def test_a_new_instance_reports_all_its_kv_free_before_its_first_heartbeat(client):
+    """Placement filters on free KV; a worker that joined must be usable at once."""
+    joined = await client.register(replace(decode("decode-0"), kv_capacity_blocks=64))
+    assert joined.load.free_kv_blocks == 64
+    await client.heartbeat("decode-0", NodeLoad(free_kv_blocks=10))
+    refreshed = await client.register(replace(decode("decode-0"), kv_capacity_blocks=64))
+    assert refreshed.load.free_kv_blocks == 10, "a live re-registration keeps its reported load"
 
 
 async def test_registration_is_idempotent_and_joined_once(client):
