@@ -190,47 +190,56 @@ class InboundPairs:
 
 @dataclass
 class _Outbound:
-    incarnation: str
     generation: int
     group: Future = field(default_factory=Future)
 
 
 class OutboundPairs:
-    """The sender's pairs, one per receiver, joined on the receiver's store."""
+    """The sender's pairs, one per receiver incarnation, joined on the receiver's store.
+
+    Keyed by (receiver id, incarnation): a ticket from a receiver that has since died
+    (its store unreachable, its join blocking for the whole timeout) never displaces the
+    pair of the receiver's live incarnation. A pair of an older incarnation is closed once
+    a newer one has joined.
+    """
 
     def __init__(self, incarnation: str, host: str, timeout_s: float) -> None:
         self._incarnation = incarnation
         self._host = host
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._pairs: dict[str, _Outbound] = {}
+        self._pairs: dict[tuple[str, str], _Outbound] = {}
         self._stores: dict[tuple[str, str], Store] = {}
 
     def group(self, receiver_id: str, incarnation: str, generation: int, address: str,
               sender_id: str) -> PairGroup:
         """The group a ticket names; joins it (blocking) on first use."""
+        key = (receiver_id, incarnation)
         with self._lock:
-            pair = self._pairs.get(receiver_id)
-            same = (pair is not None and pair.incarnation == incarnation
-                    and pair.generation == generation)
+            pair = self._pairs.get(key)
+            same = pair is not None and pair.generation == generation
             if not same:
-                if pair is not None and pair.incarnation == incarnation \
-                        and generation < pair.generation:
+                if pair is not None and generation < pair.generation:
                     raise PeerLost(f"ticket names pair generation {generation}, "
                                    f"already replaced by {pair.generation}")
-                old, pair = pair, _Outbound(incarnation, generation)
-                self._pairs[receiver_id] = pair
+                old, pair = pair, _Outbound(generation)
+                self._pairs[key] = pair
         if same:
             group = pair.group.result()
             if group.broken:
                 raise PeerLost(f"pair {group.name} is closed; the receiver opens a new one")
             return group
-        if old is not None and old.group.done() and old.group.exception() is None:
-            old.group.result().close()
+        _close_joined(old)
         try:
             pair.group.set_result(self._join(address, incarnation, sender_id, generation))
         except BaseException as exc:
             pair.group.set_exception(exc)
+            raise
+        with self._lock:
+            stale = [k for k in self._pairs if k[0] == receiver_id and k != key]
+            retired = [self._pairs.pop(k) for k in stale]
+        for earlier in retired:
+            _close_joined(earlier)
         return pair.group.result()
 
     def _store(self, address: str, incarnation: str) -> Store:
@@ -277,5 +286,10 @@ class OutboundPairs:
             pairs, self._pairs = list(self._pairs.values()), {}
             self._stores.clear()
         for pair in pairs:
-            if pair.group.done() and pair.group.exception() is None:
-                pair.group.result().close()
+            _close_joined(pair)
+
+
+def _close_joined(pair: _Outbound | None) -> None:
+    """Closes a pair whose join succeeded; one still joining or failed has nothing open."""
+    if pair is not None and pair.group.done() and pair.group.exception() is None:
+        pair.group.result().close()
