@@ -15,21 +15,24 @@ most `chunk_tokens` tokens.
 
 Version history (PROTOCOL_HISTORY keeps it machine-readable):
     1  first version: the layout above, crc32 of key and value bytes per chunk.
+    2  xxh3-64 in place of crc32: the same protection against torn or misrouted
+       chunks at several times crc32's speed, so checksums stay on by default.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-import zlib
 from dataclasses import asdict, dataclass
 
 import torch
+import xxhash
 
 from libkvxfer._errors import LayoutMismatch, ProtocolVersionMismatch
 
 __all__ = [
     "CHUNK_META_BYTES",
+    "NO_CHECKSUM",
     "PREAMBLE_BYTES",
     "PROTOCOL_HISTORY",
     "PROTOCOL_VERSION",
@@ -44,10 +47,13 @@ __all__ = [
     "tensor_bytes",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 PROTOCOL_HISTORY: dict[int, str] = {
     1: "16-byte preamble, JSON header, per-chunk JSON metadata + key/value bytes, crc32",
+    2: "as 1, with an xxh3-64 checksum of the key and of the value bytes per chunk",
 }
+NO_CHECKSUM = -1
+"""ChunkMeta's checksum when the sender computes none."""
 
 MAGIC = b"KVXF"
 PREAMBLE_BYTES = 16
@@ -140,9 +146,9 @@ class ChunkMeta:
     token_end: int
     dtype: str
     shape: tuple[int, ...]
-    key_crc32: int
-    """crc32 of the key bytes; -1 when the sender does not compute checksums."""
-    value_crc32: int
+    key_checksum: int
+    """xxh3-64 of the key bytes; NO_CHECKSUM when the sender computes none."""
+    value_checksum: int
 
     def to_bytes(self) -> bytes:
         data = json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -177,5 +183,5 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(data: torch.Tensor) -> int:
-    """crc32 of a flat uint8 tensor; zlib releases the GIL, so it overlaps with sends."""
-    return zlib.crc32(data.numpy())
+    """xxh3-64 of a flat uint8 tensor, read in place (tens of GB/s per core)."""
+    return xxhash.xxh3_64_intdigest(data.numpy())

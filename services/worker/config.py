@@ -57,8 +57,8 @@ class Config:
     transfer_chunk_tokens: int = 0
     """WORKER_TRANSFER_CHUNK_TOKENS: tokens per transfer chunk within a layer; 0 = a layer."""
     transfer_checksums: bool = True
-    """WORKER_TRANSFER_CHECKSUMS: send a crc32 of every chunk (receivers verify what they
-    get); costs a pass over the bytes on each side, which matters on a CPU-bound host."""
+    """WORKER_TRANSFER_CHECKSUMS: send an xxh3-64 checksum of every chunk
+    (receivers verify what they get); a fast pass over the bytes on each side."""
     send_kv_deadline_s: float = 600.0
     """WORKER_SEND_KV_DEADLINE_S: deadline of the SendKv call a PullKv makes (capped by the
     PullKv's own deadline); progress is watched by the transfer timeout meanwhile."""

@@ -65,7 +65,7 @@ def _patch_wire(mode: str) -> None:
         _protocol.encode_preamble = lambda flags, size, v=version: original(flags, size, v)
     elif mode == "corrupt":
         original_checksum = _agent.checksum
-        _agent.checksum = lambda data: (original_checksum(data) + 1) & 0xFFFFFFFF
+        _agent.checksum = lambda data: (original_checksum(data) + 1) % 2**64
 
 
 def peer_main(conn, instance_id: str, config: dict, wire: str) -> None:
