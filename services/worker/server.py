@@ -216,7 +216,13 @@ async def _join_gossip(config: Config, handle: WorkerServerHandle, engine: Worke
                         resident_prefix_hashes=tuple(stats.resident_prefix_hashes))
 
     def forget_requests() -> None:
-        # Gossip declared this worker failed: its requests were recovered elsewhere.
+        # Gossip declared this worker failed, perhaps only because its heartbeats were late.
+        # The router moved its decode streams elsewhere, so a decode worker drops their KV;
+        # a prefill worker keeps its KV under the leases it has: a migration still reads it,
+        # and the router releases it when its request ends.
+        if config.role == "prefill":
+            log.warning("re-registered after being declared failed; KV kept under its leases")
+            return
         request_ids = engine.store.request_ids()
         for request_id in request_ids:
             engine.store.release(request_id)

@@ -50,7 +50,6 @@ from kvrs.profile import ComputeProfile
 from services.common import GrpcSettings
 from services.common.healthcheck import SERVING, check_health
 from services.gossip.client import GossipClient
-from services.gossip.records import ALIVE
 
 RECOVERY_SERVICES = (
     "gossip", "slot-broker", "scheduler-1", "prefill-0", "prefill-1", "decode-0", "decode-1",
@@ -175,8 +174,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         try:
             while True:
-                alive = {n.registration.instance_id for n in await client.list_nodes()
-                         if n.state == ALIVE}
+                alive = {n.registration.instance_id for n in await client.list_nodes()}
                 if set(names) & set(WORKERS) <= alive:
                     break
                 if time.monotonic() > deadline:

@@ -29,6 +29,7 @@ from kvrs.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.gossip.client import GossipClient
 from services.worker.model import Transformer
 
 PROMPT_TOKENS = 100
@@ -218,3 +219,46 @@ async def test_losing_the_prefill_worker_that_holds_the_kv_falls_back_to_recompu
         assert attempts[1].source_instance_id == "prefill-1"
         assert attempts[1].succeeded
     await assert_nothing_leaked(cluster, ("prefill-1", "decode-1"))
+
+
+async def _wait_state(cluster, instance_id: str, state: str, timeout_s: float = 10.0) -> None:
+    async with GossipClient(cluster.address("gossip"), timeout_s=2) as gossip:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            nodes = {n.registration.instance_id: n
+                     for n in await gossip.list_nodes(include_down=True)}
+            if instance_id in nodes and nodes[instance_id].state == state:
+                return
+            assert time.monotonic() < deadline, f"gossip never listed {instance_id} {state}"
+            await asyncio.sleep(0.05)
+
+
+async def test_a_prefill_worker_starved_past_its_ttl_keeps_the_kv_a_migration_reads(cluster):
+    """SIGSTOP longer than the heartbeat TTL: gossip declares prefill-0 failed, though it
+    lost nothing. After SIGCONT it registers again and must still hold the KV it
+    prefilled, so when decode-0 then dies the migration from prefill-0 succeeds."""
+    stream = Stream(request("starved-prefill", seed=40, max_new_tokens=8000,
+                            recovery_policy="always_migrate"))
+    async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
+        task = asyncio.create_task(run_stream(router_pb2_grpc.RouterServiceStub(channel),
+                                              stream))
+        while len(stream.tokens) < 10:
+            assert not task.done(), stream.error
+            await asyncio.sleep(0.001)
+        cluster.signal("prefill-0", signal.SIGSTOP)
+        try:
+            await _wait_state(cluster, "prefill-0", "failed")
+        finally:
+            cluster.signal("prefill-0", signal.SIGCONT)
+        await cluster.wait_alive(["prefill-0"])
+        cluster.signal("decode-0", signal.SIGSTOP)
+        cluster.kill("decode-0")
+        assert len(stream.tokens) < 8000, "the request ended before decode-0 died"
+        await task
+    assert_exact(stream)
+    assert [(r.action, r.succeeded) for r in stream.summary.recoveries] == [(MIGRATE, True)], \
+        stream.summary.recoveries
+    (recovery,) = stream.summary.recoveries
+    assert recovery.source_instance_id == "prefill-0"
+    assert recovery.succeeded
+    await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-1"))
