@@ -78,6 +78,8 @@ class ClusterView:
     """Age of the oldest gossip the view is built from."""
     stale: bool = False
     """The view is older than the staleness bound (e.g. the gossip store is unreachable)."""
+    derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """What decisions compute from `instances` alone, keyed by its owner; emptied with them."""
     _lists: dict[Any, InstanceList] = field(default_factory=dict, init=False, repr=False,
                                             compare=False)
 
@@ -85,6 +87,7 @@ class ClusterView:
         if name == "instances":
             value = MappingProxyType(dict(value))
             self.__dict__.get("_lists", {}).clear()
+            self.__dict__.get("derived", {}).clear()
         super().__setattr__(name, value)
 
     def decode_instances(self, exclude: Collection[str] = ()) -> InstanceList:

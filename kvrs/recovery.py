@@ -18,13 +18,12 @@ RecomputeOrMigrate rule; `AlwaysMigrate` and `AlwaysRecompute` force one mode.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
 from kvrs._columns import Columns
-from kvrs._frozen import build
 from kvrs.cluster import ClusterView
 from kvrs.costmodel import CostModel
 from kvrs.errors import FailedPrecondition, InvalidArgument
@@ -50,6 +49,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 _INF = math.inf
+_new = object.__new__
+_COLUMNS_CACHE_MAX = 64
 TIE_TOLERANCE_S = 1e-9
 """Costs closer than this are a tie (then MIGRATE, which moves no compute, wins)."""
 
@@ -214,6 +215,25 @@ def hybrid_split(
 
 # -- evaluation of the options of one request -------------------------------------------
 
+def _columns(view: ClusterView, exclude_ids: Collection[str]) -> tuple[Columns, Columns]:
+    """Columns of the view's alive decode and prefill instances minus `exclude_ids`.
+
+    Every request stranded by one failure excludes the same instances, so the pair is
+    kept on the view (one lookup per decision instead of two lists and two columns).
+    """
+    if not isinstance(exclude_ids, frozenset):
+        exclude_ids = frozenset(exclude_ids)
+    derived = view.derived
+    key = (_columns, exclude_ids)
+    found = derived.get(key)
+    if found is None:
+        if len(derived) >= _COLUMNS_CACHE_MAX:
+            derived.clear()
+        found = derived[key] = (Columns.of(view.decode_instances(exclude_ids)),
+                                Columns.of(view.prefill_instances(exclude_ids)))
+    return found
+
+
 # A raw option: (cost_s, target_id, source_id, wait_s, transfer_s, compute_s, split_tokens)
 _Raw = tuple[float, str, str, float, float, float, int]
 
@@ -235,12 +255,10 @@ class _Options:
         self.request, self.view, self.cost, self.now_s = request, view, cost, now_s
         self.extra_flows = extra_flows or None
         self.extra_wait = extra_wait or None
-        decode = view.decode_instances(request.exclude_ids)
-        if not decode:
+        self.decode, self.prefill = _columns(view, request.exclude_ids)
+        if not self.decode.ids:
             raise FailedPrecondition("no alive decode instance to recover to",
                                      field="decode_instances")
-        self.decode = Columns.of(decode)
-        self.prefill = Columns.of(view.prefill_instances(request.exclude_ids))
         need = request.prompt_tokens + request.generated_tokens
         free = self.decode.free
         self.targets: Sequence[int] = (
@@ -292,7 +310,8 @@ class _Options:
 
         W(d) + T_ext bounds both options from below; with a fitted profile, so does the
         crossing of the split's two terms with T_pf linearised (c ≥ 0 dropped), so most
-        targets are dismissed before their split is searched.
+        targets are dismissed before their split is searched. The search keeps the best
+        of each action as plain locals (index and cost) and builds the two results once.
         """
         request, cost = self.request, self.cost
         targets = self.targets if targets is None else targets
@@ -301,48 +320,55 @@ class _Options:
         source = request.source_prefill_id
         prompt_tokens = request.prompt_tokens
         bits_per_token = cost.kv_bits_per_token
-        ext_s, ids, waits = self.ext_s, self.decode.ids, self.waits(self.decode)
+        prompt_bits = bits_per_token * prompt_tokens
+        ext_s = self.ext_s
+        waits = self.decode.wait if self.extra_wait is None else self.waits(self.decode)
         bandwidths, rtts = self.rates_from(source)
-        bounded = with_hybrid and not cost.compute.table
-        a_s, b_s = cost.compute.a_s, cost.compute.b_s_per_token
-        best_m: _Raw | None = None
-        best_h: _Raw | None = None
+        compute = cost.compute
+        bounded = with_hybrid and not compute.table
+        a_s, b_s = compute.a_s, compute.b_s_per_token
+        recompute_all_s = a_s + b_s * prompt_tokens
+        # Best so far of each action: target index (-1 for none yet) and cost. Without
+        # HYBRID, h_s stays -inf, so MIGRATE's cost alone decides whether to skip a target.
+        m_i, m_s, m_transfer = -1, _INF, 0.0
+        h_i, h_s, h_k = -1, (_INF if with_hybrid else -_INF), 0
         splits: dict[tuple[float, float], tuple[int, float]] = {}
-
-        def split(bps: float, rtt_s: float) -> tuple[int, float]:
-            found = splits.get((bps, rtt_s))
-            if found is None:
-                found = splits[(bps, rtt_s)] = _split(cost.compute, prompt_tokens,
-                                                      bits_per_token, bps, rtt_s)
-            return found
-
         for i in targets:
             floor = waits[i] + ext_s
-            if best_m is not None and floor >= best_m[0] and (
-                    best_h is None or floor >= best_h[0]):
+            if floor >= m_s and floor >= h_s and m_i >= 0:
                 continue
             bps, rtt_s = bandwidths[i], rtts[i]
-            transfer = rtt_s + bits_per_token * prompt_tokens / bps if prompt_tokens else 0.0
+            transfer = rtt_s + prompt_bits / bps if prompt_tokens else 0.0
             total = floor + transfer
-            if best_m is None or total < best_m[0]:
-                best_m = (total, ids[i], source, waits[i], transfer, ext_s, 0)
+            if total < m_s or m_i < 0:
+                m_i, m_s, m_transfer = i, total, transfer
             if not with_hybrid:
                 continue
-            if bounded and best_h is not None:
-                # max(a + b·k, rtt + s·(L − k)) is smallest where the two lines cross.
+            # k = 0 costs the transfer; k = L at least a + b·L; in between, at least where
+            # a + b·k and rtt + s·(L − k) cross. (Rounding is monotone, so testing the sums
+            # one by one, the costly crossing last, is testing floor + the least of them.)
+            if bounded and h_i >= 0 and total >= h_s and floor + recompute_all_s >= h_s:
                 per_token_s = bits_per_token / bps
                 crossing = ((a_s * per_token_s + b_s * (rtt_s + per_token_s * prompt_tokens))
                             / (b_s + per_token_s))
-                # k = 0 costs the transfer; k = L at least a + b·L.
-                if floor + min(crossing, transfer, a_s + b_s * prompt_tokens) >= best_h[0]:
+                if floor + crossing >= h_s:
                     continue
-            k, term = split(bps, rtt_s)
+            found = splits.get((bps, rtt_s))
+            if found is None:
+                found = splits[(bps, rtt_s)] = _split(compute, prompt_tokens, bits_per_token,
+                                                      bps, rtt_s)
+            k, term = found
             total = floor + term
-            if best_h is None or total < best_h[0]:
-                moved = (rtt_s + bits_per_token * (prompt_tokens - k) / bps
-                         if k < prompt_tokens else 0.0)
-                best_h = (total, ids[i], source, waits[i], moved, cost.prefill_s(k) + ext_s, k)
-        return best_m, best_h
+            if total < h_s or h_i < 0:
+                h_i, h_s, h_k = i, total, k
+        ids = self.decode.ids
+        best_m = (m_s, ids[m_i], source, waits[m_i], m_transfer, ext_s, 0)
+        if h_i < 0:
+            return best_m, None
+        moved = (rtts[h_i] + bits_per_token * (prompt_tokens - h_k) / bandwidths[h_i]
+                 if h_k < prompt_tokens else 0.0)
+        return best_m, (h_s, ids[h_i], source, waits[h_i], moved, cost.prefill_s(h_k) + ext_s,
+                        h_k)
 
     def recompute(self, targets: Sequence[int] | None = None,
                   only_prefill: int | None = None) -> _Raw | None:
@@ -352,30 +378,38 @@ class _Options:
         columns = self.prefill
         if not targets or not columns.ids:
             return None
-        waits = self.waits(columns)
+        waits = columns.wait if self.extra_wait is None else self.waits(columns)
         tokens = request.prompt_tokens + request.generated_tokens
         prefill_s = cost.prefill_s(tokens)
         bits = cost.kv_bits_per_token * tokens
         if self.extra_flows is not None and tokens:
             return self._recompute_priced(targets, only_prefill, waits, prefill_s, bits)
         order = columns.by_wait() if only_prefill is None else (only_prefill,)
-        ids, network, now_s = self.decode.ids, cost.network, self.now_s
-        best: _Raw | None = None
+        decode, network, now_s, reported = self.decode, cost.network, self.now_s, columns.wait
+        # Best so far as plain locals: prefill index (-1 for none yet), target, cost, transfer.
+        best_p, best_i, best_s, best_transfer = -1, -1, _INF, 0.0
         for p in order:
             # Prefill instances come in order of reported wait (a plan only adds to it):
             # once W(p') + T_pf alone loses, no later one can win.
-            if best is not None and columns.wait[p] + prefill_s >= best[0]:
+            if reported[p] + prefill_s >= best_s and best_p >= 0:
                 break
             base = waits[p] + prefill_s
-            fan = self.decode.fan(network, columns.ids[p], now_s)
-            if best is not None and base + fan.min_rtt + bits * fan.min_inv_bps >= best[0]:
+            fan = decode.fan(network, columns.ids[p], now_s)
+            if base + fan.min_rtt + bits * fan.min_inv_bps >= best_s and best_p >= 0:
                 continue
+            if not tokens:
+                # Nothing to move: every target costs `base`, so the first one is the best.
+                if base < best_s or best_p < 0:
+                    best_p, best_i, best_s, best_transfer = p, targets[0], base, 0.0
+                continue
+            rtt, bps = fan.rtt, fan.bps
             for i in targets:
-                transfer = fan.rtt[i] + bits / fan.bps[i] if tokens else 0.0
-                if best is None or base + transfer < best[0]:
-                    best = (base + transfer, ids[i], columns.ids[p], waits[p], transfer,
-                            prefill_s, 0)
-        return best
+                transfer = rtt[i] + bits / bps[i]
+                total = base + transfer
+                if total < best_s or best_p < 0:
+                    best_p, best_i, best_s, best_transfer = p, i, total, transfer
+        return (best_s, decode.ids[best_i], columns.ids[best_p], waits[best_p], best_transfer,
+                prefill_s, 0)
 
     def _recompute_priced(self, targets: Sequence[int], only_prefill: int | None,
                           waits: list[float], prefill_s: float, bits: float) -> _Raw:
@@ -397,16 +431,23 @@ class _Options:
                 float(transfer[p, i]), prefill_s, 0)
 
     def option(self, action: Action, raw: _Raw | None, block: str) -> OptionCost:
-        """The OptionCost of a raw option; infeasible with `block` as reason when set."""
+        """The OptionCost of a raw option; infeasible with `block` as reason when set.
+
+        Filled in place like `kvrs._frozen.build`, without its call and keyword packing:
+        a decision makes up to three of these.
+        """
+        option = _new(OptionCost)
         if raw is None:
             reason = block or self.memory_block or "no alive prefill instance"
-            return build(OptionCost, action=action, target_id="", source_id="", cost_s=_INF,
-                          wait_s=_INF, transfer_s=_INF, compute_s=_INF, split_tokens=0,
-                          feasible=False, infeasible_reason=reason)
+            option.__dict__.update(action=action, target_id="", source_id="", cost_s=_INF,
+                                   wait_s=_INF, transfer_s=_INF, compute_s=_INF,
+                                   split_tokens=0, feasible=False, infeasible_reason=reason)
+            return option
         total, target, source, wait, transfer, compute, split = raw
-        return build(OptionCost, action=action, target_id=target, source_id=source,
-                      cost_s=total, wait_s=wait, transfer_s=transfer, compute_s=compute,
-                      split_tokens=split, feasible=not block, infeasible_reason=block)
+        option.__dict__.update(action=action, target_id=target, source_id=source, cost_s=total,
+                               wait_s=wait, transfer_s=transfer, compute_s=compute,
+                               split_tokens=split, feasible=not block, infeasible_reason=block)
+        return option
 
     def decision(self, policy: str, chosen: OptionCost | None, options: tuple[OptionCost, ...],
                  reason: str, check_deadline: bool) -> RecoveryDecision:
@@ -428,10 +469,12 @@ class _Options:
             if option is not chosen and option.feasible and (
                     runner_up is None or option.cost_s < runner_up.cost_s):
                 runner_up = option
-        return build(RecoveryDecision, request_id=request.request_id, action=chosen.action,
-                      target_id=chosen.target_id, source_id=chosen.source_id,
-                      cost_s=chosen.cost_s, split_tokens=chosen.split_tokens, options=options,
-                      reason=reason, slack_s=slack, runner_up=runner_up, policy=policy)
+        decision = _new(RecoveryDecision)  # as in `option`
+        decision.__dict__.update(
+            request_id=request.request_id, action=chosen.action, target_id=chosen.target_id,
+            source_id=chosen.source_id, cost_s=chosen.cost_s, split_tokens=chosen.split_tokens,
+            options=options, reason=reason, slack_s=slack, runner_up=runner_up, policy=policy)
+        return decision
 
 
 def _cheapest(options: tuple[OptionCost, ...]) -> OptionCost | None:
