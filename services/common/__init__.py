@@ -13,7 +13,7 @@ from services.common.config import (
 )
 from services.common.errors import ErrorInterceptor, status_for
 from services.common.metrics import Metrics, serve_metrics
-from services.common.redis_store import DEFAULT_KEY_PREFIX, Keys, connect_redis
+from services.common.redis_store import DEFAULT_KEY_PREFIX, Keys, RedisTls, connect_redis
 from services.common.server import (
     ServerHandle,
     configure_logging,
@@ -36,6 +36,7 @@ __all__ = [
     "GrpcSettings",
     "Keys",
     "Metrics",
+    "RedisTls",
     "ServerHandle",
     "TlsConfig",
     "client_interceptors",

@@ -9,6 +9,7 @@ from services.common import (
     DEFAULT_KEY_PREFIX,
     ConfigError,
     GrpcSettings,
+    RedisTls,
     env_float,
     env_int,
     env_str,
@@ -28,6 +29,8 @@ class Config:
     """REDIS_URL: the Redis holding the registry (redis://, rediss://, with AUTH)."""
     redis_prefix: str = DEFAULT_KEY_PREFIX
     """KVRS_REDIS_PREFIX: hash-tagged prefix of every key; replicas share it."""
+    redis_tls: RedisTls = RedisTls()
+    """KVRS_REDIS_TLS_CA_FILE / _CERT_FILE / _KEY_FILE: TLS material for a rediss:// Redis."""
     heartbeat_ttl_s: float = 2.0
     """GOSSIP_HEARTBEAT_TTL_S: silence after which an instance is declared failed, unless
     it registered with its own TTL."""
@@ -50,6 +53,7 @@ class Config:
             listen_addr=env_str("GOSSIP_LISTEN_ADDR", "0.0.0.0:50051", env),
             redis_url=env_str("REDIS_URL", DEFAULT_REDIS_URL, env),
             redis_prefix=env_str("KVRS_REDIS_PREFIX", DEFAULT_KEY_PREFIX, env),
+            redis_tls=RedisTls.from_env(env_str("REDIS_URL", DEFAULT_REDIS_URL, env), env),
             heartbeat_ttl_s=env_float("GOSSIP_HEARTBEAT_TTL_S", 2.0, env),
             sweep_interval_s=env_float("GOSSIP_SWEEP_INTERVAL_S", 0.1, env),
             events_maxlen=env_int("GOSSIP_EVENTS_MAXLEN", 10_000, env),

@@ -9,6 +9,7 @@ from services.common import (
     DEFAULT_KEY_PREFIX,
     ConfigError,
     GrpcSettings,
+    RedisTls,
     env_float,
     env_int,
     env_str,
@@ -28,6 +29,8 @@ class Config:
     """REDIS_URL: the Redis holding the leases."""
     redis_prefix: str = DEFAULT_KEY_PREFIX
     """KVRS_REDIS_PREFIX: hash-tagged prefix of every key; broker replicas share it."""
+    redis_tls: RedisTls = RedisTls()
+    """KVRS_REDIS_TLS_CA_FILE / _CERT_FILE / _KEY_FILE: TLS material for a rediss:// Redis."""
     cluster_cap: int = 32
     """SLOT_BROKER_CLUSTER_CAP: concurrent migrations allowed cluster-wide."""
     link_cap: int = 0
@@ -51,6 +54,7 @@ class Config:
             listen_addr=env_str("SLOT_BROKER_LISTEN_ADDR", "0.0.0.0:50054", env),
             redis_url=env_str("REDIS_URL", DEFAULT_REDIS_URL, env),
             redis_prefix=env_str("KVRS_REDIS_PREFIX", DEFAULT_KEY_PREFIX, env),
+            redis_tls=RedisTls.from_env(env_str("REDIS_URL", DEFAULT_REDIS_URL, env), env),
             cluster_cap=env_int("SLOT_BROKER_CLUSTER_CAP", 32, env),
             link_cap=env_int("SLOT_BROKER_LINK_CAP", 0, env),
             lease_ttl_s=env_float("SLOT_BROKER_LEASE_TTL_S", 10.0, env),
