@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from worker_procs import WorkerProcess, stub
 
+from kvrs.localcluster import free_ports
 from kvrs.tokenizer import encode
 from kvrs.v1 import worker_pb2 as pb
 from services.worker.model import Transformer
@@ -26,11 +28,18 @@ L = len(PROMPT)
 
 
 @pytest.fixture(scope="module")
-def workers():
+def metrics_addrs() -> dict[str, str]:
+    """The Prometheus endpoint of each worker."""
+    names = ("prefill-a", "decode-b", "decode-c")
+    return {name: f"127.0.0.1:{port}" for name, port in zip(names, free_ports(3), strict=True)}
+
+
+@pytest.fixture(scope="module")
+def workers(metrics_addrs):
     """prefill-a, decode-b, decode-c: started together (each start imports torch)."""
-    started = [WorkerProcess.start("prefill-a", "prefill"),
-               WorkerProcess.start("decode-b", "decode"),
-               WorkerProcess.start("decode-c", "decode")]
+    started = [WorkerProcess.start(name, "prefill" if name.startswith("prefill") else "decode",
+                                   KVRS_METRICS_ADDR=address)
+               for name, address in metrics_addrs.items()]
     try:
         yield {w.instance_id: w.ready() for w in started}
     finally:
@@ -89,6 +98,40 @@ async def test_handoff_decodes_exactly_what_one_process_would(workers, stubs, re
     assert released.released and released.freed_kv_bytes == L * 1024
     again = await a.ReleaseKv(pb.ReleaseKvRequest(request_id="r-handoff"))
     assert not again.released
+
+
+def scrape(address: str) -> dict[str, float]:
+    """Every sample of a Prometheus endpoint, by its line's name and labels."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        lines = reply.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in lines if line and not line.startswith("#")}
+
+
+async def test_metrics_count_transfer_bytes_rates_and_decode_outcomes(workers, stubs,
+                                                                      metrics_addrs):
+    sent, received = "kvrs_transfer_bytes_total{direction=\"sent\"}", \
+        "kvrs_transfer_bytes_total{direction=\"received\"}"
+    rates, completed = "kvrs_transfer_rate_bps_count", "kvrs_requests_total{outcome=\"completed\"}"
+    before = {name: scrape(address) for name, address in metrics_addrs.items()}
+    a, b = stubs["prefill-a"], stubs["decode-b"]
+    prefill = await a.Prefill(pb.PrefillRequest(request_id="r-metrics",
+                                                prompt_token_ids=PROMPT))
+    await pull(b, workers["prefill-a"], "r-metrics", 0, L)
+    tokens = await decode(b, "r-metrics", [prefill.first_token_id], 3, release_when_done=True)
+    assert len(tokens) == 3
+    await a.ReleaseKv(pb.ReleaseKvRequest(request_id="r-metrics"))
+    after = {name: scrape(address) for name, address in metrics_addrs.items()}
+
+    def grew(name: str, sample: str) -> float:
+        return after[name].get(sample, 0.0) - before[name].get(sample, 0.0)
+
+    assert grew("prefill-a", sent) == L * 1024
+    assert grew("decode-b", received) == L * 1024
+    assert grew("prefill-a", rates) == grew("decode-b", rates) == 1
+    assert after["decode-b"]["kvrs_transfer_rate_bps_sum"] > 0
+    assert grew("decode-b", completed) == 1
+    assert grew("decode-c", received) == 0
 
 
 async def test_decode_right_after_prefill_on_the_same_worker(stubs, reference):

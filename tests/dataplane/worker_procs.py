@@ -14,13 +14,16 @@ from kvrs.v1 import worker_pb2_grpc
 
 
 def _serve(conn, env: dict[str, str], role: str) -> None:
-    from services.common import setup_tracing
+    from services.common import Metrics, serve_metrics, setup_tracing
     from services.worker.config import Config
     from services.worker.server import build_server
 
     async def main() -> None:
         config = Config.from_env(env, role=role)
-        handle = await build_server(config, setup_tracing(f"test-{config.instance_id}"))
+        metrics = Metrics()
+        serve_metrics(metrics, config.metrics_addr)
+        handle = await build_server(config, setup_tracing(f"test-{config.instance_id}"),
+                                    metrics)
         conn.send((handle.port, handle.engine.agent.address))
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         await handle.stop(1.0)
