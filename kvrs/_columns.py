@@ -2,13 +2,14 @@
 
 A `ClusterView` hands the same read-only `InstanceList` to every decision that uses it,
 so what decisions read from it (waits, free memory, path terms from a source) is read
-once per list and reused until the network model changes.
+once per list and reused until the network model changes. A batch plan's `WaitPlan`
+keeps, per list, the waits raised by the work it queued, updated as the plan grows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvrs.cluster import InstanceList, InstanceState
 from kvrs.network import NetworkModel, PathTable
@@ -182,3 +183,63 @@ class Columns:
                 hits[i] = tokens
             deeper = level
         return hits
+
+
+class WaitPlan(dict[str, float]):
+    """Work a plan has queued per instance (seconds): a mapping, plus a log that the
+    per-list waits replay.
+
+    Grow it only with `add`; the other mutators raise, because the lists follow the log,
+    not the dictionary.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._log: list[str] = []
+        self._waits: dict[int, tuple[Columns, list[float], int]] = {}
+
+    def add(self, instance_id: str, seconds: float) -> None:
+        """`seconds` more work queued on `instance_id`."""
+        dict.__setitem__(self, instance_id, self.get(instance_id, 0.0) + seconds)
+        self._log.append(instance_id)
+
+    def waits_for(self, columns: Columns) -> list[float]:
+        """W(x) + the plan's work on x for every instance of `columns`, in its order.
+
+        Each entry is computed as `wait + self.get(id, 0.0)`, exactly as from the mapping;
+        only the entries the plan touched since the last call are recomputed. Decisions
+        of the plan share the list: read it, never edit it.
+        """
+        log = self._log
+        entry = self._waits.get(id(columns))
+        if entry is None or entry[0] is not columns:
+            waits = [w + self.get(i, 0.0) for w, i in zip(columns.wait, columns.ids, strict=True)]
+            self._waits[id(columns)] = (columns, waits, len(log))
+            return waits
+        _, waits, seen = entry
+        if seen < len(log):
+            wait = columns.wait
+            for instance_id in log[seen:]:
+                i = columns.index(instance_id)
+                if i is not None:
+                    waits[i] = wait[i] + self[instance_id]
+            self._waits[id(columns)] = (columns, waits, len(log))
+        return waits
+
+
+def refuse_edits(plan: type[dict[Any, Any]], grow: str) -> None:
+    """Make every mutator of a plan but `grow` raise: what it caches follows its log."""
+
+    def refusal(name: str) -> Any:
+        def refuse(self: dict[Any, Any], *args: Any, **kwargs: Any) -> Any:
+            raise TypeError(f"{type(self).__name__} grows only through {grow} ({name})")
+
+        refuse.__name__ = name
+        return refuse
+
+    for name in ("__setitem__", "__delitem__", "update", "pop", "popitem", "clear",
+                 "setdefault", "__ior__"):
+        setattr(plan, name, refusal(name))
+
+
+refuse_edits(WaitPlan, "add")

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
+from kvrs._columns import refuse_edits
 from kvrs.network import NetworkModel
 from kvrs.topology import LinkId
 
@@ -53,17 +53,7 @@ class FlowPlan(dict[LinkId, int]):
         return vector
 
 
-def _read_only(name: str) -> Any:
-    def refuse(self: FlowPlan, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(f"FlowPlan grows only through add_path ({name})")
-
-    refuse.__name__ = name
-    return refuse
-
-
-for _name in ("__setitem__", "__delitem__", "update", "pop", "popitem", "clear",
-              "setdefault", "__ior__"):
-    setattr(FlowPlan, _name, _read_only(_name))
+refuse_edits(FlowPlan, "add_path")
 
 
 class PathMatrix:

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvrs._frozen import build
+from kvrs._columns import WaitPlan
 from kvrs._pathmatrix import FlowPlan
 from kvrs.cluster import ClusterView
 from kvrs.costmodel import CostModel
@@ -26,6 +26,7 @@ from kvrs.topology import LinkId
 __all__ = ["BatchPlan", "plan_batch"]
 
 _MOVES_KV = (Action.MIGRATE, Action.HYBRID, Action.RECOMPUTE)
+_new = object.__new__
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,10 @@ def plan_batch(
         raise InvalidArgument("migration_slots_free", f"must be >= 0, got {migration_slots_free}")
     topology = cost.network.topology
     flows = FlowPlan()
-    extra_wait: dict[str, float] = {}
+    extra_wait = WaitPlan()
     slots_left = migration_slots_free
     decisions: dict[int, RecoveryDecision] = {}
-    paths: dict[int, tuple[LinkId, ...]] = {}
+    transfers: dict[int, tuple[OptionCost, tuple[LinkId, ...]]] = {}
     for index in sorted(range(len(requests)), key=lambda i: _slack_bound(requests[i], cost,
                                                                          now_s)):
         request = requests[index]
@@ -65,13 +66,14 @@ def plan_batch(
         else:
             slots_left -= 1
             worker = decision.target_id
-        extra_wait[worker] = extra_wait.get(worker, 0.0) + chosen.compute_s
+        extra_wait.add(worker, chosen.compute_s)
         if chosen.transfer_s > 0.0:
             path = topology.path_links(decision.source_id, decision.target_id)
-            paths[index] = path
+            transfers[index] = (chosen, path)
             flows.add_path(path)
-    final = tuple(_recost(decisions[i], paths.get(i, ()), requests[i], cost, now_s, flows)
-                  for i in range(len(requests)))
+    final = tuple([decisions[i] if i not in transfers else
+                   _recost(decisions[i], *transfers[i], requests[i], cost, now_s, flows)
+                   for i in range(len(requests))])
     makespan = max((d.cost_s for d in final if d.action is not Action.ABORT), default=0.0)
     return BatchPlan(final, makespan)
 
@@ -93,18 +95,20 @@ def _chosen_option(decision: RecoveryDecision) -> OptionCost:
 
 
 def _recost(
-    decision: RecoveryDecision, path: tuple[LinkId, ...], request: RecoveryRequest,
-    cost: CostModel, now_s: float, flows: Mapping[LinkId, int],
+    decision: RecoveryDecision, chosen: OptionCost, path: tuple[LinkId, ...],
+    request: RecoveryRequest, cost: CostModel, now_s: float, flows: Mapping[LinkId, int],
 ) -> RecoveryDecision:
-    """The decision with its transfer re-costed under every flow of the final plan."""
+    """The decision with its transfer (`chosen`, over `path`) re-costed under every flow of
+    the final plan."""
     if not path:
         return decision
-    others = dict(flows)
+    # The rate reads the flows of the path's own links only: those of the final plan,
+    # less this transfer's.
+    others: dict[LinkId, int] = {}
     for link in path:
-        others[link] -= 1
+        others[link] = others.get(link, flows[link]) - 1
     bps, rtt_s = cost.network.rate_and_rtt(decision.source_id, decision.target_id, now_s,
                                            others)
-    chosen = _chosen_option(decision)
     bits_per_token = cost.kv_bits_per_token
     if decision.action is Action.MIGRATE:
         transfer_s = rtt_s + bits_per_token * request.prompt_tokens / bps
@@ -120,9 +124,12 @@ def _recost(
         total = chosen.wait_s + max(cost.prefill_s(k), transfer_s) + ext_s
     if transfer_s == chosen.transfer_s:
         return decision
-    updated = build(OptionCost, **{**chosen.__dict__, "cost_s": total, "transfer_s": transfer_s})
-    options = tuple(updated if option is chosen else option for option in decision.options)
+    # Copies filled in place, as `kvrs._frozen.build` does, without its keyword packing.
+    updated = _new(OptionCost)
+    updated.__dict__.update(chosen.__dict__, cost_s=total, transfer_s=transfer_s)
+    options = tuple([updated if option is chosen else option for option in decision.options])
     slack = (math.inf if request.deadline_s is None
              else request.deadline_s - now_s - total)
-    return build(RecoveryDecision, **{**decision.__dict__, "cost_s": total, "options": options,
-                                      "slack_s": slack})
+    recosted = _new(RecoveryDecision)
+    recosted.__dict__.update(decision.__dict__, cost_s=total, options=options, slack_s=slack)
+    return recosted

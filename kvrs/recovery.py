@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
-from kvrs._columns import Columns
+from kvrs._columns import Columns, WaitPlan
 from kvrs.cluster import ClusterView
 from kvrs.costmodel import CostModel
 from kvrs.errors import FailedPrecondition, InvalidArgument
@@ -281,6 +281,8 @@ class _Options:
         extra = self.extra_wait
         if extra is None:
             return columns.wait
+        if isinstance(extra, WaitPlan):
+            return extra.waits_for(columns)
         return [w + extra.get(i, 0.0) for w, i in zip(columns.wait, columns.ids, strict=True)]
 
     def priced(self) -> tuple[np.ndarray, np.ndarray]:
