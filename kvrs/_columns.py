@@ -100,10 +100,10 @@ class Columns:
 
     def matrix(self, network: NetworkModel, sources: Columns, now_s: float) -> PathMatrix:
         """Paths from every instance of `sources` to every instance here (one cached)."""
-        from kvrs._pathmatrix import PathMatrix  # numpy; only batch planning needs it
-
         cached = self._matrix
         if cached is None or cached[0] is not sources or not cached[1].valid(network, now_s):
+            from kvrs._pathmatrix import PathMatrix  # numpy; only batch planning needs it
+
             cached = self._matrix = (sources, PathMatrix(network, sources.ids, self.ids, now_s))
         return cached[1]
 

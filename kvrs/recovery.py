@@ -418,8 +418,11 @@ class _Options:
         import numpy as np
 
         bps, rtt = self.priced()
-        transfer = rtt + bits / bps
-        total = transfer + (np.array(waits) + prefill_s)[:, None]
+        # (rtt + bits / bps) + (W(p') + T_pf) built in one buffer; the winner's transfer is
+        # then recomputed from its two scalars, which gives the bits numpy computed.
+        total = bits / bps
+        total += rtt
+        total += np.add(waits, prefill_s)[:, None]
         if not isinstance(targets, range):
             excluded = np.ones(total.shape[1], dtype=bool)
             excluded[list(targets)] = False
@@ -429,8 +432,9 @@ class _Options:
             i = int(total[p].argmin())
         else:
             p, i = divmod(int(total.argmin()), total.shape[1])
+        transfer = float(rtt[p, i]) + bits / float(bps[p, i])
         return (float(total[p, i]), self.decode.ids[i], self.prefill.ids[p], waits[p],
-                float(transfer[p, i]), prefill_s, 0)
+                transfer, prefill_s, 0)
 
     def option(self, action: Action, raw: _Raw | None, block: str) -> OptionCost:
         """The OptionCost of a raw option; infeasible with `block` as reason when set.
