@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ from kvrs.errors import (
 from kvrs.v1 import scheduler_pb2
 from services.common.metrics import Metrics
 from services.epp.endpoints import EndpointDirectory
+from services.openai_http import chat
 from services.openai_http.protocol import prompt_token_ids
 
 DECISION = "epp_pick"
@@ -94,9 +95,9 @@ def prompt_info(body: bytes, block_tokens: int) -> PromptInfo:
     """Prompt length and prefix-block hashes of an OpenAI request body.
 
     `/v1/completions` bodies carry `prompt` (a batch counts every prompt's tokens, the
-    first one's blocks are hashed); chat bodies carry `messages`, whose text contents are
-    joined one per line. A body with neither places by load alone (0 tokens). A body
-    that is not JSON, or a malformed prompt, is InvalidArgument.
+    first one's blocks are hashed); chat bodies carry `messages`, rendered into the prompt
+    the HTTP adapter will prefill (`chat.render`). A body with neither places by load
+    alone (0 tokens). A body that is not JSON, or a malformed prompt, is InvalidArgument.
     """
     if not body.strip():
         return PromptInfo(0)
@@ -108,26 +109,14 @@ def prompt_info(body: bytes, block_tokens: int) -> PromptInfo:
         raise InvalidArgument("body", "must be a JSON object")
     if "prompt" in request:
         prompts = prompt_token_ids(request["prompt"])
-    elif isinstance(request.get("messages"), list):
-        prompts = [tokenizer.encode(_chat_text(request["messages"]))]
+    elif "messages" in request:
+        prompts = [tokenizer.encode(chat.render(request["messages"]))]
     else:
         return PromptInfo(0)
     return PromptInfo(
         prompt_tokens=sum(len(prompt) for prompt in prompts),
         prefix_hashes=tuple(tokenizer.prefix_block_hashes(prompts[0], block_tokens)),
     )
-
-
-def _chat_text(messages: Sequence[Any]) -> str:
-    lines = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            lines.append(content)
-        elif isinstance(content, list):
-            lines.extend(part["text"] for part in content
-                         if isinstance(part, dict) and isinstance(part.get("text"), str))
-    return "\n".join(lines)
 
 
 def outcome_of(exc: KvrsError) -> str:

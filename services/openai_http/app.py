@@ -1,12 +1,13 @@
-"""The HTTP handlers: OpenAI's completions and models endpoints over a `Generator`.
+"""The HTTP handlers: OpenAI's completions, chat completions and models over a `Generator`.
 
-A streamed completion answers with server-sent events in OpenAI's chunk format, one
-chunk per piece of text (a multi-byte character is sent once complete), the choice's
-last chunk carrying its `finish_reason`, then `data: [DONE]`. The 200 and the event
-stream start only once the first token is there, so a request that fails before any
-output (bad input, no capacity, nothing alive) gets a real HTTP status; a failure after
-that arrives as a last `data: {"error": ...}` event, without `[DONE]`, which OpenAI's
-clients raise as an error.
+Both completion endpoints take the same path; a `Dialect` says how each parses its
+request and shapes its bodies. A streamed completion answers with server-sent events in
+OpenAI's chunk format, one chunk per piece of text (a multi-byte character is sent once
+complete), the choice's last chunk carrying its `finish_reason`, then `data: [DONE]`.
+The 200 and the event stream start only once the first token is there, so a request
+that fails before any output (bad input, no capacity, nothing alive) gets a real HTTP
+status; a failure after that arrives as a last `data: {"error": ...}` event, without
+`[DONE]`, which OpenAI's clients raise as an error.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -27,7 +29,7 @@ from opentelemetry.trace import Span, SpanKind, Tracer
 from kvrs.errors import InvalidArgument, KvrsError
 from kvrs.tokenizer import StreamDecoder, decode
 from services.common.metrics import Metrics
-from services.openai_http import protocol
+from services.openai_http import chat, protocol
 from services.openai_http.config import Config
 from services.openai_http.generation import Finished, GenerateCall, Generator, Token
 
@@ -38,6 +40,32 @@ log = logging.getLogger(__name__)
 
 Event = tuple[int, Token | Finished]
 """(prompt index, what happened)."""
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What differs between `/v1/completions` and `/v1/chat/completions`."""
+
+    name: str
+    """Span suffix: openai_http.<name>."""
+    id_prefix: str
+    parse: Callable[[Any, str, int], protocol.CompletionRequest]
+    completion_body: Callable[..., dict[str, Any]]
+    chunk_body: Callable[..., dict[str, Any]]
+    """(id, model, index, text, finish_reason, created, first) -> one streamed chunk."""
+    usage_chunk_body: Callable[..., dict[str, Any]]
+
+
+def _text_chunk(request_id: str, model: str, index: int, text: str, finish_reason: str | None,
+                created_unix_s: int, first: bool) -> dict[str, Any]:
+    # Text chunks look the same from the first to the last.
+    return protocol.chunk_body(request_id, model, index, text, finish_reason, created_unix_s)
+
+
+COMPLETIONS = Dialect("completions", "cmpl-", protocol.parse_completion_request,
+                      protocol.completion_body, _text_chunk, protocol.usage_chunk_body)
+CHAT = Dialect("chat_completions", "chatcmpl-", chat.parse_chat_request, chat.completion_body,
+               chat.chunk_body, chat.usage_chunk_body)
 
 
 async def _merged(generator: Generator, calls: Sequence[GenerateCall]) -> AsyncIterator[Event]:
@@ -78,7 +106,7 @@ async def _merged(generator: Generator, calls: Sequence[GenerateCall]) -> AsyncI
 
 
 class CompletionsApi:
-    """`POST /v1/completions`, `GET /v1/models`, `GET /health`."""
+    """`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`."""
 
     def __init__(
         self, config: Config, generator: Generator, tracer: Tracer, metrics: Metrics | None = None
@@ -92,6 +120,7 @@ class CompletionsApi:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         return app
@@ -103,14 +132,20 @@ class CompletionsApi:
         return web.json_response(protocol.models_body(self.config.model, self.created_unix_s))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, CHAT)
+
+    async def _serve(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         base_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         context = extract(dict(request.headers))
         with self.tracer.start_as_current_span(
-            "openai_http.completions", context=context, kind=SpanKind.SERVER
+            f"openai_http.{dialect.name}", context=context, kind=SpanKind.SERVER
         ) as span:
             span.set_attribute("kvrs.request_id", base_id)
             try:
-                parsed = protocol.parse_completion_request(
+                parsed = dialect.parse(
                     await self._json(request), self.config.model, self.config.max_tokens_limit
                 )
             except KvrsError as exc:
@@ -132,10 +167,10 @@ class CompletionsApi:
                 )
                 for index, prompt in enumerate(parsed.prompts)
             ]
-            completion_id = f"cmpl-{base_id}"
+            completion_id = f"{dialect.id_prefix}{base_id}"
             if parsed.stream:
-                return await self._stream(request, parsed, calls, completion_id, span)
-            return await self._complete(parsed, calls, completion_id, span)
+                return await self._stream(request, dialect, parsed, calls, completion_id, span)
+            return await self._complete(dialect, parsed, calls, completion_id, span)
 
     @staticmethod
     async def _json(request: web.Request) -> Any:
@@ -159,6 +194,7 @@ class CompletionsApi:
 
     async def _complete(
         self,
+        dialect: Dialect,
         parsed: protocol.CompletionRequest,
         calls: Sequence[GenerateCall],
         completion_id: str,
@@ -182,13 +218,14 @@ class CompletionsApi:
         span.set_attributes({"kvrs.generated_tokens": usage.completion_tokens,
                              "kvrs.openai.status": 200})
         self._count("ok")
-        return web.json_response(protocol.completion_body(
+        return web.json_response(dialect.completion_body(
             completion_id, parsed.model, [decode(t) for t in tokens], reasons, usage,
         ), headers={DECODE_INSTANCE_HEADER: ",".join(sorted(served_by))} if served_by else None)
 
     async def _stream(
         self,
         request: web.Request,
+        dialect: Dialect,
         parsed: protocol.CompletionRequest,
         calls: Sequence[GenerateCall],
         completion_id: str,
@@ -212,6 +249,13 @@ class CompletionsApi:
             async def send(body: dict[str, Any]) -> None:
                 await response.write(b"data: " + protocol.json_bytes(body) + b"\n\n")
 
+            opened = [False] * len(calls)
+
+            async def send_chunk(index: int, text: str, finish_reason: str | None) -> None:
+                first, opened[index] = not opened[index], True
+                await send(dialect.chunk_body(completion_id, parsed.model, index, text,
+                                              finish_reason, created_unix_s, first))
+
             try:
                 while event is not None:
                     index, item = event
@@ -219,16 +263,13 @@ class CompletionsApi:
                         generated += 1
                         piece = decoders[index].push(item.token_id)
                         if piece:
-                            await send(protocol.chunk_body(
-                                completion_id, parsed.model, index, piece, None, created_unix_s))
+                            await send_chunk(index, piece, None)
                     else:
-                        await send(protocol.chunk_body(
-                            completion_id, parsed.model, index, decoders[index].flush(),
-                            item.finish_reason, created_unix_s))
+                        await send_chunk(index, decoders[index].flush(), item.finish_reason)
                     event = await anext(events, None)
                 if parsed.include_usage:
                     usage = protocol.Usage(sum(len(p) for p in parsed.prompts), generated)
-                    await send(protocol.usage_chunk_body(
+                    await send(dialect.usage_chunk_body(
                         completion_id, parsed.model, usage, created_unix_s))
                 await response.write(b"data: [DONE]\n\n")
                 self._count("ok")

@@ -38,9 +38,11 @@ __all__ = [
     "CompletionRequest",
     "RequestAborted",
     "Usage",
+    "check_model_and_fields",
     "chunk_body",
     "completion_body",
     "error_body",
+    "generation_options",
     "http_error",
     "json_bytes",
     "models_body",
@@ -134,34 +136,53 @@ def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int
     CompletionRequest
 ):
     """The request in `body` (decoded JSON), or InvalidArgument / NotFound naming the field."""
-    if not isinstance(body, Mapping):
-        raise InvalidArgument("body", "must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN_FIELDS)
-    if unknown:
-        raise InvalidArgument(unknown[0], "is not a parameter of /v1/completions")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidArgument("model", "is required (see GET /v1/models)")
-    if model != served_model:
-        raise NotFound(f"model {model!r} is not served here; this server serves "
-                       f"{served_model!r}", field="model")
+    model = check_model_and_fields(body, served_model, _KNOWN_FIELDS, "/v1/completions")
     if "prompt" not in body:
         raise InvalidArgument("prompt", "is required")
     prompts = prompt_token_ids(body["prompt"])
     if any(not prompt for prompt in prompts):
         raise InvalidArgument("prompt", "must not be empty")
     max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
+    return CompletionRequest(
+        model, tuple(tuple(prompt) for prompt in prompts),
+        *generation_options(body, "max_tokens", DEFAULT_MAX_TOKENS if max_tokens is None
+                            else max_tokens, max_tokens_limit, _UNSUPPORTED_IF_SET),
+    )
+
+
+def check_model_and_fields(body: Any, served_model: str, known: frozenset[str],
+                           endpoint: str) -> str:
+    """The served model `body` names; InvalidArgument for an unknown field, NotFound for
+    another model."""
+    if not isinstance(body, Mapping):
+        raise InvalidArgument("body", "must be a JSON object")
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise InvalidArgument(unknown[0], f"is not a parameter of {endpoint}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidArgument("model", "is required (see GET /v1/models)")
+    if model != served_model:
+        raise NotFound(f"model {model!r} is not served here; this server serves "
+                       f"{served_model!r}", field="model")
+    return model
+
+
+def generation_options(body: Mapping[str, Any], max_tokens_field: str, max_tokens: Any,
+                       max_tokens_limit: int, unsupported: Mapping[str, str]) -> (
+    tuple[int, bool, bool]
+):
+    """(max tokens, stream, include usage) of a request, after refusing every option
+    greedy decoding cannot honour (`unsupported`: parameter -> why, when set)."""
     if not _is_int(max_tokens) or not 1 <= max_tokens <= max_tokens_limit:
-        raise InvalidArgument("max_tokens", f"must be an integer in [1, {max_tokens_limit}], "
-                              f"got {max_tokens!r}")
+        raise InvalidArgument(max_tokens_field, f"must be an integer in [1, {max_tokens_limit}],"
+                              f" got {max_tokens!r}")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidArgument("stream", f"must be a boolean, got {stream!r}")
     include_usage = _include_usage(body.get("stream_options"), stream)
     _check_greedy(body)
-    for name, reason in _UNSUPPORTED_IF_SET.items():
+    for name, reason in unsupported.items():
         if body.get(name) not in (None, False, "", [], {}):
             raise InvalidArgument(name, reason)
     for name in _ZERO_OR_ABSENT:
@@ -170,13 +191,7 @@ def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int
     for name in ("n", "best_of"):
         if body.get(name) not in (None, 1):
             raise InvalidArgument(name, "only 1 is supported (decoding is greedy)")
-    return CompletionRequest(
-        model=model,
-        prompts=tuple(tuple(prompt) for prompt in prompts),
-        max_tokens=max_tokens,
-        stream=stream,
-        include_usage=include_usage,
-    )
+    return max_tokens, stream, include_usage
 
 
 def _include_usage(options: Any, stream: bool) -> bool:

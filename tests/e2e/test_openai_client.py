@@ -28,6 +28,7 @@ from kvrs import tokenizer
 from kvrs.localcluster import free_ports, is_running, log_tail
 from kvrs.v1 import worker_pb2, worker_pb2_grpc
 from services.common import GrpcSettings, open_channel
+from services.openai_http import chat
 from services.worker.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,6 +120,22 @@ def test_streamed_text_equals_the_non_streamed_text(client):
     reasons = [c.finish_reason for chunk in chunks for c in chunk.choices]
     assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
     assert chunks[-1].usage.completion_tokens == 48
+
+
+def test_a_chat_completion_streamed_or_not_is_the_rendered_conversation_continued(client):
+    messages = [{"role": "system", "content": "Answer in bytes."},
+                {"role": "user", "content": "Where does the KV cache go?"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages,
+                                           max_completion_tokens=32)
+    (choice,) = whole.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == reference_text(chat.render(messages), 32)
+    assert choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == 32
+    stream = client.chat.completions.create(model="tiny", messages=messages,
+                                            max_completion_tokens=32, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == choice.message.content
 
 
 def test_bad_parameters_raise_the_clients_errors(client):

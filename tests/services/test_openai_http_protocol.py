@@ -27,7 +27,7 @@ from kvrs.errors import (
 )
 from kvrs.v1 import router_pb2, router_pb2_grpc
 from services.common import GrpcSettings, Metrics, setup_tracing
-from services.openai_http import protocol
+from services.openai_http import chat, protocol
 from services.openai_http.config import Config
 from services.openai_http.generation import Finished, GenerateCall, Token
 from services.openai_http.server import build_server
@@ -310,3 +310,78 @@ async def test_the_router_generator_reads_generate_streams(script, tokens, error
     assert [e.token_id for e in events if isinstance(e, Token)] == [65 + i for i in range(tokens)]
     if error is None:
         assert events[-1] == Finished("length", prompt_tokens=2, generated_tokens=3)
+
+
+# Chat completions: the same path, a conversation rendered into one prompt.
+
+CONVERSATION = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                             {"type": "text", "text": "!"}]}]
+
+
+def test_a_conversation_renders_into_one_prompt():
+    assert chat.render(CONVERSATION) == "<|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
+    request = chat.parse_chat_request({"model": "tiny", "messages": CONVERSATION,
+                                       "max_completion_tokens": 5, "stream": True}, "tiny", 64)
+    assert request.prompts == (tuple(tokenizer.encode(chat.render(CONVERSATION))),)
+    assert (request.max_tokens, request.stream) == (5, True)
+    older = chat.parse_chat_request({"model": "tiny", "messages": CONVERSATION,
+                                     "max_tokens": 7}, "tiny", 64)
+    assert older.max_tokens == 7
+    unbounded = chat.parse_chat_request({"model": "tiny", "messages": CONVERSATION}, "tiny", 64)
+    assert unbounded.max_tokens == 64, "without a limit, the server's own"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0]"),
+        ({"messages": CONVERSATION, "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"messages": CONVERSATION, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": CONVERSATION, "response_format": {"type": "json_object"}},
+         "response_format"),
+        ({"messages": CONVERSATION, "temperature": 0.7}, "temperature"),
+        ({"messages": CONVERSATION, "prompt": "x"}, "prompt"),
+    ],
+)
+def test_bad_or_unsupported_chat_parameters_are_named(body, param):
+    with pytest.raises(InvalidArgument) as info:
+        chat.parse_chat_request({"model": "tiny", **body}, "tiny", 64)
+    assert info.value.field == param
+
+
+async def test_chat_stream_deltas_add_up_to_the_message(serve):
+    url, exporter, _ = await serve(ScriptedGenerator())
+    body = {"model": "tiny", "messages": CONVERSATION, "max_completion_tokens": 64}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/chat/completions", json=body,
+                                headers={"x-request-id": "c-1"}) as reply:
+            assert reply.status == 200
+            whole = await reply.json()
+        async with session.post(
+            f"{url}/v1/chat/completions",
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        ) as reply:
+            raw = await reply.text()
+    assert whole["id"] == "chatcmpl-c-1" and whole["object"] == "chat.completion"
+    assert whole["choices"] == [{"index": 0, "message": {"role": "assistant", "content": REPLY},
+                                 "logprobs": None, "finish_reason": "length"}]
+    prompt_tokens = len(tokenizer.encode(chat.render(CONVERSATION)))
+    assert whole["usage"]["prompt_tokens"] == prompt_tokens
+    events = events_of(raw)
+    assert events[-1] == "[DONE]"
+    *chunks, usage_chunk = [json.loads(event) for event in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant"
+    assert not any("role" in delta for delta in deltas[1:])
+    assert "".join(delta.get("content", "") for delta in deltas) == REPLY
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage_chunk["usage"] == whole["usage"]
+    spans = [s.name for s in exporter.get_finished_spans()]
+    assert spans.count("openai_http.chat_completions") == 2
