@@ -273,7 +273,7 @@ class _Options:
             self.migrate_block = "no migration slot"
         else:
             self.migrate_block = self.memory_block
-        self.ext_s = cost.extend_s(request.prompt_tokens, request.generated_tokens)
+        self.ext_s = cost.compute.extend_s(request.prompt_tokens, request.generated_tokens)
         self._priced: tuple[np.ndarray, np.ndarray] | None = None
 
     def waits(self, columns: Columns) -> list[float]:
@@ -369,7 +369,7 @@ class _Options:
             return best_m, None
         moved = (rtts[h_i] + bits_per_token * (prompt_tokens - h_k) / bandwidths[h_i]
                  if h_k < prompt_tokens else 0.0)
-        return best_m, (h_s, ids[h_i], source, waits[h_i], moved, cost.prefill_s(h_k) + ext_s,
+        return best_m, (h_s, ids[h_i], source, waits[h_i], moved, compute.prefill_s(h_k) + ext_s,
                         h_k)
 
     def recompute(self, targets: Sequence[int] | None = None,
@@ -382,7 +382,7 @@ class _Options:
             return None
         waits = columns.wait if self.extra_wait is None else self.waits(columns)
         tokens = request.prompt_tokens + request.generated_tokens
-        prefill_s = cost.prefill_s(tokens)
+        prefill_s = cost.compute.prefill_s(tokens)
         bits = cost.kv_bits_per_token * tokens
         if self.extra_flows is not None and tokens:
             return self._recompute_priced(targets, only_prefill, waits, prefill_s, bits)
