@@ -127,8 +127,9 @@ async def leaked(state, workers) -> dict[str, int]:
 
 
 async def test_kill_9_of_a_decode_worker_with_64_requests_in_flight(cluster):
-    """The kill comes once at least 64 streams are between their first and last token
-    (more requests than that are sent, so a slow machine still gets 64 at once)."""
+    """The kill comes once at least 64 streams are decoding on decode-0, between their
+    first decoded token and their last (more requests than that are sent, so a slow
+    machine still gets 64 at once)."""
     victim = next(r for r in cluster.processes if r.name == "decode-0")
     requests = [
         router_pb2.GenerateRequest(request_id=f"scale-{i}-{uuid.uuid4().hex[:6]}",
@@ -140,7 +141,8 @@ async def test_kill_9_of_a_decode_worker_with_64_requests_in_flight(cluster):
     summaries: list[list] = [[] for _ in requests]
 
     def streaming() -> list[int]:
-        return [i for i, t in enumerate(tokens) if 1 <= len(t) < MAX_NEW_TOKENS]
+        # Token 0 comes from the prefill worker; from token 1 on, decode-0 is decoding.
+        return [i for i, t in enumerate(tokens) if 2 <= len(t) < MAX_NEW_TOKENS]
 
     async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
