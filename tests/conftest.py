@@ -1,9 +1,12 @@
-"""Fixtures shared by every test: the real Redis, isolated per test by a key prefix."""
+"""Fixtures shared by every test: the real Redis, isolated per test by a key prefix, and
+development TLS certificates."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
@@ -40,3 +43,13 @@ def redis_prefix(redis_url: str):
             client.delete(*keys)
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> Path:
+    """deploy/gen-certs.sh's CA, server certificate (localhost, 127.0.0.1) and client
+    certificate, as {ca,server,client}.{pem,key}."""
+    out = tmp_path_factory.mktemp("certs")
+    script = Path(__file__).resolve().parents[1] / "deploy" / "gen-certs.sh"
+    subprocess.run(["bash", str(script), str(out)], check=True, capture_output=True)
+    return out

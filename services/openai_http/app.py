@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -65,7 +66,8 @@ def _text_chunk(request_id: str, model: str, index: int, text: str, finish_reaso
 COMPLETIONS = Dialect("completions", "cmpl-", protocol.parse_completion_request,
                       protocol.completion_body, _text_chunk, protocol.usage_chunk_body)
 CHAT = Dialect("chat_completions", "chatcmpl-", chat.parse_chat_request, chat.completion_body,
-               chat.chunk_body, chat.usage_chunk_body)
+               chat.chunk_body, functools.partial(protocol.usage_chunk_body,
+                                                  object_name="chat.completion.chunk"))
 
 
 async def _merged(generator: Generator, calls: Sequence[GenerateCall]) -> AsyncIterator[Event]:

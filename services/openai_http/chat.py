@@ -132,15 +132,3 @@ def chunk_body(request_id: str, model: str, index: int, text: str, finish_reason
                      "finish_reason": finish_reason}],
     }
 
-
-def usage_chunk_body(request_id: str, model: str, usage: Usage,
-                     created_unix_s: int) -> dict[str, Any]:
-    """The last chunk of a stream with `include_usage`: no choices, the usage."""
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created_unix_s,
-        "model": model,
-        "choices": [],
-        "usage": usage.as_dict(),
-    }

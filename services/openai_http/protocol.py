@@ -268,12 +268,13 @@ def chunk_body(
 
 
 def usage_chunk_body(
-    request_id: str, model: str, usage: Usage, created_unix_s: int
+    request_id: str, model: str, usage: Usage, created_unix_s: int,
+    object_name: str = "text_completion",
 ) -> dict[str, Any]:
     """The last chunk of a stream with `include_usage`: no choices, the usage."""
     return {
         "id": request_id,
-        "object": "text_completion",
+        "object": object_name,
         "created": created_unix_s,
         "model": model,
         "choices": [],

@@ -7,7 +7,6 @@ import asyncio
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -24,17 +23,8 @@ from services.gossip.server import build_server as build_gossip
 from services.slot_broker.config import Config as BrokerConfig
 from services.slot_broker.server import build_server as build_broker
 
-REPO = Path(__file__).resolve().parents[2]
 PASSWORD = "s3cret-for-tests"
 PREFIX = "{kvrs-sec}:"
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("redis-certs")
-    subprocess.run(["bash", str(REPO / "deploy/gen-certs.sh"), str(out)], check=True,
-                   capture_output=True)
-    return out
 
 
 def _redis(args: list[str], ping) -> Iterator[None]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -20,16 +19,6 @@ from services.common import (
     setup_tracing,
     start_server,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("certs")
-    subprocess.run(["bash", str(REPO / "deploy/gen-certs.sh"), str(out)], check=True,
-                   capture_output=True)
-    return out
 
 
 def _noop(server: grpc.aio.Server) -> None:
