@@ -15,6 +15,7 @@ heartbeat TTL, the time it has to register again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -195,10 +196,11 @@ class ViewCache:
             except Exception:  # noqa: BLE001 - one bad snapshot must not end the refreshes
                 self.refresh_failures += 1
                 log.exception("view refresh failed unexpectedly; keeping the cached view")
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.refresh_s)
-            except TimeoutError:
-                pass
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the cancellation
+            # that stops this loop when the wake-up lands at the same moment.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.refresh_s):
+                    await self._wake.wait()
 
     def _carry_vanished(self, snapshot: GossipSnapshot) -> tuple[NodeRecord, ...]:
         """The alive instances of the last view that this listing lost without a trace,
