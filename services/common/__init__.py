@@ -13,7 +13,14 @@ from services.common.config import (
 )
 from services.common.errors import ErrorInterceptor, status_for
 from services.common.metrics import Metrics, serve_metrics
-from services.common.redis_store import DEFAULT_KEY_PREFIX, Keys, RedisTls, connect_redis
+from services.common.redis_store import (
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_REDIS_URL,
+    Keys,
+    RedisTls,
+    connect_redis,
+    redis_from_env,
+)
 from services.common.server import (
     ServerHandle,
     configure_logging,
@@ -30,6 +37,7 @@ from services.common.telemetry import (
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
+    "DEFAULT_REDIS_URL",
     "DEFAULT_RPC_TIMEOUT_S",
     "ConfigError",
     "ErrorInterceptor",
@@ -48,6 +56,7 @@ __all__ = [
     "env_int",
     "env_str",
     "open_channel",
+    "redis_from_env",
     "require_positive",
     "run_until_signal",
     "serve_metrics",

@@ -16,6 +16,8 @@ import redis.asyncio as redis_async
 from services.common.config import ConfigError, env_str
 
 DEFAULT_KEY_PREFIX = "{kvrs}:"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,15 @@ class RedisTls:
             raise ConfigError("KVRS_REDIS_TLS_* need a rediss:// REDIS_URL, got "
                               f"{redis_url.partition(':')[0]}://")
         return tls
+
+def redis_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str, RedisTls]:
+    """(REDIS_URL, KVRS_REDIS_PREFIX, KVRS_REDIS_TLS_*) of a Redis-backed service, checked."""
+    url = env_str("REDIS_URL", DEFAULT_REDIS_URL, env)
+    prefix = env_str("KVRS_REDIS_PREFIX", DEFAULT_KEY_PREFIX, env)
+    if "{" not in prefix or "}" not in prefix:
+        raise ConfigError(f"KVRS_REDIS_PREFIX must contain a hash tag like '{{kvrs}}:', "
+                          f"got {prefix!r}")
+    return url, prefix, RedisTls.from_env(url, env)
 
 
 def connect_redis(url: str, tls: RedisTls | None = None) -> redis_async.Redis:

@@ -7,16 +7,15 @@ from dataclasses import dataclass, field
 
 from services.common import (
     DEFAULT_KEY_PREFIX,
-    ConfigError,
+    DEFAULT_REDIS_URL,
     GrpcSettings,
     RedisTls,
     env_float,
     env_int,
     env_str,
+    redis_from_env,
     require_positive,
 )
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 @dataclass(frozen=True)
@@ -49,11 +48,12 @@ class Config:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        redis_url, redis_prefix, redis_tls = redis_from_env(env)
         config = cls(
             listen_addr=env_str("GOSSIP_LISTEN_ADDR", "0.0.0.0:50051", env),
-            redis_url=env_str("REDIS_URL", DEFAULT_REDIS_URL, env),
-            redis_prefix=env_str("KVRS_REDIS_PREFIX", DEFAULT_KEY_PREFIX, env),
-            redis_tls=RedisTls.from_env(env_str("REDIS_URL", DEFAULT_REDIS_URL, env), env),
+            redis_url=redis_url,
+            redis_prefix=redis_prefix,
+            redis_tls=redis_tls,
             heartbeat_ttl_s=env_float("GOSSIP_HEARTBEAT_TTL_S", 2.0, env),
             sweep_interval_s=env_float("GOSSIP_SWEEP_INTERVAL_S", 0.1, env),
             events_maxlen=env_int("GOSSIP_EVENTS_MAXLEN", 10_000, env),
@@ -67,9 +67,4 @@ class Config:
             ("GOSSIP_EVENTS_MAXLEN", config.events_maxlen),
             ("GOSSIP_DOWN_RETENTION_S", config.down_retention_s),
         )
-        if "{" not in config.redis_prefix or "}" not in config.redis_prefix:
-            raise ConfigError(
-                f"KVRS_REDIS_PREFIX must contain a hash tag like '{{kvrs}}:', "
-                f"got {config.redis_prefix!r}"
-            )
         return config

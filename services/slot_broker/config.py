@@ -7,16 +7,16 @@ from dataclasses import dataclass, field
 
 from services.common import (
     DEFAULT_KEY_PREFIX,
+    DEFAULT_REDIS_URL,
     ConfigError,
     GrpcSettings,
     RedisTls,
     env_float,
     env_int,
     env_str,
+    redis_from_env,
     require_positive,
 )
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,12 @@ class Config:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        redis_url, redis_prefix, redis_tls = redis_from_env(env)
         config = cls(
             listen_addr=env_str("SLOT_BROKER_LISTEN_ADDR", "0.0.0.0:50054", env),
-            redis_url=env_str("REDIS_URL", DEFAULT_REDIS_URL, env),
-            redis_prefix=env_str("KVRS_REDIS_PREFIX", DEFAULT_KEY_PREFIX, env),
-            redis_tls=RedisTls.from_env(env_str("REDIS_URL", DEFAULT_REDIS_URL, env), env),
+            redis_url=redis_url,
+            redis_prefix=redis_prefix,
+            redis_tls=redis_tls,
             cluster_cap=env_int("SLOT_BROKER_CLUSTER_CAP", 32, env),
             link_cap=env_int("SLOT_BROKER_LINK_CAP", 0, env),
             lease_ttl_s=env_float("SLOT_BROKER_LEASE_TTL_S", 10.0, env),
@@ -73,9 +74,4 @@ class Config:
             raise ConfigError(f"SLOT_BROKER_LINK_CAP must be >= 0, got {config.link_cap}")
         if config.lease_ttl_s > config.max_lease_ttl_s:
             raise ConfigError("SLOT_BROKER_LEASE_TTL_S must not exceed SLOT_BROKER_MAX_LEASE_TTL_S")
-        if "{" not in config.redis_prefix or "}" not in config.redis_prefix:
-            raise ConfigError(
-                f"KVRS_REDIS_PREFIX must contain a hash tag like '{{kvrs}}:', "
-                f"got {config.redis_prefix!r}"
-            )
         return config
