@@ -69,6 +69,10 @@ class ClusterOptions:
     """Key prefix (hash-tagged); empty = "{kvrs}:" on a private Redis, a fresh one otherwise."""
     topology_file: Path = DEFAULT_TOPOLOGY_FILE
     """Where instances sit; workers look their node, rack and pod up in it."""
+    profile_file: Path | None = None
+    """The workers' model's compute profile measured on this machine (`kvrs calibrate`),
+    given to every process as KVRS_PROFILE_FILE and WORKER_PROFILE_PATH; None = the
+    model's preset profile."""
     startup_timeout_s: float = 60.0
     """How long one stage may take to report SERVING."""
     log_level: str = "INFO"
@@ -240,6 +244,8 @@ def common_env(wiring: Wiring, tls_dir: Path | None, redis_url: str, redis_prefi
     }
     if options.otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = options.otlp_endpoint
+    if options.profile_file is not None:
+        env["KVRS_PROFILE_FILE"] = env["WORKER_PROFILE_PATH"] = str(options.profile_file)
     if tls_dir is not None:
         env.update(tls_env(tls_dir, "server"))
     return env
@@ -666,6 +672,8 @@ def start_cluster(
         raise ClusterError(f"services not installed in this checkout: {', '.join(missing)}")
     if not options.topology_file.is_file():
         raise ClusterError(f"topology file not found: {options.topology_file}")
+    if options.profile_file is not None and not options.profile_file.is_file():
+        raise ClusterError(f"profile file not found: {options.profile_file}")
     for stale in (run_dir / "logs").glob("*.log"):
         stale.unlink()
 

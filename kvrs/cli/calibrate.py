@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from kvrs.errors import InvalidArgument, KvrsError
@@ -42,7 +43,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Measure, fit, write the profile, print the report; exit 2 (naming the flag) on bad input."""
     try:
-        report = calibrate(args)
+        report = calibrate(args.model, args.output, dtype=args.dtype, lengths=args.lengths,
+                           repeats=args.repeats, extend_new_tokens=args.extend_new_tokens,
+                           threads=args.threads, seed=args.seed)
     except KvrsError as exc:
         flag = f"--{exc.field.replace('_', '-')}" if exc.field else ""
         print(f"kvrs calibrate: {flag + ': ' if flag else ''}{exc.message or exc}",
@@ -67,24 +70,31 @@ def _lengths(text: str, max_positions: int) -> list[int]:
     return lengths
 
 
-def calibrate(args: argparse.Namespace) -> dict[str, Any]:
-    """The measurements, the fit and the extend check; writes the profile to args.output."""
+def calibrate(model_name: str, output: str | Path, dtype: str = "",
+              lengths: str = DEFAULT_LENGTHS, repeats: int = 3, extend_new_tokens: int = 16,
+              threads: int = 1, seed: int = 0) -> dict[str, Any]:
+    """The measurements, the fit and the extend check; writes the profile to `output`.
+
+    The arguments are the command's flags; `kvrs up --calibrate` and `kvrs demo` call it
+    with the workers' model before they start the cluster.
+    """
     import torch
 
     from services.worker.model import MODEL_CONFIGS, Transformer, resolve_dtype
 
-    if args.model not in MODEL_CONFIGS:
-        raise InvalidArgument("model", f"unknown worker model {args.model!r} (known: "
+    if model_name not in MODEL_CONFIGS:
+        raise InvalidArgument("model", f"unknown worker model {model_name!r} (known: "
                               f"{', '.join(MODEL_CONFIGS)})")
-    for field in ("repeats", "threads", "extend_new_tokens"):
-        if getattr(args, field) <= 0:
-            raise InvalidArgument(field, f"must be > 0, got {getattr(args, field)}")
-    config = MODEL_CONFIGS[args.model]
-    lengths = _lengths(args.lengths, config.max_positions)
-    dtype_name = args.dtype or ("float64" if args.model == "tiny" else "bfloat16")
-    torch.set_num_threads(args.threads)
-    model = Transformer(config, dtype=resolve_dtype(dtype_name), seed=args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
+    for field, value in (("repeats", repeats), ("threads", threads),
+                         ("extend_new_tokens", extend_new_tokens)):
+        if value <= 0:
+            raise InvalidArgument(field, f"must be > 0, got {value}")
+    config = MODEL_CONFIGS[model_name]
+    sweep = _lengths(lengths, config.max_positions)
+    dtype_name = dtype or ("float64" if model_name == "tiny" else "bfloat16")
+    torch.set_num_threads(threads)
+    model = Transformer(config, dtype=resolve_dtype(dtype_name), seed=seed)
+    generator = torch.Generator().manual_seed(seed)
 
     def prompt(tokens: int) -> list[int]:
         return torch.randint(0, config.vocab_size, (tokens,), generator=generator).tolist()
@@ -94,24 +104,24 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         fn()
         return time.perf_counter() - started
 
-    model.prefill(prompt(min(lengths)))  # warm-up: first-call allocations and kernel choice
+    model.prefill(prompt(min(sweep)))  # warm-up: first-call allocations and kernel choice
     table = []
-    for tokens in lengths:
+    for tokens in sweep:
         samples = []
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             tokens_in = prompt(tokens)
             samples.append(timed(lambda t=tokens_in: model.prefill(t)))
         table.append((tokens, statistics.median(samples)))
-    profile = ComputeProfile.fit(args.model, table)
-    profile.save(args.output)
+    profile = ComputeProfile.fit(model_name, table)
+    profile.save(output)
 
     extend_check = []
-    g = args.extend_new_tokens
-    for cached in sorted({lengths[0], lengths[len(lengths) // 2]}):
+    g = extend_new_tokens
+    for cached in sorted({sweep[0], sweep[len(sweep) // 2]}):
         if cached + g > config.max_positions:
             continue
         samples = []
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             cache, _ = model.prefill(prompt(cached))
             new = prompt(g)
             samples.append(timed(lambda c=cache, n=new: model.extend(c, n)))
@@ -119,10 +129,10 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
                              "measured_s": statistics.median(samples),
                              "predicted_s": profile.extend_s(cached, g)})
     return {
-        "model": args.model,
+        "model": model_name,
         "dtype": dtype_name,
-        "threads": args.threads,
-        "output": str(args.output),
+        "threads": threads,
+        "output": str(output),
         "profile": profile.to_json(),
         "fit_vs_measured": [{"tokens": tokens, "measured_s": seconds,
                              "fit_s": profile.fit_s(tokens)} for tokens, seconds in table],

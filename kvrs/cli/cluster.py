@@ -46,6 +46,13 @@ def register(parser: argparse.ArgumentParser) -> None:
                                  "default: free ports)")
         parser.add_argument("--topology", type=Path, default=None,
                             help="topology file (default deploy/topology.yaml)")
+        profile = parser.add_mutually_exclusive_group()
+        profile.add_argument("--calibrate", action="store_true",
+                             help="measure the workers' model on this machine first (kvrs "
+                                  "calibrate) and price every decision with that profile")
+        profile.add_argument("--profile-file", type=Path, default=None,
+                             help="a kvrs calibrate profile to price decisions with "
+                                  "(default: the model's preset)")
         parser.add_argument("--timeout-s", type=float, default=60.0,
                             help="how long each startup stage may take (default 60)")
     elif command == "down":
@@ -81,6 +88,9 @@ def _up(args: argparse.Namespace) -> int:
     )
 
     logging.basicConfig(level=logging.INFO, format="kvrs up: %(message)s")
+    profile_file = args.profile_file.resolve() if args.profile_file else None
+    if args.calibrate:
+        profile_file = calibrate_into(args.dir, args.workers_model)
     options = ClusterOptions(
         run_dir=args.dir,
         workers_model=args.workers_model,
@@ -90,6 +100,7 @@ def _up(args: argparse.Namespace) -> int:
         redis_url=os.environ.get("REDIS_URL", ""),
         redis_prefix=os.environ.get("KVRS_REDIS_PREFIX", ""),
         topology_file=(args.topology or DEFAULT_TOPOLOGY_FILE).resolve(),
+        profile_file=profile_file,
         startup_timeout_s=args.timeout_s,
     )
     started_s = time.monotonic()
@@ -108,6 +119,21 @@ def _up(args: argparse.Namespace) -> int:
     for name, value in state.client_env().items():
         print(f"  export {name}={value}")
     return 0
+
+
+def calibrate_into(run_dir: Path, model: str) -> Path:
+    """Measures `model`'s prefill on this machine into <run_dir>/profile.json; says what it
+    found, since every predicted cost the cluster reports rests on it."""
+    from kvrs.cli.calibrate import calibrate
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = (run_dir / "profile.json").resolve()
+    print(f"calibrating {model} on this machine ...", flush=True)
+    report = calibrate(model, path)
+    measured = ", ".join(f"{row['tokens']} tokens {row['measured_s'] * 1e3:.1f} ms"
+                         for row in report["fit_vs_measured"][::3])
+    print(f"prefill measured: {measured} (profile {path})", flush=True)
+    return path
 
 
 def _down(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@ each affected request recovered.
 
     kvrs demo [--requests 8] [--cluster-dir DIR]
 
-Starts a local cluster (`kvrs up`'s launcher; or reuses the one in --cluster-dir), streams
+Measures the workers' model on this machine (`kvrs calibrate`, so predicted costs are this
+machine's), starts a local cluster (`kvrs up`'s launcher; or reuses the one in
+--cluster-dir), streams
 a batch of requests through the router, kill -9s the decode worker serving most of them
 once every stream is under way, then prints each affected request's recovery decision and
 its cost terms, checks that every request completed, replays the prompts on the
@@ -55,6 +57,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="model preset of a fresh cluster's workers (default tiny)")
     parser.add_argument("--timeout-s", type=float, default=120.0,
                         help="deadline of each request (default 120)")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="price decisions with the model's preset profile instead of "
+                             "measuring the model on this machine first (~2 s for tiny)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _cluster(args: argparse.Namespace):
     """The cluster to use and whether this command started it (and so stops it)."""
+    from kvrs.cli.cluster import calibrate_into
     from kvrs.localcluster import SERVICES, ClusterOptions, ClusterState, start_cluster
 
     if args.cluster_dir is not None:
@@ -88,9 +94,11 @@ def _cluster(args: argparse.Namespace):
         return state, False
     run_dir = Path(tempfile.mkdtemp(prefix="kvrs-demo-")) / "cluster"
     redis_url = os.environ.get("REDIS_URL", "")
+    profile_file = None if args.no_calibrate else calibrate_into(run_dir, args.workers_model)
     options = ClusterOptions(
         run_dir=run_dir,
         workers_model=args.workers_model,
+        profile_file=profile_file,
         otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
         redis_url=redis_url,
         redis_prefix=f"{{kvrs-demo-{uuid.uuid4().hex[:8]}}}:" if redis_url else "",

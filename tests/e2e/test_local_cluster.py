@@ -62,9 +62,16 @@ def test_up_status_down(tmp_path, redis_url, redis_prefix):
     run_dir = tmp_path / "cluster"
     env = {"REDIS_URL": redis_url, "KVRS_REDIS_PREFIX": redis_prefix}
     try:
-        up = kvrs("up", "--dir", str(run_dir), "--workers-model", "tiny", env=env)
+        up = kvrs("up", "--dir", str(run_dir), "--workers-model", "tiny", "--calibrate",
+                  env=env)
         assert up.returncode == 0, f"{up.stdout}\n{up.stderr}"
         state = ClusterState.load(run_dir)
+        # Calibrated here, and every decision is priced with it.
+        profile = (run_dir / "profile.json").resolve()
+        assert "calibrating tiny" in up.stdout and profile.is_file()
+        scheduler = next(r for r in state.processes if r.name == "scheduler-1")
+        environ = Path(f"/proc/{scheduler.pid}/environ").read_bytes().split(b"\0")
+        assert f"KVRS_PROFILE_FILE={profile}".encode() in environ
         assert {r.name for r in state.processes} == {spec.name for spec in SERVICES}
         assert all(is_running(r) for r in state.processes)
         assert state.redis_prefix == redis_prefix
