@@ -62,6 +62,18 @@ class Metrics:
         self.requests = Counter(
             "kvrs_requests", "Requests served end to end, by outcome.", ["outcome"], registry=r,
         )
+        self.instances_alive = Gauge(
+            "kvrs_instances_alive", "Alive instances by role, as gossip last listed them.",
+            ["role"], registry=r,
+        )
+        self.membership_events = Counter(
+            "kvrs_membership_events", "Instances this gossip replica declared failed or saw "
+            "leave, by type.", ["type"], registry=r,
+        )
+        self.heartbeats = Counter(
+            "kvrs_heartbeats", "Heartbeats received, by outcome (ok; unknown or not_alive: "
+            "the instance must register again).", ["outcome"], registry=r,
+        )
 
 
 def serve_metrics(metrics: Metrics, addr: str) -> int | None:

@@ -36,9 +36,11 @@ async def build_server(
     config: Config,
     provider: TracerProvider,
     redis_client: redis_async.Redis | None = None,
+    metrics: Metrics | None = None,
 ) -> GossipServerHandle:
     """Starts a gossip server on `config.listen_addr` (a Redis client is opened from
     `config.redis_url` unless one is passed; it is then closed on stop)."""
+    metrics = metrics or Metrics()
     owns_redis = redis_client is None
     client = connect_redis(config.redis_url, config.redis_tls) if owns_redis else redis_client
     store = GossipStore(
@@ -48,7 +50,7 @@ async def build_server(
         events_maxlen=config.events_maxlen,
         down_retention_s=config.down_retention_s,
     )
-    servicer = GossipServicer(store)
+    servicer = GossipServicer(store, metrics)
 
     def register(server: grpc.aio.Server) -> None:
         gossip_pb2_grpc.add_GossipServiceServicer_to_server(servicer, server)
@@ -58,7 +60,7 @@ async def build_server(
         **{item.name: getattr(base, item.name) for item in fields(base)}, servicer=servicer
     )
     stop = asyncio.Event()
-    sweeper = asyncio.create_task(sweep_forever(store, config.sweep_interval_s, stop))
+    sweeper = asyncio.create_task(sweep_forever(store, config.sweep_interval_s, stop, metrics))
 
     async def stop_sweeper() -> None:
         stop.set()
@@ -75,6 +77,7 @@ async def build_server(
 
 async def serve(config: Config, provider: TracerProvider) -> None:
     """Runs the gossip service until SIGTERM/SIGINT, then drains and shuts down."""
-    serve_metrics(Metrics(), config.metrics_addr)
-    handle = await build_server(config, provider)
+    metrics = Metrics()
+    serve_metrics(metrics, config.metrics_addr)
+    handle = await build_server(config, provider, metrics=metrics)
     await run_until_signal(handle, config.grpc, provider)

@@ -7,8 +7,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvrs.errors import FailedPrecondition, NotFound
 from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
+from services.common.metrics import Metrics
 from services.gossip import convert
+from services.gossip.records import ALIVE, ROLES
 from services.gossip.store import GossipStore
 
 WATCH_BLOCK_S = 0.25
@@ -16,8 +19,9 @@ WATCH_BLOCK_S = 0.25
 
 
 class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
-    def __init__(self, store: GossipStore) -> None:
+    def __init__(self, store: GossipStore, metrics: Metrics) -> None:
         self._store = store
+        self._metrics = metrics
         self._closing = asyncio.Event()
         self.active_watchers = 0
         """WatchEvents streams open now (each holds a Redis connection while it waits)."""
@@ -31,11 +35,23 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         return gossip_pb2.RegisterNodeResponse(node=convert.node_to_pb(record))
 
     async def Heartbeat(self, request, context: grpc.aio.ServicerContext):
-        expires_ms = await self._store.heartbeat(request.instance_id, convert.load_from_pb(request))
+        outcome = "ok"
+        try:
+            expires_ms = await self._store.heartbeat(request.instance_id,
+                                                     convert.load_from_pb(request))
+        except NotFound:
+            outcome = "unknown"
+            raise
+        except FailedPrecondition:
+            outcome = "not_alive"
+            raise
+        finally:
+            self._metrics.heartbeats.labels(outcome=outcome).inc()
         return gossip_pb2.HeartbeatResponse(expires_unix_ms=expires_ms)
 
     async def DeregisterNode(self, request, context: grpc.aio.ServicerContext):
         await self._store.deregister(request.instance_id, request.reason)
+        self._metrics.membership_events.labels(type="left").inc()
         return gossip_pb2.DeregisterNodeResponse()
 
     async def ReportLinkSample(self, request, context: grpc.aio.ServicerContext):
@@ -43,9 +59,14 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         return gossip_pb2.ReportLinkSampleResponse()
 
     async def ListNodes(self, request, context: grpc.aio.ServicerContext):
-        records, now_ms = await self._store.list_nodes(
-            convert.role_from_pb(request.role) or None, request.include_down
-        )
+        role = convert.role_from_pb(request.role) or None
+        records, now_ms = await self._store.list_nodes(role, request.include_down)
+        if role is None:
+            # Every scheduler and router lists everything several times a second: the
+            # gauge stays fresh without a listing of its own.
+            for each in ROLES:
+                self._metrics.instances_alive.labels(role=each).set(sum(
+                    1 for r in records if r.state == ALIVE and r.registration.role == each))
         return gossip_pb2.ListNodesResponse(
             nodes=[convert.node_to_pb(record) for record in records], server_unix_ms=now_ms
         )

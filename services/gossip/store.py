@@ -34,6 +34,7 @@ import redis.asyncio as redis_async
 import redis.exceptions
 
 from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.metrics import Metrics
 from services.common.redis_store import Keys
 from services.gossip.records import (
     ALIVE,
@@ -477,7 +478,8 @@ class GossipStore:
         return [_event(event_id, raw) for event_id, raw in reply[0][1]]
 
 
-async def sweep_forever(store: GossipStore, interval_s: float, stop: asyncio.Event) -> None:
+async def sweep_forever(store: GossipStore, interval_s: float, stop: asyncio.Event,
+                        metrics: Metrics) -> None:
     """Runs `store.sweep()` every `interval_s` until `stop` is set; Redis outages are logged.
 
     Every gossip replica runs one: the sweep script is atomic, so they never
@@ -489,6 +491,7 @@ async def sweep_forever(store: GossipStore, interval_s: float, stop: asyncio.Eve
         try:
             for instance_id in await store.sweep():
                 log.info("instance %s failed: heartbeats stopped", instance_id)
+                metrics.membership_events.labels(type="failed").inc()
         except redis.exceptions.RedisError as exc:
             log.warning("failure sweep skipped: %s", exc)
         with contextlib.suppress(TimeoutError):

@@ -1,4 +1,5 @@
-"""Scheduler and slot broker record their decisions and leases on a scraped Prometheus endpoint."""
+"""Scheduler, slot broker and gossip record decisions, leases and membership on a scraped
+Prometheus endpoint."""
 
 from __future__ import annotations
 
@@ -141,3 +142,38 @@ async def test_scheduler_exports_decisions_predicted_costs_and_slot_outcomes(
     finally:
         while closers:
             await closers.pop()()
+
+
+async def test_gossip_exports_alive_instances_failures_departures_and_heartbeats(
+    redis_url, redis_prefix, provider
+):
+    metrics = Metrics()
+    handle = await build_gossip(
+        GossipConfig(listen_addr="127.0.0.1:0", redis_url=redis_url, redis_prefix=redis_prefix,
+                     heartbeat_ttl_s=0.3, sweep_interval_s=0.05),
+        provider, metrics=metrics,
+    )
+    client = GossipClient(f"127.0.0.1:{handle.port}", timeout_s=5)
+    try:
+        for instance_id, role, _, _ in CLUSTER:
+            await client.register(Registration(instance_id, role, f"{instance_id}:1"))
+        await client.heartbeat("decode-near")
+        await client.deregister("decode-rack", "drained")
+        await client.list_nodes()
+        text = await scrape(metrics)
+        assert sample(text, 'kvrs_instances_alive{role="decode"}') == 1.0
+        assert sample(text, 'kvrs_instances_alive{role="prefill"}') == 1.0
+        assert sample(text, 'kvrs_membership_events_total{type="left"}') == 1.0
+        assert sample(text, 'kvrs_heartbeats_total{outcome="ok"}') == 1.0
+
+        await asyncio.sleep(0.6)  # two TTLs of silence: both declared failed by the sweep
+        with pytest.raises(Exception, match="register"):
+            await client.heartbeat("decode-near")
+        await client.list_nodes()
+        text = await scrape(metrics)
+        assert sample(text, 'kvrs_membership_events_total{type="failed"}') == 2.0
+        assert sample(text, 'kvrs_heartbeats_total{outcome="not_alive"}') == 1.0
+        assert sample(text, 'kvrs_instances_alive{role="decode"}') == 0.0
+    finally:
+        await client.close()
+        await handle.stop(0)
