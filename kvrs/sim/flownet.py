@@ -201,14 +201,19 @@ class FlowNetwork:
         flow.updated_s = now_s
 
     def _component(self, seeds: Iterable[Link]) -> tuple[list[Link], list[Flow]]:
-        links_seen: set[Link] = set()
+        """The links and flows connected to `seeds`, links in the order they were reached.
+
+        That order breaks ties between equal shares in `_refill`, so it must not depend
+        on where links sit in memory (a set of links iterates by address).
+        """
+        links_seen: dict[Link, None] = {}
         flows_seen: set[Flow] = set()
         stack = [link for link in seeds if link.flows]
         while stack:
             link = stack.pop()
             if link in links_seen:
                 continue
-            links_seen.add(link)
+            links_seen[link] = None
             for flow in link.flows:
                 if flow not in flows_seen:
                     flows_seen.add(flow)
