@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvrs._frozen import build
 from kvrs.errors import InvalidArgument
 from kvrs.estimator import LinkEstimate, StalenessPolicy
@@ -98,8 +100,30 @@ class PathTerms:
     flows: int
 
 
+class _FanPaths:
+    """The paths from one source to a list of destinations, as far as flows cannot change
+    them: link indices hop by hop (index 0 pads the shorter paths), base RTTs and tiers.
+    """
+
+    __slots__ = ("dst_ids", "paths_version", "incidence", "rtt_s", "tiers")
+
+    def __init__(self, dst_ids: tuple[str, ...], paths_version: int, incidence: np.ndarray,
+                 rtt_s: tuple[float, ...], tiers: tuple[Tier, ...]) -> None:
+        self.dst_ids = dst_ids
+        self.paths_version = paths_version
+        self.incidence = incidence
+        self.rtt_s = rtt_s
+        self.tiers = tiers
+
+
 class NetworkModel:
-    """Predicts transfer times; holds the telemetry and flow counts a decision sees."""
+    """Predicts transfer times; holds the telemetry and flow counts a decision sees.
+
+    A fan-out (one source to many destinations) is priced from one vector of per-link
+    shares, capacity / (flows + 1), computed once per change of the inputs: flow counts
+    change far more often than paths do, and every path crossing a changed link would
+    otherwise be rebuilt one by one.
+    """
 
     def __init__(self, topology: Topology, staleness: StalenessPolicy = DEFAULT_STALENESS):
         self.topology = topology
@@ -110,6 +134,14 @@ class NetworkModel:
         self._tables: dict[str, PathTable] = {}
         self._inputs_version = next(_INPUT_VERSIONS)
         self._topology_version = topology.version
+        # Fan-outs: per source, its last destination list's paths; links by index (0 is
+        # padding, of infinite share); per-link capacities and shares, with their keys.
+        self._fan_paths: dict[str, _FanPaths] = {}
+        self._estimated: dict[str, set[str]] = {}
+        self._link_index: dict[LinkId, int] = {}
+        self._link_ids: list[LinkId] = []
+        self._caps: tuple[tuple[int, int], np.ndarray] | None = None
+        self._shares: tuple[tuple[int, int, int], np.ndarray] | None = None
 
     @property
     def version(self) -> tuple[int, int]:
@@ -132,6 +164,7 @@ class NetworkModel:
         if not estimate.bandwidth_bps > 0.0:
             raise InvalidArgument("bandwidth_bps", f"must be > 0, got {estimate.bandwidth_bps}")
         self._estimates[(src_id, dst_id)] = estimate
+        self._estimated.setdefault(src_id, set()).add(dst_id)
         self._paths.pop((src_id, dst_id), None)
         self._inputs_version = next(_INPUT_VERSIONS)
 
@@ -168,18 +201,66 @@ class NetworkModel:
         cached = self._tables.get(src_id)
         if cached is not None and cached.dst_ids == dst_ids and cached.valid(self, now_s):
             return cached
-        paths = [self._path(src_id, dst_id, now_s) for dst_id in dst_ids]
+        fan = self._fan_paths.get(src_id)
+        if fan is None or fan.dst_ids != dst_ids \
+                or fan.paths_version != self.topology.paths_version:
+            fan = self._fan_paths[src_id] = self._build_fan(src_id, dst_ids)
+        # Each path's share of its bottleneck, min over its links of capacity / (flows + 1),
+        # for every destination at once.
+        bandwidth_bps = np.minimum.reduce(self._link_shares().take(fan.incidence),
+                                          axis=0).tolist()
+        rtt_s = fan.rtt_s
+        lo_s, hi_s = -math.inf, math.inf
+        estimated = self._estimated.get(src_id)
+        if estimated:
+            # Measured paths take their measurement as the base (see `_build_path`).
+            rtt = list(rtt_s)
+            for i, dst_id in enumerate(dst_ids):
+                if dst_id in estimated:
+                    path = self._path(src_id, dst_id, now_s)
+                    bandwidth_bps[i] = path.bps
+                    rtt[i] = path.rtt_s if path.links else 0.0
+                    lo_s, hi_s = max(lo_s, path.lo_s), min(hi_s, path.hi_s)
+            rtt_s = tuple(rtt)
         table = self._tables[src_id] = PathTable(
-            src_id=src_id,
-            dst_ids=dst_ids,
-            bandwidth_bps=tuple(path.bps for path in paths),
-            rtt_s=tuple(path.rtt_s if path.links else 0.0 for path in paths),
-            tiers=tuple(path.tier for path in paths),
-            version=self.version,
-            lo_s=max((path.lo_s for path in paths), default=-math.inf),
-            hi_s=min((path.hi_s for path in paths), default=math.inf),
-        )
+            src_id=src_id, dst_ids=dst_ids, bandwidth_bps=tuple(bandwidth_bps), rtt_s=rtt_s,
+            tiers=fan.tiers, version=self.version, lo_s=lo_s, hi_s=hi_s)
         return table
+
+    def _build_fan(self, src_id: str, dst_ids: tuple[str, ...]) -> _FanPaths:
+        pairs = [self.topology.pair(src_id, dst_id) for dst_id in dst_ids]
+        longest = max((len(links) for _, links, _ in pairs), default=0)
+        incidence = np.zeros((max(1, longest), len(dst_ids)), dtype=np.intp)
+        index = self._link_index
+        for j, (_, links, _) in enumerate(pairs):
+            for k, link in enumerate(links):
+                i = index.get(link)
+                if i is None:
+                    self._link_ids.append(link)
+                    i = index[link] = len(self._link_ids)
+                incidence[k, j] = i
+        return _FanPaths(dst_ids, self.topology.paths_version, incidence,
+                         tuple(rtt if links else 0.0 for _, links, rtt in pairs),
+                         tuple(tier for tier, _, _ in pairs))
+
+    def _link_shares(self) -> np.ndarray:
+        """capacity / (known flows + 1) of every indexed link; infinity at index 0."""
+        key = (self._inputs_version, self.topology.version, len(self._link_ids))
+        if self._shares is None or self._shares[0] != key:
+            caps_key = (self.topology.version, len(self._link_ids))
+            if self._caps is None or self._caps[0] != caps_key:
+                capacity = self.topology.link_capacity_bps
+                self._caps = (caps_key, np.array(
+                    [math.inf, *(capacity(link) for link in self._link_ids)]))
+            caps = self._caps[1]
+            flows = np.zeros(len(caps))
+            index = self._link_index
+            for link, count in self._flows.items():
+                i = index.get(link)
+                if i is not None:
+                    flows[i] = count
+            self._shares = (key, caps / (flows + 1.0))
+        return self._shares[1]
 
     def tier(self, src_id: str, dst_id: str) -> Tier:
         """The topology tier of the path."""

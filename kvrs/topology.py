@@ -129,6 +129,9 @@ class Topology:
         self._pair_cache: dict[tuple[str, str], tuple[Tier, tuple[LinkId, ...], float]] = {}
         self.version = 0
         """Bumped on every change, so callers may cache anything derived from paths."""
+        self.paths_version = 0
+        """Bumped when instances join or move: which links a path crosses, its tier and base
+        RTT may change then, but not when only a link's capacity changes."""
 
     # -- construction -------------------------------------------------------------------
 
@@ -249,6 +252,7 @@ class Topology:
         self._instances[spec.instance_id] = spec
         self._pair_cache.clear()
         self.version += 1
+        self.paths_version += 1
 
     def set_link_capacity(self, link: LinkId, capacity_bps: float) -> None:
         """Override one link's capacity (a degraded NIC, an oversubscribed uplink)."""
@@ -284,6 +288,10 @@ class Topology:
     def base_rtt_s(self, src_id: str, dst_id: str) -> float:
         """Setup latency plus the round trip over every hop of the path; 0 to itself."""
         return self._pair(src_id, dst_id)[2]
+
+    def pair(self, src_id: str, dst_id: str) -> tuple[Tier, tuple[LinkId, ...], float]:
+        """(tier, path links, base RTT) of the path in one lookup: what the three above give."""
+        return self._pair(src_id, dst_id)
 
     def link_capacity_bps(self, link: LinkId) -> float:
         """Capacity of one directional link (its tier's, unless overridden)."""
