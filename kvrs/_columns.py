@@ -53,8 +53,8 @@ class Columns:
     """The fields decisions read from a list of instances, read once per list."""
 
     __slots__ = ("states", "ids", "wait", "running", "load", "free", "min_free",
-                 "has_resident", "_arrays", "_holders", "_masks", "_fans", "_by_wait", "_index",
-                 "_matrix")
+                 "has_resident", "_arrays", "_holders", "_narrowed", "_masks", "_fans", "_by_wait",
+                 "_index", "_matrix")
 
     def __init__(self, states: Sequence[InstanceState]) -> None:
         self.states = states
@@ -67,6 +67,7 @@ class Columns:
         self.has_resident = any(s.resident_blocks for s in states)
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
         self._holders: dict[int, frozenset[int]] = {}
+        self._narrowed: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
         self._masks: dict[int, np.ndarray] = {}
         self._fans: dict[str, Fan] = {}
         self._by_wait: list[int] | None = None
@@ -129,6 +130,27 @@ class Columns:
                 i for i, s in enumerate(self.states) if block_hash in s.resident_blocks)
         return found
 
+    def _narrow(self, holding: frozenset[int], block_hash: int) -> frozenset[int]:
+        """The instances of `holding` that also hold `block_hash`.
+
+        Past a prompt's first block only the instances holding every block before it can
+        go deeper, so only those are asked. The answer is cached per block with the set it
+        narrowed: prompts sharing a prefix narrow the same (cached, so identical) sets.
+        """
+        cached = self._narrowed.get(block_hash)
+        if cached is not None and cached[0] is holding:
+            return cached[1]
+        found = self._holders.get(block_hash)
+        if found is not None:
+            narrowed = holding & found
+        else:
+            states = self.states
+            narrowed = frozenset(i for i in holding if block_hash in states[i].resident_blocks)
+        if len(self._narrowed) >= _HOLDERS_CACHE_MAX:
+            self._narrowed.clear()
+        self._narrowed[block_hash] = (holding, narrowed)
+        return narrowed
+
     def holder_mask(self, block_hash: int) -> np.ndarray:
         """A boolean array: which instances hold one prefix block."""
         found = self._masks.get(block_hash)
@@ -169,8 +191,8 @@ class Columns:
         levels: list[frozenset[int]] = []
         holding: frozenset[int] | None = None
         for block_hash in prefix_hashes[:-(-prompt_tokens // block_tokens)]:
-            found = self.holders(block_hash)
-            holding = found if holding is None else holding & found
+            holding = self.holders(block_hash) if holding is None else \
+                self._narrow(holding, block_hash)
             if not holding:
                 break
             levels.append(holding)
