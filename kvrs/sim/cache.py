@@ -10,22 +10,54 @@ membership at time t in O(1) without copying.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
+
+
+class BlockIndex:
+    """Which caches may hold each block, for finding a block's holders among many caches.
+
+    A cache is listed under a block from the block's insertion until it has left both the
+    cache and its eviction history, so the list covers every cache whose `as_of` view (at
+    any time within its history) holds the block: asking only those caches finds the same
+    holders as asking every one.
+    """
+
+    __slots__ = ("_caches",)
+
+    def __init__(self) -> None:
+        self._caches: dict[int, set[PrefixCache]] = {}
+
+    def caches(self, block: int) -> Collection[PrefixCache]:
+        """The caches that may hold `block` (now or in their history); ask each to be sure."""
+        return self._caches.get(block, ())
+
+    def _add(self, block: int, cache: PrefixCache) -> None:
+        self._caches.setdefault(block, set()).add(cache)
+
+    def _discard(self, block: int, cache: PrefixCache) -> None:
+        holders = self._caches.get(block)
+        if holders is not None:
+            holders.discard(cache)
+            if not holders:
+                del self._caches[block]
 
 
 class PrefixCache:
     """LRU set of prefix-block hashes with a capacity in blocks."""
 
     __slots__ = ("capacity_blocks", "_resident", "_evicted", "_history_s", "hits_tokens",
-                 "lookups_tokens")
+                 "lookups_tokens", "_snapshot", "_index")
 
-    def __init__(self, capacity_blocks: int, history_s: float = 60.0) -> None:
+    def __init__(self, capacity_blocks: int, history_s: float = 60.0,
+                 index: BlockIndex | None = None) -> None:
         self.capacity_blocks = max(0, int(capacity_blocks))
         self._resident: OrderedDict[int, float] = OrderedDict()   # block -> resident since
         self._evicted: dict[int, tuple[float, float]] = {}         # block -> (since, until)
         self._history_s = history_s
         self.hits_tokens = 0
         self.lookups_tokens = 0
+        self._snapshot: frozenset[int] | None = None
+        self._index = index
 
     def __len__(self) -> int:
         return len(self._resident)
@@ -56,6 +88,9 @@ class PrefixCache:
                 resident.move_to_end(block)
             else:
                 resident[block] = now_s
+                self._snapshot = None
+                if self._index is not None:
+                    self._index._add(block, self)
         evicted = self._evicted
         while len(resident) > self.capacity_blocks:
             block, since_s = resident.popitem(last=False)
@@ -63,6 +98,19 @@ class PrefixCache:
         if len(evicted) > 4 * self.capacity_blocks + 1024:
             horizon_s = now_s - self._history_s
             self._evicted = {b: span for b, span in evicted.items() if span[1] >= horizon_s}
+            if self._index is not None:
+                for block in evicted.keys() - self._evicted.keys() - resident.keys():
+                    self._index._discard(block, self)
+
+    def snapshot(self) -> frozenset[int]:
+        """The blocks resident now, as one frozenset shared until a block joins or leaves.
+
+        Telemetry reports an instance's blocks at every change of the instance, and most
+        changes (a decode step, a memory grant) leave its cache as it was.
+        """
+        if self._snapshot is None:
+            self._snapshot = frozenset(self._resident)
+        return self._snapshot
 
     def as_of(self, time_s: float) -> ResidentView:
         """A membership view of the blocks resident at `time_s` (within the history)."""

@@ -23,12 +23,13 @@ from typing import Any
 import numpy as np
 
 from kvrs.batch import plan_batch
+from kvrs.cluster import InstanceList
 from kvrs.costmodel import CostModel, prefix_hit_tokens
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvrs.placement import PlacementRequest, make_placement_policy
 from kvrs.recovery import Action, RecoveryDecision, RecoveryRequest, make_recovery_policy
 from kvrs.sim.background import BackgroundTraffic
-from kvrs.sim.cache import PrefixCache
+from kvrs.sim.cache import BlockIndex, PrefixCache
 from kvrs.sim.config import PolicySpec, SimConfig
 from kvrs.sim.engine import EventLoop
 from kvrs.sim.flownet import Flow, FlowNetwork
@@ -83,6 +84,27 @@ class Flight:
         self.pending_parts = 0        # HYBRID: transfer and recompute both must finish
 
 
+class _PrefillRouting:
+    """What prefill routing reads from one list of prefill states, read once per list."""
+
+    __slots__ = ("wait_s", "by_pool")
+
+    def __init__(self, candidates: InstanceList, prefills: dict[str, PrefillInstance]) -> None:
+        self.wait_s = np.array([state.wait_s for state in candidates])
+        self.by_pool: dict[PrefixCache, list[int]] = defaultdict(list)
+        for i, state in enumerate(candidates):
+            self.by_pool[prefills[state.instance_id].pool].append(i)
+
+    @classmethod
+    def of(cls, candidates: InstanceList,
+           prefills: dict[str, PrefillInstance]) -> _PrefillRouting:
+        """The routing columns of `candidates`, cached on the list."""
+        routing = candidates.derived.get(cls)
+        if routing is None:
+            routing = candidates.derived[cls] = cls(candidates, prefills)
+        return routing
+
+
 @dataclass
 class RunResult:
     """A finished run: the per-request records, their summary and run statistics."""
@@ -112,7 +134,9 @@ class Simulator:
 
         decode_profile = serving.decode()
         pool_blocks = serving.prefix_pool_tokens // self.block_tokens
-        shared_pool = PrefixCache(pool_blocks) if serving.prefix_pool_scope == "global" else None
+        self._pooled_blocks = BlockIndex()
+        shared_pool = PrefixCache(pool_blocks, index=self._pooled_blocks) \
+            if serving.prefix_pool_scope == "global" else None
         node_pools: dict[str, PrefixCache] = {}
         self.prefills: dict[str, PrefillInstance] = {}
         self.decodes: dict[str, DecodeInstance] = {}
@@ -121,7 +145,8 @@ class Simulator:
             node = spec.location.node
             self.node_of[spec.instance_id] = node
             if spec.role is Role.PREFILL:
-                pool = shared_pool or node_pools.setdefault(node, PrefixCache(pool_blocks))
+                pool = shared_pool or node_pools.setdefault(
+                    node, PrefixCache(pool_blocks, index=self._pooled_blocks))
                 self.prefills[spec.instance_id] = PrefillInstance(
                     spec.instance_id, node, self.loop, self.compute, pool, self.block_tokens,
                     serving.prefill_budget_tokens)
@@ -259,22 +284,23 @@ class Simulator:
                                        side="right"))
             return self.prefills[ids[min(pick, len(ids) - 1)]]
         age_s = max(0.0, self.loop.now_s - view.now_s)
-        tokens = request.input_tokens
-        cold_s = self.compute.prefill_s(tokens)
-        first_block = request.hash_ids[0] if request.hash_ids else None
-        best_id, best_score = "", math.inf
-        for state in candidates:
-            score = max(0.0, state.wait_s - age_s)
-            if router == "cache_aware":
-                if first_block is None or first_block not in state.resident_blocks:
-                    score += cold_s
-                else:
-                    hit = min(tokens - 1, prefix_hit_tokens(
-                        request.hash_ids, state.resident_blocks, self.block_tokens, tokens))
-                    score += self.compute.extend_s(hit, tokens - hit)
-            if score < best_score:
-                best_id, best_score = state.instance_id, score
-        return self.prefills[best_id]
+        routing = _PrefillRouting.of(candidates, self.prefills)
+        scores = np.maximum(routing.wait_s - age_s, 0.0)
+        if router == "cache_aware":
+            tokens = request.input_tokens
+            scores += self.compute.prefill_s(tokens)
+            # Only pools listed under the first block can hit; the others stay cold.
+            first_block = request.hash_ids[0] if request.hash_ids else None
+            holders = self._pooled_blocks.caches(first_block) if request.hash_ids else ()
+            for pool in holders:
+                for i in routing.by_pool.get(pool, ()):
+                    state = candidates[i]
+                    if first_block in state.resident_blocks:
+                        hit = min(tokens - 1, prefix_hit_tokens(
+                            request.hash_ids, state.resident_blocks, self.block_tokens, tokens))
+                        scores[i] = max(0.0, state.wait_s - age_s) + self.compute.extend_s(
+                            hit, tokens - hit)
+        return self.prefills[candidates[int(scores.argmin())].instance_id]
 
     def _prefilled(self, epoch: int, job: PrefillJob) -> None:
         flight: Flight = job.tag

@@ -144,7 +144,7 @@ class Telemetry:
             running_requests=len(d.batch), free_kv_tokens=max(0, d.free_kv_tokens),
             # A decode cache changes only with its instance, so its contents now are its
             # contents at `at_s`; a frozenset keeps placement's per-block scans in C.
-            resident_blocks=frozenset(d.cache), alive=d.alive)
+            resident_blocks=d.cache.snapshot(), alive=d.alive)
 
     def _busy(self, instance_id: str, at_s: float) -> bool:
         """Its W(x) shrinks as time passes (work in progress), so old states are stale."""
