@@ -77,6 +77,12 @@ class Telemetry:
         # Instances changed since the last view; the others keep their InstanceState when
         # it does not depend on time (no job running, no prefill batch in progress).
         self._changed: set[str] = set(prefills) | set(decodes)
+        # Instances whose state the last view computed rather than reused: only these, the
+        # changed and the dead can differ from the last view, because an unchanged instance
+        # that was idle at one sample is idle at every later one (its work only ends).
+        self._recheck: set[str] = set()
+        self._position = {instance_id: position for position, instance_id
+                          in enumerate((*prefills, *decodes))}
         for instance in (*prefills.values(), *decodes.values()):
             instance.on_change = self.before_change
         # The control plane's copy of the topology, whose link capacities are measured.
@@ -161,27 +167,34 @@ class Telemetry:
             return
         at_s = now_s if period == 0 else self._tick_s(tick)
         self.samples += 1
-        states: dict[str, InstanceState] = {}
         previous = self._view.instances if self._view is not None else {}
+        # Copying the last view keeps every instance in topology order; the ones that may
+        # differ are then replaced, in that order too.
+        states: dict[str, InstanceState] = dict(previous)
         changed = self._changed
         # A captured state is the tick's, not the live one: it cannot be reused later.
         stale_next: set[str] = set()
-        for instance_id in (*self.prefills, *self.decodes):
+        recheck: set[str] = set()
+        maybe_different = changed | self._recheck | (self.dead & self._position.keys())
+        for instance_id in sorted(maybe_different, key=self._position.__getitem__):
             captured = self._captured.get(instance_id)
             if captured is not None and captured[0] == tick:
                 state = captured[1]
                 stale_next.add(instance_id)
+                recheck.add(instance_id)
             elif (instance_id not in changed and instance_id in previous
                   and not self._busy(instance_id, at_s)):
                 state = previous[instance_id]
             else:
                 state = self._state(instance_id, at_s)
+                recheck.add(instance_id)
             if instance_id in self.dead and state.alive:
                 state = replace(state, alive=False)
             states[instance_id] = state
         self._view = ClusterView(instances=states, now_s=at_s)
         self._view_tick = tick
         self._changed = stale_next
+        self._recheck = recheck
         self._views = {}
 
     def _sample_links(self) -> None:
