@@ -254,6 +254,20 @@ class Topology:
         self.version += 1
         self.paths_version += 1
 
+    def copy(self) -> Topology:
+        """An independent copy, paths already computed included.
+
+        A second view of the same cluster (one whose link capacities will be set from
+        measurements) then does not recompute every pair's path: at 1,024 GPUs the
+        simulator's 16,384 prefill-to-decode paths took ~70 ms per copy.
+        """
+        twin = Topology(self.tiers, self.setup_latency_s, self._nodes, self._overrides)
+        twin._instances = dict(self._instances)
+        twin._pair_cache = dict(self._pair_cache)
+        twin.version = self.version
+        twin.paths_version = self.paths_version
+        return twin
+
     def set_link_capacity(self, link: LinkId, capacity_bps: float) -> None:
         """Override one link's capacity (a degraded NIC, an oversubscribed uplink)."""
         if link[0] not in _LINK_TIER:

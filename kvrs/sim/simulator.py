@@ -178,8 +178,9 @@ class Simulator:
                     self.network.link(link_id)
         self.background = BackgroundTraffic(config.background, self.loop, self.network,
                                             list(self.network.links), seed=config.seed + 1)
+        # The control plane's copy reuses the paths just computed for the flow network.
         self.telemetry = Telemetry(config.telemetry, self.loop, self.topology,
-                                   config.cluster.build, self.network, self.prefills,
+                                   self.topology.copy, self.network, self.prefills,
                                    self.decodes)
         self._costs: dict[str, CostModel] = {}
         if policy.mode == "placement":

@@ -88,6 +88,19 @@ def test_runtime_instance_takes_rack_from_its_node(topology: Topology) -> None:
     assert topology.tier("prefill-0", "decode-9") is Tier.POD
 
 
+def test_copy_keeps_paths_and_diverges_independently(topology: Topology) -> None:
+    paths = {(s, d): topology.path_links(s, d) for s in topology.instances
+             for d in topology.instances}
+    twin = topology.copy()
+    assert {pair: twin.path_links(*pair) for pair in paths} == paths
+    assert (twin.version, twin.paths_version) == (topology.version, topology.paths_version)
+    twin.set_link_capacity(("node-up", "n0"), 1e9)
+    twin.add_instance(InstanceSpec("decode-9", Role.DECODE, Location("n2")))
+    assert topology.link_capacity_bps(("node-up", "n0")) == 400e9
+    assert "decode-9" not in topology.instances
+    assert twin.tier("prefill-0", "decode-9") is Tier.POD
+
+
 def test_empty_rack_is_its_own() -> None:
     topology = Topology()
     topology.add_instance(InstanceSpec("a", Role.PREFILL, Location("x")))
