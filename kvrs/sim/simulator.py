@@ -192,6 +192,8 @@ class Simulator:
         self.recovery_policy = make_recovery_policy(config.recovery.policy)
 
         self.records: list[RequestRecord] = []
+        # Open requests only: a closed one leaves, so a long run holds its records but
+        # not every request's flows and prefill jobs.
         self.flights: dict[int, Flight] = {}
         self._on_decode: dict[str, set[Flight]] = defaultdict(set)
         self._held_at: dict[str, set[Flight]] = defaultdict(set)
@@ -485,6 +487,7 @@ class Simulator:
 
     def _close(self, flight: Flight) -> None:
         flight.stage = "done"
+        del self.flights[flight.record.index]
         self._on_decode[flight.decode_id].discard(flight)
         if flight.prefill_id:
             self._held_at[flight.prefill_id].discard(flight)
