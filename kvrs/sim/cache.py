@@ -45,13 +45,17 @@ class BlockIndex:
 class PrefixCache:
     """LRU set of prefix-block hashes with a capacity in blocks."""
 
-    __slots__ = ("capacity_blocks", "_resident", "_evicted", "_history_s", "hits_tokens",
-                 "lookups_tokens", "_snapshot", "_index")
+    __slots__ = ("capacity_blocks", "_resident", "_members", "_evicted", "_history_s",
+                 "hits_tokens", "lookups_tokens", "_snapshot", "_index")
 
     def __init__(self, capacity_blocks: int, history_s: float = 60.0,
                  index: BlockIndex | None = None) -> None:
         self.capacity_blocks = max(0, int(capacity_blocks))
         self._resident: OrderedDict[int, float] = OrderedDict()   # block -> resident since
+        # The same blocks as a plain set, kept once `snapshot` is first asked for (decode
+        # caches; prefill pools are read through `as_of`): a frozenset copies a set ten
+        # times faster than an OrderedDict's keys (~2 µs against ~20 µs for 976 blocks).
+        self._members: set[int] | None = None
         self._evicted: dict[int, tuple[float, float]] = {}         # block -> (since, until)
         self._history_s = history_s
         self.hits_tokens = 0
@@ -83,17 +87,22 @@ class PrefixCache:
         if self.capacity_blocks == 0:
             return
         resident = self._resident
+        members = self._members
         for block in blocks[-self.capacity_blocks:]:
             if block in resident:
                 resident.move_to_end(block)
             else:
                 resident[block] = now_s
+                if members is not None:
+                    members.add(block)
                 self._snapshot = None
                 if self._index is not None:
                     self._index._add(block, self)
         evicted = self._evicted
         while len(resident) > self.capacity_blocks:
             block, since_s = resident.popitem(last=False)
+            if members is not None:
+                members.discard(block)
             evicted[block] = (since_s, now_s)
         if len(evicted) > 4 * self.capacity_blocks + 1024:
             horizon_s = now_s - self._history_s
@@ -109,7 +118,9 @@ class PrefixCache:
         changes (a decode step, a memory grant) leave its cache as it was.
         """
         if self._snapshot is None:
-            self._snapshot = frozenset(self._resident)
+            if self._members is None:
+                self._members = set(self._resident)
+            self._snapshot = frozenset(self._members)
         return self._snapshot
 
     def as_of(self, time_s: float) -> ResidentView:
