@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+RECONNECT_BACKOFF_MIN_MS = 100
+RECONNECT_BACKOFF_MAX_MS = 1000
 
 
 class ConfigError(ValueError):
@@ -132,6 +134,12 @@ class GrpcSettings:
         options: list[tuple[str, int | str]] = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
+            # gRPC backs off up to 120 s between reconnects by default, and fails calls
+            # at once meanwhile: a worker restarted at its old address would stay
+            # unreachable to its peers for minutes. Inside a cluster, retry every second.
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MIN_MS),
+            ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MIN_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
         ]
         if self.tls.server_name_override:
             options.append(("grpc.ssl_target_name_override", self.tls.server_name_override))
