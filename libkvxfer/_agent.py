@@ -129,6 +129,8 @@ class TransferAgent(KvSender, KvReceiver):
         self._tags = itertools.count(1)
         self._tag_lock = threading.Lock()
         self._abandoned: set[str] = set()
+        self._issued_at_s: dict[str, float] = {}
+        """transfer id -> monotonic time its ticket was issued (receiver side)."""
         self._executor = ThreadPoolExecutor(config.max_concurrent_transfers,
                                             thread_name_prefix="kvxfer")
         self._closed = False
@@ -159,9 +161,11 @@ class TransferAgent(KvSender, KvReceiver):
                                   f"[{token_start}, {token_end})")
         with self._tag_lock:
             tag = (next(self._tags) - 1) % _MAX_TAG + 1
+        transfer_id = uuid.uuid4().hex
+        self._issued_at_s[transfer_id] = time.monotonic()
         return TransferTicket(
             protocol_version=_protocol.PROTOCOL_VERSION,
-            transfer_id=uuid.uuid4().hex,
+            transfer_id=transfer_id,
             tag=tag,
             receiver_id=self.config.instance_id,
             receiver_incarnation=self.incarnation,
@@ -178,6 +182,7 @@ class TransferAgent(KvSender, KvReceiver):
         log.info("abandoning transfer %s of %s from %s: %s", ticket.transfer_id,
                  ticket.request_id, ticket.sender_id, reason)
         self._abandoned.add(ticket.transfer_id)
+        self._issued_at_s.pop(ticket.transfer_id, None)
         self._inbound.close_pair(ticket.sender_id, ticket.group_generation)
 
     def recv(self, ticket: TransferTicket, layout: KvLayout,
@@ -196,7 +201,7 @@ class TransferAgent(KvSender, KvReceiver):
 
     def _recv(self, ticket: TransferTicket, layout: KvLayout,
               out: KvLayers | None) -> ReceivedKv:
-        started = time.monotonic()
+        started = self._issued_at_s.pop(ticket.transfer_id, None) or time.monotonic()
 
         def cancelled() -> bool:
             return ticket.transfer_id in self._abandoned

@@ -97,6 +97,8 @@ class TransferStats:
     kv_bytes: int
     chunks: int
     seconds: float
+    """Receiver: from the ticket's issue to the last chunk checked, so a receive thread that
+    starts late never shortens it below the sender's (paced) time. Sender: the send."""
 
     @property
     def throughput_bps(self) -> float:
