@@ -79,9 +79,7 @@ def _model() -> Transformer:
 @functools.cache
 def reference(prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     """The undisturbed greedy continuation, computed in this process."""
-    cache, logits = _model().prefill(list(prompt))
-    first = int(torch.argmax(logits))
-    return (first, *_model().greedy(cache, first, max_new_tokens - 1))
+    return tuple(_model().complete(prompt, max_new_tokens))
 
 
 def prompt(index: int, tokens: int) -> tuple[int, ...]:

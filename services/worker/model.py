@@ -258,6 +258,13 @@ class Transformer:
         """Feed one token (append its KV); the logits that predict the next one."""
         return self._extend(cache, [token_id])
 
+    def complete(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        """The undisturbed greedy continuation of `prompt`: the prefill's token, then
+        greedy decoding — what a request must stream, however often it was recovered."""
+        cache, logits = self.prefill(list(prompt))
+        first = int(torch.argmax(logits))
+        return [first, *self.greedy(cache, first, max_new_tokens - 1)]
+
     def greedy(self, cache: KvCache, next_token_id: int, max_new_tokens: int,
                stop_token_id: int | None = None) -> list[int]:
         """Greedy tokens after `next_token_id` (fed first); its KV and theirs are appended

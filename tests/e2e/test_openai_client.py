@@ -11,7 +11,6 @@ what they need (`ensure_running`).
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import signal
 import subprocess
@@ -22,14 +21,13 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from kvrs import tokenizer
 from kvrs.localcluster import free_ports, is_running, log_tail
 from kvrs.v1 import worker_pb2, worker_pb2_grpc
 from services.common import GrpcSettings, open_channel
 from services.openai_http import chat
-from services.worker.model import Transformer
+from tests.tiny_reference import reference
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "kvrs moves KV caches across the datacenter network. "
@@ -38,22 +36,9 @@ DECODE_INSTANCES = ("decode-0", "decode-1")
 pytestmark = pytest.mark.timeout(180)
 
 
-@functools.cache
 def reference_text(prompt: str, max_tokens: int) -> str:
-    """The undisturbed greedy completion, computed here with the workers' model.
-
-    On one thread, as the workers run it: with more, single-row forward passes spend
-    their time in thread hand-offs (25 times slower on two cores).
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = Transformer.from_preset("tiny", dtype=torch.float64)
-        cache, logits = model.prefill(tokenizer.encode(prompt))
-        first = int(torch.argmax(logits))
-        return tokenizer.decode([first, *model.greedy(cache, first, max_tokens - 1)])
-    finally:
-        torch.set_num_threads(threads)
+    """The undisturbed greedy completion, computed here with the workers' model."""
+    return tokenizer.decode(reference(tuple(tokenizer.encode(prompt)), max_tokens))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ After each test every worker still up holds no KV and no migration slot is lease
 from __future__ import annotations
 
 import asyncio
-import functools
 import signal
 import time
 from collections.abc import Sequence
@@ -18,7 +17,6 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-import torch
 
 from kvrs.v1 import (
     common_pb2,
@@ -30,7 +28,7 @@ from kvrs.v1 import (
     worker_pb2_grpc,
 )
 from services.gossip.client import GossipClient
-from services.worker.model import Transformer
+from tests.tiny_reference import reference
 
 PROMPT_TOKENS = 100
 LONG_TOKENS = 1200
@@ -42,21 +40,6 @@ HYBRID = common_pb2.RECOVERY_ACTION_HYBRID
 ABORT = common_pb2.RECOVERY_ACTION_ABORT
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@functools.cache
-def model() -> Transformer:
-    # One thread: the cluster's processes share the same two cores.
-    torch.set_num_threads(1)
-    return Transformer.from_preset("tiny", dtype=torch.float64)
-
-
-@functools.cache
-def reference(prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
-    """The undisturbed greedy continuation, computed here."""
-    cache, logits = model().prefill(list(prompt))
-    first = int(torch.argmax(logits))
-    return [first, *model().greedy(cache, first, max_new_tokens - 1)]
 
 
 def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> tuple[int, ...]:

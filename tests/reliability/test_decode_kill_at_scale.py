@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import os
 import signal
 import time
@@ -18,7 +17,6 @@ import uuid
 import grpc
 import pytest
 import redis
-import torch
 
 from kvrs.localcluster import (
     SERVICES,
@@ -36,7 +34,7 @@ from kvrs.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.worker.model import Transformer
+from tests.tiny_reference import reference
 
 IN_FLIGHT = 64
 SENT = 80
@@ -81,18 +79,6 @@ def cluster(tmp_path_factory, redis_url):
         if keys:
             client.delete(*keys)
         client.close()
-
-
-@functools.cache
-def model() -> Transformer:
-    torch.set_num_threads(1)  # the cluster's processes share the same cores
-    return Transformer.from_preset("tiny", dtype=torch.float64)
-
-
-def reference(prompt: list[int], max_new_tokens: int) -> list[int]:
-    cache, logits = model().prefill(prompt)
-    first = int(torch.argmax(logits))
-    return [first, *model().greedy(cache, first, max_new_tokens - 1)]
 
 
 def prompt(seed: int) -> list[int]:
@@ -176,7 +162,7 @@ async def test_kill_9_of_a_decode_worker_with_64_requests_in_flight(cluster):
           "the kill")
     assert len(in_flight) >= IN_FLIGHT
     for request, streamed, summary in zip(requests, tokens, summaries, strict=True):
-        assert streamed == reference(list(request.prompt_token_ids), MAX_NEW_TOKENS), (
+        assert streamed == reference(tuple(request.prompt_token_ids), MAX_NEW_TOKENS), (
             request.request_id)
         assert summary[0].generated_tokens == MAX_NEW_TOKENS
     for summary in hit:

@@ -5,10 +5,8 @@ tracer provider with an in-memory exporter shared by every server."""
 from __future__ import annotations
 
 import asyncio
-import functools
 from dataclasses import dataclass, field
 
-import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvrs.v1 import (
@@ -29,25 +27,10 @@ from services.scheduler.server import build_server as build_scheduler
 from services.slot_broker.config import Config as BrokerConfig
 from services.slot_broker.server import build_server as build_broker
 from services.worker.config import Config as WorkerConfig
-from services.worker.model import Transformer
 from services.worker.server import build_server as build_worker
 
 WORKERS = (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode"),
            ("decode-1", "decode"))
-
-
-@functools.cache
-def model() -> Transformer:
-    torch.set_num_threads(1)
-    return Transformer.from_preset("tiny", dtype=torch.float64)
-
-
-@functools.cache
-def reference(prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
-    """The undisturbed greedy continuation of `prompt`."""
-    cache, logits = model().prefill(list(prompt))
-    first = int(torch.argmax(logits))
-    return [first, *model().greedy(cache, first, max_new_tokens - 1)]
 
 
 @dataclass

@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from kvrs.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.services.router_plane import Plane, reference
+from tests.services.router_plane import Plane
+from tests.tiny_reference import reference
 
 pytestmark = pytest.mark.timeout(90)
 
