@@ -27,9 +27,8 @@ def redis_url() -> str:
     return REDIS_URL
 
 
-@pytest.fixture
-def redis_prefix(redis_url: str):
-    """A fresh hash-tagged key prefix; every key under it is deleted after the test.
+def _isolated_prefix(redis_url: str):
+    """A fresh hash-tagged key prefix; every key under it is deleted afterwards.
 
     Tests share one Redis database, so they isolate by prefix rather than FLUSHDB, which
     would wipe a concurrently running test's keys.
@@ -43,6 +42,24 @@ def redis_prefix(redis_url: str):
             client.delete(*keys)
     finally:
         client.close()
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str):
+    """A key prefix of one test (see `_isolated_prefix`)."""
+    yield from _isolated_prefix(redis_url)
+
+
+@pytest.fixture(scope="module")
+def module_redis_prefix(redis_url: str):
+    """A key prefix for a module's cluster, emptied after the module (and the cluster)."""
+    yield from _isolated_prefix(redis_url)
+
+
+@pytest.fixture(scope="session")
+def session_redis_prefix(redis_url: str):
+    """A key prefix for a session-wide cluster, emptied after the session."""
+    yield from _isolated_prefix(redis_url)
 
 
 @pytest.fixture(scope="session")

@@ -22,13 +22,11 @@ import os
 import signal
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import redis
 import yaml
 
 from kvrs.localcluster import (
@@ -187,16 +185,17 @@ class LocalCluster:
 
 
 @pytest.fixture(scope="session")
-def recovery_cluster(tmp_path_factory, redis_url) -> Iterator[LocalCluster]:
+def recovery_cluster(tmp_path_factory, redis_url,
+                     session_redis_prefix) -> Iterator[LocalCluster]:
     """The cluster described in the module docstring, torn down after the session."""
     root = tmp_path_factory.mktemp("recovery")
     topology = root / "topology.yaml"
     topology.write_text(yaml.safe_dump(recovery_topology()))
     profile = root / "profile.json"
     ComputeProfile("tiny", a_s=0.0, b_s_per_token=MS_PER_TOKEN, c_s_per_token2=0.0).save(profile)
-    prefix = f"{{kvrs-test-{uuid.uuid4().hex[:12]}}}:"
     options = ClusterOptions(run_dir=root / "cluster", workers_model="tiny",
-                             redis_url=redis_url, redis_prefix=prefix, topology_file=topology,
+                             redis_url=redis_url, redis_prefix=session_redis_prefix,
+                             topology_file=topology,
                              startup_timeout_s=120)
     services = recovery_services(profile)
     state = start_cluster(options, services)
@@ -207,8 +206,3 @@ def recovery_cluster(tmp_path_factory, redis_url) -> Iterator[LocalCluster]:
         yield cluster
     finally:
         stop_cluster(cluster.run_dir, grace_s=5.0)
-        client = redis.Redis.from_url(redis_url)
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()

@@ -14,7 +14,6 @@ import uuid
 
 import grpc
 import pytest
-import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reliability_stack import (
@@ -61,10 +60,10 @@ def token_lists(max_size: int = 64) -> st.SearchStrategy[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, redis_url):
-    prefix = f"{{kvrs-rel-{uuid.uuid4().hex[:10]}}}:"
+def cluster(tmp_path_factory, redis_url, module_redis_prefix):
     options = ClusterOptions(run_dir=tmp_path_factory.mktemp("props") / "cluster",
-                             workers_model="tiny", redis_url=redis_url, redis_prefix=prefix,
+                             workers_model="tiny", redis_url=redis_url,
+                             redis_prefix=module_redis_prefix,
                              startup_timeout_s=120)
     services = tuple(s for s in SERVICES if s.name in CLUSTER_SERVICES)
     state = start_cluster(options, services)
@@ -72,11 +71,6 @@ def cluster(tmp_path_factory, redis_url):
         yield state
     finally:
         stop_cluster(options.run_dir, grace_s=5.0)
-        client = redis.Redis.from_url(redis_url)
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
 
 
 @pytest.fixture(scope="module")
