@@ -23,6 +23,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PYTHON) -m ruff check kvrs services libkvxfer tests bench
+	$(PYTHON) -m ruff format --check kvrs services libkvxfer tests bench
 
 # Starts a local cluster, kills a decode worker mid-stream, prints the recovery decisions.
 demo: $(STAMP)

@@ -75,17 +75,19 @@ def _registrations(prefill: int, decode: int) -> list[Registration]:
         for i in range(count):
             node = 2 * i + (role == "decode")
             rack = node // NODES_PER_RACK
-            registrations.append(Registration(
-                instance_id=f"{role}-{i}",
-                role=role,
-                address=f"127.0.0.1:{60000 + node}",
-                node=f"n{node}",
-                rack=f"r{rack}",
-                pod=f"p{rack // RACKS_PER_POD}",
-                kv_capacity_blocks=4096,
-                transfer_address=f"127.0.0.1:{61000 + node}",
-                heartbeat_ttl_s=3600.0,
-            ))
+            registrations.append(
+                Registration(
+                    instance_id=f"{role}-{i}",
+                    role=role,
+                    address=f"127.0.0.1:{60000 + node}",
+                    node=f"n{node}",
+                    rack=f"r{rack}",
+                    pod=f"p{rack // RACKS_PER_POD}",
+                    kv_capacity_blocks=4096,
+                    transfer_address=f"127.0.0.1:{61000 + node}",
+                    heartbeat_ttl_s=3600.0,
+                )
+            )
     return registrations
 
 
@@ -93,19 +95,27 @@ async def _register_cluster(gossip: GossipClient, prefill: int, decode: int) -> 
     for registration in _registrations(prefill, decode):
         await gossip.register(registration)
         index = int(registration.instance_id.rsplit("-", 1)[1])
-        await gossip.heartbeat(registration.instance_id, NodeLoad(
-            queue_depth=index % 3,
-            queued_work_s=0.01 * (index % 4),
-            running_requests=index % 5,
-            free_kv_blocks=4096 - 64 * index,
-            resident_prefix_hashes=tuple(range(index % 3)),
-        ))
+        await gossip.heartbeat(
+            registration.instance_id,
+            NodeLoad(
+                queue_depth=index % 3,
+                queued_work_s=0.01 * (index % 4),
+                running_requests=index % 5,
+                free_kv_blocks=4096 - 64 * index,
+                resident_prefix_hashes=tuple(range(index % 3)),
+            ),
+        )
     for p in range(prefill):
         for d in range(decode):
-            await gossip.report_link_sample(LinkSample(
-                src_instance_id=f"prefill-{p}", dst_instance_id=f"decode-{d}",
-                bandwidth_bps=(10 + (p + d) % 7) * 1e9, rtt_s=50e-6, samples=5,
-            ))
+            await gossip.report_link_sample(
+                LinkSample(
+                    src_instance_id=f"prefill-{p}",
+                    dst_instance_id=f"decode-{d}",
+                    bandwidth_bps=(10 + (p + d) % 7) * 1e9,
+                    rtt_s=50e-6,
+                    samples=5,
+                )
+            )
 
 
 async def _wait_serving(address: str, timeout_s: float = 30.0) -> None:
@@ -135,15 +145,20 @@ async def _wait_view(stub: scheduler_pb2_grpc.SchedulerServiceStub, decode: int)
 
 def _select_request(request_id: str) -> scheduler_pb2.SelectDecodeRequest:
     return scheduler_pb2.SelectDecodeRequest(
-        request_id=request_id, prefill_instance_id="prefill-0", prompt_tokens=2048,
+        request_id=request_id,
+        prefill_instance_id="prefill-0",
+        prompt_tokens=2048,
         prefix_hashes=[0, 1, 2, 3],
     )
 
 
 def _recover_request(request_id: str, skip_slot: bool) -> scheduler_pb2.RecoverRequest:
     return scheduler_pb2.RecoverRequest(
-        request_id=request_id, failed_instance_id="decode-0",
-        source_prefill_instance_id="prefill-1", prompt_tokens=2048, generated_tokens=100,
+        request_id=request_id,
+        failed_instance_id="decode-0",
+        source_prefill_instance_id="prefill-1",
+        prompt_tokens=2048,
+        generated_tokens=100,
         skip_slot=skip_slot,
     )
 
@@ -236,8 +251,10 @@ async def _measure(args: argparse.Namespace, addresses: dict[str, str]) -> list[
         async def reserve_call(i: int) -> slots_pb2.ReserveSlotResponse:
             return await broker.ReserveSlot(
                 slots_pb2.ReserveSlotRequest(
-                    request_id=f"{run}-b{i}", holder_id="bench",
-                    src_instance_id="prefill-1", dst_instance_id="decode-1",
+                    request_id=f"{run}-b{i}",
+                    holder_id="bench",
+                    src_instance_id="prefill-1",
+                    dst_instance_id="decode-1",
                 ),
                 timeout=5,
             )
@@ -249,8 +266,7 @@ async def _measure(args: argparse.Namespace, addresses: dict[str, str]) -> list[
                 else reply.lease.lease_id
             )
             if lease_id:
-                await broker.ReleaseSlot(slots_pb2.ReleaseSlotRequest(lease_id=lease_id),
-                                         timeout=5)
+                await broker.ReleaseSlot(slots_pb2.ReleaseSlotRequest(lease_id=lease_id), timeout=5)
 
         probe = await scheduler.Recover(_recover_request(f"{run}-probe", False), timeout=5)
         await release(probe)
@@ -271,8 +287,10 @@ async def _measure(args: argparse.Namespace, addresses: dict[str, str]) -> list[
             f"Recover chooses {common_pb2.RecoveryAction.Name(probe.action)} "
             f"({probe.reason[:60]})"
         )
-        lines.append(f"{'RPC (sequential, loopback)':<44} {'p50 µs':>9} {'p99 µs':>9} "
-                     f"{'p50/echo':>9} {'p99/echo':>9}")
+        lines.append(
+            f"{'RPC (sequential, loopback)':<44} {'p50 µs':>9} {'p99 µs':>9} "
+            f"{'p50/echo':>9} {'p99/echo':>9}"
+        )
         lines.extend(
             _row(name, values, None if values is echo_samples else echo_samples)
             for name, values in samples.items()
@@ -285,10 +303,12 @@ async def _measure(args: argparse.Namespace, addresses: dict[str, str]) -> list[
                 reply = await scheduler.RecoverBatch(request, timeout=30)
                 batch.append(time.perf_counter() - started)
                 leases = [d.slot_lease.lease_id for d in reply.decisions if d.slot_lease.lease_id]
-                await asyncio.gather(*(
-                    broker.ReleaseSlot(slots_pb2.ReleaseSlotRequest(lease_id=lease), timeout=5)
-                    for lease in leases
-                ))
+                await asyncio.gather(
+                    *(
+                        broker.ReleaseSlot(slots_pb2.ReleaseSlotRequest(lease_id=lease), timeout=5)
+                        for lease in leases
+                    )
+                )
             label = "skip_slot" if skip_slot else f"{len(leases)} slots reserved"
             lines.append(
                 f"RecoverBatch({args.batch}), {label}: median "
@@ -302,8 +322,11 @@ def _core_decisions() -> list[str]:
     if importlib.util.find_spec("bench.core_decisions") is None:
         return ["in-process decisions: bench.core_decisions is not present"]
     core = importlib.import_module("bench.core_decisions")
-    return ["", "in-process decisions (bench.core_decisions --quick):",
-            core.table(core.run_all(quick=True))]
+    return [
+        "",
+        "in-process decisions (bench.core_decisions --quick):",
+        core.table(core.run_all(quick=True)),
+    ]
 
 
 # -- orchestration --------------------------------------------------------------------------
@@ -327,24 +350,45 @@ def _start_processes(run_dir: Path, prefix: str, args: argparse.Namespace):
     python = sys.executable
     specs = [
         ("gossip", "services.gossip", {"GOSSIP_LISTEN_ADDR": addresses["gossip"]}),
-        ("slot-broker", "services.slot_broker", {
-            "SLOT_BROKER_LISTEN_ADDR": addresses["slot-broker"],
-            "SLOT_BROKER_CLUSTER_CAP": str(args.slot_cap),
-        }),
-        ("scheduler", "services.scheduler", {
-            "SCHEDULER_LISTEN_ADDR": addresses["scheduler"],
-        }),
+        (
+            "slot-broker",
+            "services.slot_broker",
+            {
+                "SLOT_BROKER_LISTEN_ADDR": addresses["slot-broker"],
+                "SLOT_BROKER_CLUSTER_CAP": str(args.slot_cap),
+            },
+        ),
+        (
+            "scheduler",
+            "services.scheduler",
+            {
+                "SCHEDULER_LISTEN_ADDR": addresses["scheduler"],
+            },
+        ),
     ]
     records = [
-        spawn(name, "control", [python, "-m", module], module, addresses[name],
-              {**common, **env}, run_dir)
+        spawn(
+            name,
+            "control",
+            [python, "-m", module],
+            module,
+            addresses[name],
+            {**common, **env},
+            run_dir,
+        )
         for name, module, env in specs
     ]
-    records.append(spawn(
-        "echo", "control", [python, "-m", "bench.control_plane", "--serve-echo",
-                            addresses["echo"]],
-        "bench.control_plane", addresses["echo"], common, run_dir,
-    ))
+    records.append(
+        spawn(
+            "echo",
+            "control",
+            [python, "-m", "bench.control_plane", "--serve-echo", addresses["echo"]],
+            "bench.control_plane",
+            addresses["echo"],
+            common,
+            run_dir,
+        )
+    )
     return records, addresses
 
 

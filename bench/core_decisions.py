@@ -50,8 +50,9 @@ class Result:
         return None if self.goal_us is None else self.p99_us <= self.goal_us
 
 
-def timed(name: str, fn: Callable[[], object], runs: int, goal_us: float | None,
-          warmup: int = 50) -> Result:
+def timed(
+    name: str, fn: Callable[[], object], runs: int, goal_us: float | None, warmup: int = 50
+) -> Result:
     """Median and p99 of `runs` calls of `fn`, garbage collection paused while timing."""
     for _ in range(warmup):
         fn()
@@ -68,8 +69,14 @@ def timed(name: str, fn: Callable[[], object], runs: int, goal_us: float | None,
         gc.enable()
     samples.sort()
     p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
-    return Result(name, statistics.median(samples) / 1e3, p99 / 1e3,
-                  statistics.median(cpu_samples) / 1e3, goal_us, runs)
+    return Result(
+        name,
+        statistics.median(samples) / 1e3,
+        p99 / 1e3,
+        statistics.median(cpu_samples) / 1e3,
+        goal_us,
+        runs,
+    )
 
 
 def cluster(decode: int, rng: random.Random) -> tuple[CostModel, ClusterView, list[int]]:
@@ -79,8 +86,9 @@ def cluster(decode: int, rng: random.Random) -> tuple[CostModel, ClusterView, li
     loads, free memory and resident prefix blocks vary; some paths carry measured
     bandwidth and some links carry flows, as a scheduler's view would.
     """
-    topology = Topology.fat_tree(nodes=max(1, decode // 4), gpus_per_node=8, nodes_per_rack=4,
-                                 racks_per_pod=4)
+    topology = Topology.fat_tree(
+        nodes=max(1, decode // 4), gpus_per_node=8, nodes_per_rack=4, racks_per_pod=4
+    )
     model = model_spec("opt-13b")
     network = NetworkModel(topology)
     cost = CostModel(model, compute_profile("opt-13b"), network)
@@ -89,18 +97,22 @@ def cluster(decode: int, rng: random.Random) -> tuple[CostModel, ClusterView, li
     for instance_id, spec in topology.instances.items():
         resident = frozenset(shared_prefix[: rng.choice([0, 0, 0, 2, 4, 8])])
         states[instance_id] = InstanceState(
-            instance_id, spec.role, wait_s=rng.uniform(0.0, 0.2),
-            queue_depth=rng.randrange(8), running_requests=rng.randrange(32),
+            instance_id,
+            spec.role,
+            wait_s=rng.uniform(0.0, 0.2),
+            queue_depth=rng.randrange(8),
+            running_requests=rng.randrange(32),
             free_kv_tokens=rng.choice([4_000, 200_000, 200_000]),
-            resident_blocks=resident if spec.role is Role.DECODE else frozenset())
+            resident_blocks=resident if spec.role is Role.DECODE else frozenset(),
+        )
     prefills = [i for i, s in topology.instances.items() if s.role is Role.PREFILL]
     decodes = [i for i, s in topology.instances.items() if s.role is Role.DECODE]
     for src in prefills[:4]:
         for dst in rng.sample(decodes, min(16, len(decodes))):
-            network.set_link_estimate(src, dst, LinkEstimate(rng.uniform(50e9, 300e9), 2e-5,
-                                                             measured_at_s=0.0, samples=5))
-    links = {link for p in prefills[:8] for d in decodes[:8] for link in
-             topology.path_links(p, d)}
+            network.set_link_estimate(
+                src, dst, LinkEstimate(rng.uniform(50e9, 300e9), 2e-5, measured_at_s=0.0, samples=5)
+            )
+    links = {link for p in prefills[:8] for d in decodes[:8] for link in topology.path_links(p, d)}
     network.set_flows({link: rng.randrange(3) for link in sorted(links)})
     return cost, ClusterView(states, now_s=1.0), shared_prefix
 
@@ -110,47 +122,75 @@ def bench_select(decode: int, runs: int, goal_us: float, rng: random.Random) -> 
     candidates = view.decode_instances()
     policy = NetKv()
     request = PlacementRequest("bench", "prefill-0", 1477, tuple(prefix[:3]))
-    steady = timed(f"SelectDecode netkv, {len(candidates)} candidates", lambda: policy.select(
-        request, candidates, cost, 1.0), runs, goal_us)
+    steady = timed(
+        f"SelectDecode netkv, {len(candidates)} candidates",
+        lambda: policy.select(request, candidates, cost, 1.0),
+        runs,
+        goal_us,
+    )
 
     def first_on_fresh_view() -> None:
         fresh = ClusterView(view.instances, now_s=1.0)
         policy.select(request, fresh.decode_instances(), cost, 1.0)
 
-    fresh = timed(f"  first on a fresh view, {len(candidates)} candidates",
-                  first_on_fresh_view, max(20, runs // 20), None, warmup=5)
+    fresh = timed(
+        f"  first on a fresh view, {len(candidates)} candidates",
+        first_on_fresh_view,
+        max(20, runs // 20),
+        None,
+        warmup=5,
+    )
     return [steady, fresh]
 
 
 def bench_recover(decode: int, runs: int, goal_us: float, rng: random.Random) -> Result:
     cost, view, _ = cluster(decode, rng)
     failed = view.decode_instances()[0].instance_id
-    request = RecoveryRequest("bench", 1477, 64, "prefill-0", deadline_s=10.0,
-                              exclude_ids=frozenset({failed}))
+    request = RecoveryRequest(
+        "bench", 1477, 64, "prefill-0", deadline_s=10.0, exclude_ids=frozenset({failed})
+    )
     policy = Kvrs()
     targets = len(view.decode_instances(request.exclude_ids))
-    return timed(f"Recover kvrs, {targets} decode targets", lambda: policy.decide(
-        request, view, cost, 1.0), runs, goal_us)
+    return timed(
+        f"Recover kvrs, {targets} decode targets",
+        lambda: policy.decide(request, view, cost, 1.0),
+        runs,
+        goal_us,
+    )
 
 
 def bench_batch(requests: int, runs: int, goal_us: float, rng: random.Random) -> Result:
     cost, view, _ = cluster(32, rng)
     failed = view.decode_instances()[0].instance_id
     prefills = [s.instance_id for s in view.prefill_instances()]
-    batch = [RecoveryRequest(f"r{i}", rng.randrange(64, 8192), rng.randrange(0, 512),
-                             rng.choice(prefills), deadline_s=rng.uniform(2.0, 30.0),
-                             exclude_ids=frozenset({failed}))
-             for i in range(requests)]
+    batch = [
+        RecoveryRequest(
+            f"r{i}",
+            rng.randrange(64, 8192),
+            rng.randrange(0, 512),
+            rng.choice(prefills),
+            deadline_s=rng.uniform(2.0, 30.0),
+            exclude_ids=frozenset({failed}),
+        )
+        for i in range(requests)
+    ]
     policy = Kvrs()
-    return timed(f"RecoverBatch kvrs, {requests} requests, 31 targets", lambda: plan_batch(
-        batch, view, cost, 1.0, policy, migration_slots_free=32), runs, goal_us, warmup=2)
+    return timed(
+        f"RecoverBatch kvrs, {requests} requests, 31 targets",
+        lambda: plan_batch(batch, view, cost, 1.0, policy, migration_slots_free=32),
+        runs,
+        goal_us,
+        warmup=2,
+    )
 
 
 def run_all(quick: bool) -> list[Result]:
     scale = 10 if quick else 1
     rng = random.Random(7)
-    results = [bench_recover(8, 20_000 // scale, 10.0, rng),
-               bench_recover(4, 20_000 // scale, 10.0, rng)]
+    results = [
+        bench_recover(8, 20_000 // scale, 10.0, rng),
+        bench_recover(4, 20_000 // scale, 10.0, rng),
+    ]
     results += bench_select(64, 20_000 // scale, 30.0, rng)
     results += bench_select(4096, 5_000 // scale, 300.0, rng)
     results.append(bench_batch(512, 40 // min(scale, 4), 20_000.0, rng))
@@ -163,13 +203,26 @@ def table(results: list[Result]) -> str:
         goal = "" if r.goal_us is None else f"{r.goal_us:,.0f}"
         ok_median = "" if r.goal_us is None else ("yes" if r.median_us <= r.goal_us else "NO")
         ok_p99 = "" if r.goal_us is None else ("yes" if r.p99_us <= r.goal_us else "NO")
-        rows.append((r.name, f"{r.median_us:,.1f}", f"{r.p99_us:,.1f}",
-                     f"{r.cpu_median_us:,.1f}", goal, ok_median, ok_p99))
+        rows.append(
+            (
+                r.name,
+                f"{r.median_us:,.1f}",
+                f"{r.p99_us:,.1f}",
+                f"{r.cpu_median_us:,.1f}",
+                goal,
+                ok_median,
+                ok_p99,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
-        lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                               for i, (cell, w) in enumerate(zip(row, widths, strict=True))))
+        lines.append(
+            "  ".join(
+                cell.ljust(w) if i == 0 else cell.rjust(w)
+                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -187,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # p99 is at the mercy of whatever else runs on the machine: the load says how much.
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-        print(f"kvrs core decisions, Python {sys.version.split()[0]}, "
-              f"{os.cpu_count()} CPUs, load average {load}")
+        print(
+            f"kvrs core decisions, Python {sys.version.split()[0]}, "
+            f"{os.cpu_count()} CPUs, load average {load}"
+        )
         print(table(results))
     return 0
 

@@ -41,17 +41,41 @@ PORTS = {"remote": 50180, "local": 50181, "decode": 50182}
 
 
 def start_worker(name: str, role: str, port: int, log_dir: Path) -> subprocess.Popen:
-    env = {**os.environ, "WORKER_INSTANCE_ID": name, "WORKER_LISTEN_ADDR": f"127.0.0.1:{port}",
-           "WORKER_TRANSFER_HOST": "127.0.0.1", "WORKER_MODEL": MODEL, "GOSSIP_ADDR": "",
-           "WORKER_KV_CAPACITY_BYTES": str(2 << 30), "WORKER_TRANSFER_CHUNK_TOKENS": "64"}
+    env = {
+        **os.environ,
+        "WORKER_INSTANCE_ID": name,
+        "WORKER_LISTEN_ADDR": f"127.0.0.1:{port}",
+        "WORKER_TRANSFER_HOST": "127.0.0.1",
+        "WORKER_MODEL": MODEL,
+        "GOSSIP_ADDR": "",
+        "WORKER_KV_CAPACITY_BYTES": str(2 << 30),
+        "WORKER_TRANSFER_CHUNK_TOKENS": "64",
+    }
     log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the worker
-    return subprocess.Popen([sys.executable, "-m", "services.worker", "--role", role], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.worker", "--role", role],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
 
 
 def calibrate(lengths: list[int], path: Path) -> ComputeProfile:
-    command = [sys.executable, "-m", "kvrs", "calibrate", "--model", MODEL, "--lengths",
-               ",".join(str(x) for x in lengths), "--repeats", "2", "--output", str(path)]
+    command = [
+        sys.executable,
+        "-m",
+        "kvrs",
+        "calibrate",
+        "--model",
+        MODEL,
+        "--lengths",
+        ",".join(str(x) for x in lengths),
+        "--repeats",
+        "2",
+        "--output",
+        str(path),
+    ]
     subprocess.run(command, check=True, capture_output=True, cwd=ROOT, timeout=900)
     return ComputeProfile.load(path)
 
@@ -89,8 +113,7 @@ async def measure(lengths: list[int], rates_bps: list[float], repeats: int) -> d
     await pool.release_kv(local, "warm")
     await pull(remote, "held", longest, 0.0)
     rtt_s = statistics.median([await pull(remote, "held", 1, 0.0) for _ in range(5)])
-    local_full_s = statistics.median([await pull(remote, "held", longest, 0.0)
-                                      for _ in range(3)])
+    local_full_s = statistics.median([await pull(remote, "held", longest, 0.0) for _ in range(3)])
     bytes_per_token = model_spec(MODEL).kv_bytes_per_token
     local_bps = 8 * bytes_per_token * longest / max(local_full_s - rtt_s, 1e-6)
     recompute: dict[int, float] = {}
@@ -108,13 +131,17 @@ async def measure(lengths: list[int], rates_bps: list[float], repeats: int) -> d
     migrate: dict[float, dict[int, float]] = {}
     for rate in rates_bps:
         migrate[rate] = {
-            length: min([await pull(remote, "held", length, rate)
-                                       for _ in range(repeats)])
-            for length in lengths}
+            length: min([await pull(remote, "held", length, rate) for _ in range(repeats)])
+            for length in lengths
+        }
     await pool.release_kv(remote, "held")
     await pool.close()
-    return {"rtt_s": rtt_s, "local_bps": local_bps, "recompute": recompute,
-            "migrate": {str(rate): values for rate, values in migrate.items()}}
+    return {
+        "rtt_s": rtt_s,
+        "local_bps": local_bps,
+        "recompute": recompute,
+        "migrate": {str(rate): values for rate, values in migrate.items()},
+    }
 
 
 def crossovers(lengths: list[int], diff) -> list[float]:
@@ -122,16 +149,18 @@ def crossovers(lengths: list[int], diff) -> list[float]:
     (prefill grows faster than linearly, so recompute can win only in a middle band)."""
     values = [diff(length) for length in lengths]
     found = []
-    for (l0, d0), (l1, d1) in zip(zip(lengths, values, strict=True),
-                                  zip(lengths[1:], values[1:], strict=True), strict=False):
+    for (l0, d0), (l1, d1) in zip(
+        zip(lengths, values, strict=True), zip(lengths[1:], values[1:], strict=True), strict=False
+    ):
         if (d0 < 0) != (d1 < 0):
             t = d0 / (d0 - d1)
             found.append(math.exp(math.log(l0) + t * (math.log(l1) - math.log(l0))))
     return found
 
 
-def predicted_crossovers(profile: ComputeProfile, rate_bps: float, rtt_s: float,
-                         local_bps: float, low: int, high: int) -> list[float]:
+def predicted_crossovers(
+    profile: ComputeProfile, rate_bps: float, rtt_s: float, local_bps: float, low: int, high: int
+) -> list[float]:
     bits = 8 * model_spec(MODEL).kv_bytes_per_token
 
     def diff(length: float) -> float:
@@ -140,8 +169,12 @@ def predicted_crossovers(profile: ComputeProfile, rate_bps: float, rtt_s: float,
         recompute = profile.prefill_s(tokens) + rtt_s + bits * tokens / local_bps
         return migrate - recompute
 
-    grid = sorted({round(math.exp(math.log(low) + i * (math.log(high) - math.log(low)) / 200))
-                   for i in range(201)})
+    grid = sorted(
+        {
+            round(math.exp(math.log(low) + i * (math.log(high) - math.log(low)) / 200))
+            for i in range(201)
+        }
+    )
     return crossovers(grid, diff)
 
 
@@ -150,11 +183,15 @@ def _tokens(values: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.crossover",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="0.1,0.2,0.3",
-                        help="link rates in Gbit/s (on a CPU, prefill runs at milliseconds "
-                             "per token: the crossover sits at tens of Mbit/s)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.crossover", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--rates",
+        default="0.1,0.2,0.3",
+        help="link rates in Gbit/s (on a CPU, prefill runs at milliseconds "
+        "per token: the crossover sits at tens of Mbit/s)",
+    )
     parser.add_argument("--lengths", default="16,32,64,128,256,512,1024")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
@@ -163,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvrs-crossover-"))
     print(f"calibrating {MODEL} (kvrs calibrate) ...", flush=True)
     profile = calibrate(lengths, work / "profile.json")
-    workers = [start_worker(name, "decode" if name == "decode" else "prefill", port, work)
-               for name, port in PORTS.items()]
+    workers = [
+        start_worker(name, "decode" if name == "decode" else "prefill", port, work)
+        for name, port in PORTS.items()
+    ]
     try:
         result = asyncio.run(measure(lengths, rates, args.repeats))
     finally:
@@ -175,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"profile": profile.to_json()}))
     rtt_s, local_bps = result["rtt_s"], result["local_bps"]
     bits = 8 * model_spec(MODEL).kv_bytes_per_token
-    print(f"\nper-transfer cost {rtt_s * 1e3:.1f} ms, local (unpaced) rate "
-          f"{local_bps / 1e9:.2f} Gbit/s, S(L) = {bits // 8} B/token")
+    print(
+        f"\nper-transfer cost {rtt_s * 1e3:.1f} ms, local (unpaced) rate "
+        f"{local_bps / 1e9:.2f} Gbit/s, S(L) = {bits // 8} B/token"
+    )
     errors = []
     for rate in rates:
         measured_m = result["migrate"][str(rate)]
@@ -186,18 +227,18 @@ def main(argv: list[str] | None = None) -> int:
         for length in lengths:
             pred_m = rtt_s + bits * length / rate
             pred_r = profile.prefill_s(length) + rtt_s + bits * length / local_bps
-            print(f"  {length:>6} {measured_m[length]:>9.3f} {measured_r[length]:>10.3f} "
-                  f"{pred_m:>9.3f} {pred_r:>9.3f}")
+            print(
+                f"  {length:>6} {measured_m[length]:>9.3f} {measured_r[length]:>10.3f} "
+                f"{pred_m:>9.3f} {pred_r:>9.3f}"
+            )
         measured = crossovers(lengths, lambda n, m=measured_m, r=measured_r: m[n] - r[n])
-        predicted = predicted_crossovers(profile, rate, rtt_s, local_bps, lengths[0],
-                                         lengths[-1])
+        predicted = predicted_crossovers(profile, rate, rtt_s, local_bps, lengths[0], lengths[-1])
         print(f"  crossovers: measured {_tokens(measured)}, predicted {_tokens(predicted)}")
         for meas, pred in zip(measured, predicted, strict=False):
             errors.append(abs(pred - meas) / meas)
             print(f"    L* measured {meas:.0f}, predicted {pred:.0f}: error {errors[-1]:.1%}")
     if errors:
-        print(f"\nmean crossover error {statistics.mean(errors):.1%} over {len(errors)} "
-              "crossovers")
+        print(f"\nmean crossover error {statistics.mean(errors):.1%} over {len(errors)} crossovers")
     return 0
 
 

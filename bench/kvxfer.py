@@ -35,8 +35,13 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 def _kv(tokens: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     shape = (tokens, HEADS, HEAD_DIM)
-    return [(torch.randn(shape, generator=generator).to(dtype),
-             torch.randn(shape, generator=generator).to(dtype)) for _ in range(LAYERS)]
+    return [
+        (
+            torch.randn(shape, generator=generator).to(dtype),
+            torch.randn(shape, generator=generator).to(dtype),
+        )
+        for _ in range(LAYERS)
+    ]
 
 
 def _raw_group(store: TCPStore, rank: int) -> ProcessGroupGloo:
@@ -49,8 +54,14 @@ def _raw_group(store: TCPStore, rank: int) -> ProcessGroupGloo:
 def _sender(args: argparse.Namespace, inbox, outbox) -> None:
     torch.set_num_threads(1)
     agents = {
-        mode: TransferAgent(AgentConfig(f"bench-sender-{mode}", chunk_tokens=args.chunk_tokens,
-                                        window_chunks=args.window, checksums=mode == "checked"))
+        mode: TransferAgent(
+            AgentConfig(
+                f"bench-sender-{mode}",
+                chunk_tokens=args.chunk_tokens,
+                window_chunks=args.window,
+                checksums=mode == "checked",
+            )
+        )
         for mode in ("checked", "unchecked")
     }
     kv = _kv(args.tokens, DTYPES[args.dtype])
@@ -83,8 +94,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     layout = KvLayout(LAYERS, HEADS, HEAD_DIM, dtype)
     kv_bytes = args.tokens * layout.bytes_per_token
     shape = (args.tokens, HEADS, HEAD_DIM)
-    out = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
-           for _ in range(LAYERS)]
+    out = [
+        (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(LAYERS)
+    ]
     flat = torch.empty(kv_bytes, dtype=torch.uint8)
     seconds: dict[str, list[float]] = {"checked": [], "unchecked": [], "raw": []}
     for repeat in range(args.repeats + 1):
@@ -103,31 +115,44 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     outbox.get(timeout=60)
     process.join(timeout=10)
     agent.close()
-    result = {f"{mode}_bps": 8 * kv_bytes / statistics.median(series)
-              for mode, series in seconds.items()}
+    result = {
+        f"{mode}_bps": 8 * kv_bytes / statistics.median(series) for mode, series in seconds.items()
+    }
     result["kv_bytes"] = kv_bytes
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=2048,
-                        help="KV tokens moved (2048 bf16 tokens of opt-125m = 72 MiB)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=2048,
+        help="KV tokens moved (2048 bf16 tokens of opt-125m = 72 MiB)",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--chunk-tokens", type=int, default=0,
-                        help="tokens per chunk within a layer (0: one chunk per layer)")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=0,
+        help="tokens per chunk within a layer (0: one chunk per layer)",
+    )
     parser.add_argument("--window", type=int, default=64, help="chunks posted ahead")
     args = parser.parse_args(argv)
     result = run(args)
-    print(f"KV moved:   {result['kv_bytes'] / 2**20:.1f} MiB "
-          f"({args.tokens} tokens, {LAYERS}x{HEADS}x{HEAD_DIM} {args.dtype})")
+    print(
+        f"KV moved:   {result['kv_bytes'] / 2**20:.1f} MiB "
+        f"({args.tokens} tokens, {LAYERS}x{HEADS}x{HEAD_DIM} {args.dtype})"
+    )
     raw_bps = result["raw_bps"]
     print(f"raw gloo flat send:          {raw_bps / 1e9:6.2f} Gbit/s")
     for mode, label in (("checked", "with xxh3 checksums"), ("unchecked", "without checksums")):
         bps = result[f"{mode}_bps"]
-        print(f"libkvxfer {label:21s} {bps / 1e9:6.2f} Gbit/s  ratio {bps / raw_bps:.2f}x "
-              "(goal >= 0.85x)")
+        print(
+            f"libkvxfer {label:21s} {bps / 1e9:6.2f} Gbit/s  ratio {bps / raw_bps:.2f}x "
+            "(goal >= 0.85x)"
+        )
     return 0
 
 

@@ -58,18 +58,49 @@ def setup_netns(rate_gbps: float) -> None:
     teardown_netns()
     sh("ip", "netns", "add", NS_SRC)
     sh("ip", "netns", "add", NS_DST)
-    sh("ip", "link", "add", VETH_SRC, "netns", NS_SRC, "type", "veth", "peer", "name",
-       VETH_DST, "netns", NS_DST)
+    sh(
+        "ip",
+        "link",
+        "add",
+        VETH_SRC,
+        "netns",
+        NS_SRC,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        VETH_DST,
+        "netns",
+        NS_DST,
+    )
     for ns, dev, ip in ((NS_SRC, VETH_SRC, IP_SRC), (NS_DST, VETH_DST, IP_DST)):
         sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
         sh("ip", "-n", ns, "link", "set", dev, "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
-    sh("ip", "netns", "exec", NS_SRC, "tc", "qdisc", "add", "dev", VETH_SRC, "root", "tbf",
-       "rate", f"{rate_gbps:g}gbit", "burst", "256kb", "latency", "50ms")
+    sh(
+        "ip",
+        "netns",
+        "exec",
+        NS_SRC,
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        VETH_SRC,
+        "root",
+        "tbf",
+        "rate",
+        f"{rate_gbps:g}gbit",
+        "burst",
+        "256kb",
+        "latency",
+        "50ms",
+    )
 
 
-def start_worker(name: str, role: str, ip: str, port: int, ns: str | None,
-                 log_dir: Path) -> subprocess.Popen:
+def start_worker(
+    name: str, role: str, ip: str, port: int, ns: str | None, log_dir: Path
+) -> subprocess.Popen:
     env = {
         **os.environ,
         "WORKER_INSTANCE_ID": name,
@@ -83,17 +114,36 @@ def start_worker(name: str, role: str, ip: str, port: int, ns: str | None,
     }
     prefix = ["ip", "netns", "exec", ns] if ns else []
     log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the worker
-    return subprocess.Popen([*prefix, sys.executable, "-m", "services.worker", "--role", role],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    return subprocess.Popen(
+        [*prefix, sys.executable, "-m", "services.worker", "--role", role],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
 
 
 def measure(src: str, dst: str, probes: int, pacing_bps: float, ns: str | None) -> dict:
     """Runs the measuring side (in the receiver's namespace) and returns its report."""
     prefix = ["ip", "netns", "exec", ns] if ns else []
-    command = [*prefix, sys.executable, "-m", "bench.prober_accuracy", "--inner", "--src", src,
-               "--dst", dst, "--probes", str(probes), "--pacing-bps", str(pacing_bps)]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False,
-                            timeout=600)
+    command = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "bench.prober_accuracy",
+        "--inner",
+        "--src",
+        src,
+        "--dst",
+        dst,
+        "--probes",
+        str(probes),
+        "--pacing-bps",
+        str(pacing_bps),
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, check=False, timeout=600
+    )
     if result.returncode != 0:
         raise RuntimeError(f"measurement failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -127,15 +177,27 @@ async def inner(src_addr: str, dst_addr: str, probes: int, pacing_bps: float) ->
     for _ in range(probes):
         started = time.monotonic()
         state = await prober.probe(src, dst)
-        rounds.append({"estimate_bps": state.estimate.bandwidth_bps,
-                       "sample_bps": state.sample_bps, "rtt_s": state.rtt_s,
-                       "probe_bytes": state.probe_bytes,
-                       "probe_s": time.monotonic() - started})
+        rounds.append(
+            {
+                "estimate_bps": state.estimate.bandwidth_bps,
+                "sample_bps": state.sample_bps,
+                "rtt_s": state.rtt_s,
+                "probe_bytes": state.probe_bytes,
+                "probe_s": time.monotonic() - started,
+            }
+        )
     kv_id = payload_id(src.instance_id)
     wire_s, moved = 0.0, 0
     for _ in range(4):
-        pulled = await pool.pull_kv(dst, kv_id, src, 0, settings.payload_tokens,
-                                    settings.payload_tokens, pacing_bps=pacing_bps)
+        pulled = await pool.pull_kv(
+            dst,
+            kv_id,
+            src,
+            0,
+            settings.payload_tokens,
+            settings.payload_tokens,
+            pacing_bps=pacing_bps,
+        )
         await pool.release_kv(dst, kv_id)
         # Net of the per-transfer cost the prober found, as the cost model prices it.
         wire_s += pulled.transfer_s - state.rtt_s
@@ -147,24 +209,30 @@ async def inner(src_addr: str, dst_addr: str, probes: int, pacing_bps: float) ->
 def report(rate_gbps: float, result: dict) -> tuple[float, float]:
     rate_bps = rate_gbps * 1e9
     bulk = result["bulk_bps"]
-    print(f"\nlink shaped to {rate_gbps:g} Gbit/s; bulk KV transfer achieves "
-          f"{bulk / 1e9:.3f} Gbit/s")
-    print(f"  {'probe':>5}  {'estimate Gb/s':>13}  {'sample Gb/s':>11}  {'vs shaping':>10}  "
-          f"{'vs bulk':>8}  {'rtt ms':>7}  {'probe MB':>8}  {'probe s':>7}")
+    print(
+        f"\nlink shaped to {rate_gbps:g} Gbit/s; bulk KV transfer achieves {bulk / 1e9:.3f} Gbit/s"
+    )
+    print(
+        f"  {'probe':>5}  {'estimate Gb/s':>13}  {'sample Gb/s':>11}  {'vs shaping':>10}  "
+        f"{'vs bulk':>8}  {'rtt ms':>7}  {'probe MB':>8}  {'probe s':>7}"
+    )
     last_errors = (0.0, 0.0)
     for i, r in enumerate(result["rounds"], 1):
         vs_rate = r["estimate_bps"] / rate_bps - 1
         vs_bulk = r["estimate_bps"] / bulk - 1
         last_errors = (vs_rate, vs_bulk)
-        print(f"  {i:>5}  {r['estimate_bps'] / 1e9:>13.3f}  {r['sample_bps'] / 1e9:>11.3f}  "
-              f"{vs_rate:>+10.1%}  {vs_bulk:>+8.1%}  {r['rtt_s'] * 1e3:>7.1f}  "
-              f"{r['probe_bytes'] / 1e6:>8.1f}  {r['probe_s']:>7.2f}")
+        print(
+            f"  {i:>5}  {r['estimate_bps'] / 1e9:>13.3f}  {r['sample_bps'] / 1e9:>11.3f}  "
+            f"{vs_rate:>+10.1%}  {vs_bulk:>+8.1%}  {r['rtt_s'] * 1e3:>7.1f}  "
+            f"{r['probe_bytes'] / 1e6:>8.1f}  {r['probe_s']:>7.2f}"
+        )
     return last_errors
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.prober_accuracy",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.prober_accuracy", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--rates", default="1,5,10", help="link rates in Gbit/s")
     parser.add_argument("--probes", type=int, default=3)
     parser.add_argument("--mode", choices=("auto", "netns", "pacing"), default="auto")
@@ -179,8 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     mode = args.mode
     if mode == "auto":
         mode = "netns" if netns_available() else "pacing"
-    how = ("tc tbf on a veth pair between two network namespaces" if mode == "netns"
-           else "libkvxfer pacing on loopback (network namespaces unavailable)")
+    how = (
+        "tc tbf on a veth pair between two network namespaces"
+        if mode == "netns"
+        else "libkvxfer pacing on loopback (network namespaces unavailable)"
+    )
     print(f"shaping by {how}")
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "kvrs-prober-accuracy"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -190,19 +261,29 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if mode == "netns":
                 setup_netns(rate_gbps)
-                workers.append(start_worker("prefill-a", "prefill", IP_SRC, SRC_PORT, NS_SRC,
-                                            log_dir))
-                workers.append(start_worker("decode-b", "decode", IP_DST, DST_PORT, NS_DST,
-                                            log_dir))
-                result = measure(f"{IP_SRC}:{SRC_PORT}", f"{IP_DST}:{DST_PORT}", args.probes,
-                                 0.0, NS_DST)
+                workers.append(
+                    start_worker("prefill-a", "prefill", IP_SRC, SRC_PORT, NS_SRC, log_dir)
+                )
+                workers.append(
+                    start_worker("decode-b", "decode", IP_DST, DST_PORT, NS_DST, log_dir)
+                )
+                result = measure(
+                    f"{IP_SRC}:{SRC_PORT}", f"{IP_DST}:{DST_PORT}", args.probes, 0.0, NS_DST
+                )
             else:
-                workers.append(start_worker("prefill-a", "prefill", "127.0.0.1", SRC_PORT,
-                                            None, log_dir))
-                workers.append(start_worker("decode-b", "decode", "127.0.0.1", DST_PORT, None,
-                                            log_dir))
-                result = measure(f"127.0.0.1:{SRC_PORT}", f"127.0.0.1:{DST_PORT}",
-                                 args.probes, rate_gbps * 1e9, None)
+                workers.append(
+                    start_worker("prefill-a", "prefill", "127.0.0.1", SRC_PORT, None, log_dir)
+                )
+                workers.append(
+                    start_worker("decode-b", "decode", "127.0.0.1", DST_PORT, None, log_dir)
+                )
+                result = measure(
+                    f"127.0.0.1:{SRC_PORT}",
+                    f"127.0.0.1:{DST_PORT}",
+                    args.probes,
+                    rate_gbps * 1e9,
+                    None,
+                )
         finally:
             for worker in workers:
                 worker.terminate()
@@ -215,10 +296,12 @@ def main(argv: list[str] | None = None) -> int:
                 teardown_netns()
         vs_rate, vs_bulk = report(rate_gbps, result)
         worst, worst_bulk = max(worst, abs(vs_rate)), max(worst_bulk, abs(vs_bulk))
-    print(f"\nworst error after {args.probes} probes: {worst:.1%} against the shaping rate, "
-          f"{worst_bulk:.1%} against what a bulk KV transfer achieves on the same path "
-          "(goal: within 10 %; where libkvxfer cannot fill the link, the bulk rate is the "
-          "one T_x needs)")
+    print(
+        f"\nworst error after {args.probes} probes: {worst:.1%} against the shaping rate, "
+        f"{worst_bulk:.1%} against what a bulk KV transfer achieves on the same path "
+        "(goal: within 10 %; where libkvxfer cannot fill the link, the bulk rate is the "
+        "one T_x needs)"
+    )
     return 0
 
 

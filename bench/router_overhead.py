@@ -33,8 +33,16 @@ from kvrs.client import KvrsClient
 from kvrs.localcluster import SERVICES, ClusterOptions, start_cluster, stop_cluster
 from kvrs.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-BENCH_SERVICES = ("gossip", "slot-broker", "scheduler-1", "prefill-0", "prefill-1",
-                  "decode-0", "decode-1", "router")
+BENCH_SERVICES = (
+    "gossip",
+    "slot-broker",
+    "scheduler-1",
+    "prefill-0",
+    "prefill-1",
+    "decode-0",
+    "decode-1",
+    "router",
+)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -44,8 +52,12 @@ def percentile(values: list[float], q: float) -> float:
 
 async def via_router(stub, prompt: list[int], tokens: int) -> tuple[float, float, list[float]]:
     request = router_pb2.GenerateRequest(
-        request_id=f"bench-{uuid.uuid4().hex[:10]}", prompt_token_ids=prompt,
-        max_new_tokens=tokens, prefill_instance_id="prefill-0", decode_instance_id="decode-0")
+        request_id=f"bench-{uuid.uuid4().hex[:10]}",
+        prompt_token_ids=prompt,
+        max_new_tokens=tokens,
+        prefill_instance_id="prefill-0",
+        decode_instance_id="decode-0",
+    )
     started = time.perf_counter()
     arrivals = []
     async for _ in stub.Generate(request, timeout=60):
@@ -53,20 +65,36 @@ async def via_router(stub, prompt: list[int], tokens: int) -> tuple[float, float
     return arrivals[0] - started, arrivals[1] - started, _gaps(arrivals[1:])
 
 
-async def direct(prefill, decode, prefill_addr: str, prompt: list[int], tokens: int
-                 ) -> tuple[float, float, list[float]]:
+async def direct(
+    prefill, decode, prefill_addr: str, prompt: list[int], tokens: int
+) -> tuple[float, float, list[float]]:
     request_id = f"bench-{uuid.uuid4().hex[:10]}"
     started = time.perf_counter()
-    first = await prefill.Prefill(worker_pb2.PrefillRequest(
-        request_id=request_id, prompt_token_ids=prompt), timeout=30)
+    first = await prefill.Prefill(
+        worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt), timeout=30
+    )
     ttft = time.perf_counter() - started
-    await decode.PullKv(worker_pb2.PullKvRequest(
-        request_id=request_id, source_instance_id="prefill-0", source_address=prefill_addr,
-        token_start=0, token_end=len(prompt), prompt_tokens=len(prompt)), timeout=30)
+    await decode.PullKv(
+        worker_pb2.PullKvRequest(
+            request_id=request_id,
+            source_instance_id="prefill-0",
+            source_address=prefill_addr,
+            token_start=0,
+            token_end=len(prompt),
+            prompt_tokens=len(prompt),
+        ),
+        timeout=30,
+    )
     arrivals = []
-    async for _ in decode.Decode(worker_pb2.DecodeRequest(
-            request_id=request_id, generated_token_ids=[first.first_token_id],
-            max_new_tokens=tokens - 1, release_when_done=True), timeout=60):
+    async for _ in decode.Decode(
+        worker_pb2.DecodeRequest(
+            request_id=request_id,
+            generated_token_ids=[first.first_token_id],
+            max_new_tokens=tokens - 1,
+            release_when_done=True,
+        ),
+        timeout=60,
+    ):
         arrivals.append(time.perf_counter())
     await prefill.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=request_id), timeout=5)
     return ttft, arrivals[0] - started, _gaps(arrivals)
@@ -81,15 +109,18 @@ def _gaps(arrivals: list[float]) -> list[float]:
 async def bench(state, rounds: int, tokens: int, prompt_tokens: int) -> None:
     prompt = [(7 * i + 3) % 251 for i in range(prompt_tokens)]
     prefill_addr = state.address("prefill-0")
-    async with (grpc.aio.insecure_channel(state.address("router")) as router_channel,
-                grpc.aio.insecure_channel(prefill_addr) as prefill_channel,
-                grpc.aio.insecure_channel(state.address("decode-0")) as decode_channel):
+    async with (
+        grpc.aio.insecure_channel(state.address("router")) as router_channel,
+        grpc.aio.insecure_channel(prefill_addr) as prefill_channel,
+        grpc.aio.insecure_channel(state.address("decode-0")) as decode_channel,
+    ):
         router = router_pb2_grpc.RouterServiceStub(router_channel)
         prefill = worker_pb2_grpc.WorkerServiceStub(prefill_channel)
         decode = worker_pb2_grpc.WorkerServiceStub(decode_channel)
         scheduler = KvrsClient(state.address("scheduler-1"))
         results: dict[str, dict[str, list[float]]] = {
-            path: {"ttft": [], "first_decoded": [], "tbt": []} for path in ("router", "direct")}
+            path: {"ttft": [], "first_decoded": [], "tbt": []} for path in ("router", "direct")
+        }
         select_s: list[float] = []
         for round_index in range(rounds + 1):
             order = ("router", "direct") if round_index % 2 else ("direct", "router")
@@ -108,30 +139,44 @@ async def bench(state, rounds: int, tokens: int, prompt_tokens: int) -> None:
             if round_index:
                 select_s.append(time.perf_counter() - started)
         await scheduler.close()
-    print(f"\n{rounds} rounds, prompt {prompt_tokens} tokens, {tokens} tokens each "
-          "(medians; p90 in brackets), milliseconds")
+    print(
+        f"\n{rounds} rounds, prompt {prompt_tokens} tokens, {tokens} tokens each "
+        "(medians; p90 in brackets), milliseconds"
+    )
     print(f"  {'':<22}{'direct':>16}{'router':>16}{'overhead':>12}")
-    for metric, label in (("ttft", "TTFT (token 0)"), ("first_decoded", "token 1"),
-                          ("tbt", "time between tokens")):
+    for metric, label in (
+        ("ttft", "TTFT (token 0)"),
+        ("first_decoded", "token 1"),
+        ("tbt", "time between tokens"),
+    ):
         d, r = results["direct"][metric], results["router"][metric]
         dm, rm = statistics.median(d) * 1e3, statistics.median(r) * 1e3
-        print(f"  {label:<22}{dm:>8.3f} [{percentile(d, 0.9) * 1e3:>6.2f}]"
-              f"{rm:>8.3f} [{percentile(r, 0.9) * 1e3:>6.2f}]{rm - dm:>+12.3f}")
+        print(
+            f"  {label:<22}{dm:>8.3f} [{percentile(d, 0.9) * 1e3:>6.2f}]"
+            f"{rm:>8.3f} [{percentile(r, 0.9) * 1e3:>6.2f}]{rm - dm:>+12.3f}"
+        )
     select_ms = statistics.median(select_s) * 1e3
-    ttft_over = (statistics.median(results["router"]["ttft"])
-                 - statistics.median(results["direct"]["ttft"])) * 1e3
-    tbt_over = (statistics.median(results["router"]["tbt"])
-                - statistics.median(results["direct"]["tbt"])) * 1e3
+    ttft_over = (
+        statistics.median(results["router"]["ttft"]) - statistics.median(results["direct"]["ttft"])
+    ) * 1e3
+    tbt_over = (
+        statistics.median(results["router"]["tbt"]) - statistics.median(results["direct"]["tbt"])
+    ) * 1e3
     print(f"  {'SelectDecode RPC':<22}{select_ms:>8.3f}")
-    print(f"\nTBT overhead {tbt_over:+.3f} ms (goal < 0.5 ms): "
-          f"{'met' if tbt_over < 0.5 else 'missed'}")
-    print(f"TTFT overhead {ttft_over:+.3f} ms vs one SelectDecode RPC {select_ms:.3f} ms: "
-          f"ratio {ttft_over / select_ms:.2f} (goal <= 1)")
+    print(
+        f"\nTBT overhead {tbt_over:+.3f} ms (goal < 0.5 ms): "
+        f"{'met' if tbt_over < 0.5 else 'missed'}"
+    )
+    print(
+        f"TTFT overhead {ttft_over:+.3f} ms vs one SelectDecode RPC {select_ms:.3f} ms: "
+        f"ratio {ttft_over / select_ms:.2f} (goal <= 1)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.router_overhead",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.router_overhead", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--prompt-tokens", type=int, default=256)

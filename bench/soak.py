@@ -102,12 +102,13 @@ class Outcome:
     error: str = ""
 
 
-async def generate(stub, index: int, args: argparse.Namespace, clock_origin_s: float
-                   ) -> Outcome:
+async def generate(stub, index: int, args: argparse.Namespace, clock_origin_s: float) -> Outcome:
     tokens_in = prompt(index % PROMPTS, args.prompt_tokens)
     request = router_pb2.GenerateRequest(
-        request_id=f"soak-{uuid.uuid4().hex[:12]}", prompt_token_ids=list(tokens_in),
-        max_new_tokens=args.max_new_tokens)
+        request_id=f"soak-{uuid.uuid4().hex[:12]}",
+        prompt_token_ids=list(tokens_in),
+        max_new_tokens=args.max_new_tokens,
+    )
     started_s = time.monotonic()
     outcome = Outcome(request.request_id, started_s - clock_origin_s)
     streamed: list[int] = []
@@ -121,7 +122,8 @@ async def generate(stub, index: int, args: argparse.Namespace, clock_origin_s: f
                 outcome.recovered = bool(message.summary.recoveries)
                 outcome.actions = [
                     router_pb2.RecoveryReport.DESCRIPTOR.fields_by_name["action"]
-                    .enum_type.values_by_number[r.action].name.removeprefix("RECOVERY_ACTION_")
+                    .enum_type.values_by_number[r.action]
+                    .name.removeprefix("RECOVERY_ACTION_")
                     for r in message.summary.recoveries
                 ]
     except grpc.aio.AioRpcError as exc:
@@ -181,8 +183,9 @@ def process_rss(state: ClusterState) -> dict[str, int]:
 class Supervisor:
     """Kills and restarts cluster processes like a crash and a redeploy."""
 
-    def __init__(self, state: ClusterState, options: ClusterOptions,
-                 specs: tuple[ServiceSpec, ...]) -> None:
+    def __init__(
+        self, state: ClusterState, options: ClusterOptions, specs: tuple[ServiceSpec, ...]
+    ) -> None:
         self.state = state
         self.options = options
         self.specs = {spec.name: spec for spec in specs}
@@ -200,14 +203,26 @@ class Supervisor:
     async def restart(self, name: str) -> float:
         """Starts `name` again on its address; seconds until it reports SERVING."""
         old = self.record(name)
-        wiring = Wiring(addresses={r.name: r.address for r in self.state.processes},
-                        options=self.options)
+        wiring = Wiring(
+            addresses={r.name: r.address for r in self.state.processes}, options=self.options
+        )
         shared = common_env(wiring, None, self.state.redis_url, self.state.redis_prefix)
         spec = self.specs[name]
-        env = {**shared, spec.listen_env: old.address, "OTEL_SERVICE_NAME": f"kvrs-{name}",
-               **spec.env(wiring)}
-        record = spawn(name, spec.kind, [sys.executable, "-m", spec.module, *spec.args],
-                       spec.module, old.address, env, Path(self.state.run_dir))
+        env = {
+            **shared,
+            spec.listen_env: old.address,
+            "OTEL_SERVICE_NAME": f"kvrs-{name}",
+            **spec.env(wiring),
+        }
+        record = spawn(
+            name,
+            spec.kind,
+            [sys.executable, "-m", spec.module, *spec.args],
+            spec.module,
+            old.address,
+            env,
+            Path(self.state.run_dir),
+        )
         self.state.processes[self.state.processes.index(old)] = record
         self.state.save()
         self.restarted.add(name)
@@ -224,37 +239,52 @@ async def held_at_the_end(state: ClusterState) -> dict[str, dict]:
     held: dict[str, dict] = {}
     async with grpc.aio.insecure_channel(state.address("slot-broker")) as channel:
         stats = await slots_pb2_grpc.SlotBrokerServiceStub(channel).GetSlotStats(
-            slots_pb2.GetSlotStatsRequest(), timeout=5)
-    held["slot-broker"] = {"slots_in_use": stats.slots_in_use,
-                           "granted_total": stats.granted_total,
-                           "expired_total": stats.expired_total}
+            slots_pb2.GetSlotStatsRequest(), timeout=5
+        )
+    held["slot-broker"] = {
+        "slots_in_use": stats.slots_in_use,
+        "granted_total": stats.granted_total,
+        "expired_total": stats.expired_total,
+    }
     for name in (*PREFILL_WORKERS, *DECODE_WORKERS):
         async with grpc.aio.insecure_channel(state.address(name)) as channel:
             stats = await worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerStats(
-                worker_pb2.GetWorkerStatsRequest(), timeout=5)
-        held[name] = {"resident_requests": stats.resident_requests,
-                      "used_kv_bytes": stats.used_kv_bytes,
-                      "evicted_requests": stats.evicted_requests,
-                      "expired_requests": stats.expired_requests}
+                worker_pb2.GetWorkerStatsRequest(), timeout=5
+            )
+        held[name] = {
+            "resident_requests": stats.resident_requests,
+            "used_kv_bytes": stats.used_kv_bytes,
+            "evicted_requests": stats.evicted_requests,
+            "expired_requests": stats.expired_requests,
+        }
     return held
 
 
 async def run_load(state: ClusterState, supervisor: Supervisor, args) -> dict:
-    report: dict = {"args": {key: str(value) if isinstance(value, Path) else value
-                             for key, value in vars(args).items()}}
+    report: dict = {
+        "args": {
+            key: str(value) if isinstance(value, Path) else value
+            for key, value in vars(args).items()
+        }
+    }
     async with grpc.aio.insecure_channel(state.address("router")) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         for index in range(PROMPTS):
             reference(prompt(index, args.prompt_tokens), args.max_new_tokens)
         await closed_loop(stub, args, 2, 3.0)  # warm-up: every worker has served
-        capacity = {c: await closed_loop(stub, args, c, args.calibrate_s)
-                    for c in args.calibrate_concurrency}
+        capacity = {
+            c: await closed_loop(stub, args, c, args.calibrate_s)
+            for c in args.calibrate_concurrency
+        }
         capacity_rps = max(capacity.values())
         rate_rps = args.load * capacity_rps
         report["capacity_rps"] = {str(c): round(v, 2) for c, v in capacity.items()}
         report["offered_rps"] = round(rate_rps, 2)
-        print(f"capacity {capacity_rps:.1f} req/s (closed loop {report['capacity_rps']}); "
-              f"offering {rate_rps:.1f} req/s for {args.minutes} min", flush=True)
+        print(
+            f"capacity {capacity_rps:.1f} req/s (closed loop {report['capacity_rps']}); "
+            f"offering {rate_rps:.1f} req/s for {args.minutes} min",
+            flush=True,
+        )
 
         rss_start = process_rss(state)
         origin_s = time.monotonic()
@@ -276,11 +306,18 @@ async def run_load(state: ClusterState, supervisor: Supervisor, args) -> dict:
                 killed_at_s = time.monotonic() - origin_s
                 await asyncio.sleep(args.restart_after_s)
                 serving_after_s = await supervisor.restart(victim)
-                faults.append({"victim": victim, "killed_at_s": round(killed_at_s, 1),
-                               "serving_again_after_s": round(
-                                   args.restart_after_s + serving_after_s, 1)})
-                print(f"  t={killed_at_s:5.0f}s kill -9 {victim}; serving again "
-                      f"{args.restart_after_s + serving_after_s:.1f} s later", flush=True)
+                faults.append(
+                    {
+                        "victim": victim,
+                        "killed_at_s": round(killed_at_s, 1),
+                        "serving_again_after_s": round(args.restart_after_s + serving_after_s, 1),
+                    }
+                )
+                print(
+                    f"  t={killed_at_s:5.0f}s kill -9 {victim}; serving again "
+                    f"{args.restart_after_s + serving_after_s:.1f} s later",
+                    flush=True,
+                )
 
         injector = asyncio.create_task(inject())
         index = 0
@@ -300,8 +337,11 @@ async def run_load(state: ClusterState, supervisor: Supervisor, args) -> dict:
     report["declared_failed"] = declared_failed(state)
     report["requests"] = summarise(outcomes)
     report["rss_bytes"] = {
-        name: {"start": rss_start.get(name, 0), "end": rss_end.get(name, 0),
-               "restarted": name in supervisor.restarted}
+        name: {
+            "start": rss_start.get(name, 0),
+            "end": rss_end.get(name, 0),
+            "restarted": name in supervisor.restarted,
+        }
         for name in sorted(set(rss_start) | set(rss_end))
     }
     return report
@@ -372,23 +412,31 @@ def summarise(outcomes: list[Outcome]) -> dict:
 
 def print_report(report: dict) -> None:
     requests = report["requests"]
-    print(f"\nrequests: {requests['sent']} sent, {requests['completed_exact']} completed "
-          f"token-exact, errors {requests['errors'] or 'none'}")
+    print(
+        f"\nrequests: {requests['sent']} sent, {requests['completed_exact']} completed "
+        f"token-exact, errors {requests['errors'] or 'none'}"
+    )
     for group in ("all", "undisturbed", "recovered"):
         figures = requests[group]
-        print(f"  {group:12s} n={figures['count']:5d}  p50 {figures['p50_s'] * 1000:7.0f} ms  "
-              f"p99 {figures['p99_s'] * 1000:7.0f} ms  TTFT p50 "
-              f"{figures['ttft_p50_s'] * 1000:6.0f} ms  p99 {figures['ttft_p99_s'] * 1000:6.0f} ms")
+        print(
+            f"  {group:12s} n={figures['count']:5d}  p50 {figures['p50_s'] * 1000:7.0f} ms  "
+            f"p99 {figures['p99_s'] * 1000:7.0f} ms  TTFT p50 "
+            f"{figures['ttft_p50_s'] * 1000:6.0f} ms  p99 {figures['ttft_p99_s'] * 1000:6.0f} ms"
+        )
     print(f"  recoveries by final action: {requests['recovery_final_actions']}")
     print("memory (RSS start -> end of the load):")
     for name, rss in report["rss_bytes"].items():
         note = "  (restarted during the run)" if rss["restarted"] else ""
         growth = rss["end"] - rss["start"]
-        print(f"  {name:12s} {rss['start'] / 2**20:7.1f} -> {rss['end'] / 2**20:7.1f} MiB "
-              f"({growth / 2**20:+.1f}){note}")
+        print(
+            f"  {name:12s} {rss['start'] / 2**20:7.1f} -> {rss['end'] / 2**20:7.1f} MiB "
+            f"({growth / 2**20:+.1f}){note}"
+        )
     print(f"held after the drain: {json.dumps(report['held_at_end'])}")
-    print(f"kills: {len(report['faults'])}; failure declarations: "
-          f"{json.dumps(report['declared_failed'])}")
+    print(
+        f"kills: {len(report['faults'])}; failure declarations: "
+        f"{json.dumps(report['declared_failed'])}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,8 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-every-s", type=float, default=60.0)
     parser.add_argument("--first-fault-s", type=float, default=30.0)
     parser.add_argument("--restart-after-s", type=float, default=5.0)
-    parser.add_argument("--heartbeat-ttl-s", type=float, default=2.0,
-                        help="workers' heartbeat TTL (the gossip default is 2 s)")
+    parser.add_argument(
+        "--heartbeat-ttl-s",
+        type=float,
+        default=2.0,
+        help="workers' heartbeat TTL (the gossip default is 2 s)",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--calibrate-s", type=float, default=10.0)
@@ -411,13 +463,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON report (default: in run dir)")
     args = parser.parse_args(argv)
 
-    options = ClusterOptions(run_dir=args.run_dir / "cluster", workers_model="tiny",
-                             startup_timeout_s=180)
+    options = ClusterOptions(
+        run_dir=args.run_dir / "cluster", workers_model="tiny", startup_timeout_s=180
+    )
     services = tuple(_with_worker_env(spec, args.heartbeat_ttl_s) for spec in SOAK_SERVICES)
     started_s = time.monotonic()
     state = start_cluster(options, services)
-    print(f"cluster up in {time.monotonic() - started_s:.1f} s: "
-          f"{', '.join(r.name for r in state.processes)}", flush=True)
+    print(
+        f"cluster up in {time.monotonic() - started_s:.1f} s: "
+        f"{', '.join(r.name for r in state.processes)}",
+        flush=True,
+    )
     try:
         report = asyncio.run(run_load(state, Supervisor(state, options, services), args))
     finally:

@@ -25,8 +25,7 @@ _HOLDERS_CACHE_MAX = 4096
 class Fan:
     """Path terms from one source instance to every instance of a list."""
 
-    __slots__ = ("table", "bps", "rtt", "inv_bps", "rtt_wait", "min_rtt", "min_inv_bps",
-                 "_arrays")
+    __slots__ = ("table", "bps", "rtt", "inv_bps", "rtt_wait", "min_rtt", "min_inv_bps", "_arrays")
 
     def __init__(self, table: PathTable, wait: list[float]) -> None:
         self.table = table
@@ -44,17 +43,31 @@ class Fan:
         if self._arrays is None:
             import numpy as np  # only large candidate sets need it; imported on first use
 
-            self._arrays = (np.array(self.rtt), np.array(self.inv_bps),
-                            np.array(self.rtt_wait))
+            self._arrays = (np.array(self.rtt), np.array(self.inv_bps), np.array(self.rtt_wait))
         return self._arrays
 
 
 class Columns:
     """The fields decisions read from a list of instances, read once per list."""
 
-    __slots__ = ("states", "ids", "wait", "running", "load", "free", "min_free",
-                 "has_resident", "_arrays", "_holders", "_narrowed", "_masks", "_fans", "_by_wait",
-                 "_index", "_matrix")
+    __slots__ = (
+        "states",
+        "ids",
+        "wait",
+        "running",
+        "load",
+        "free",
+        "min_free",
+        "has_resident",
+        "_arrays",
+        "_holders",
+        "_narrowed",
+        "_masks",
+        "_fans",
+        "_by_wait",
+        "_index",
+        "_matrix",
+    )
 
     def __init__(self, states: Sequence[InstanceState]) -> None:
         self.states = states
@@ -127,7 +140,8 @@ class Columns:
             if len(self._holders) >= _HOLDERS_CACHE_MAX:
                 self._holders.clear()
             found = self._holders[block_hash] = frozenset(
-                i for i, s in enumerate(self.states) if block_hash in s.resident_blocks)
+                i for i, s in enumerate(self.states) if block_hash in s.resident_blocks
+            )
         return found
 
     def _narrow(self, holding: frozenset[int], block_hash: int) -> frozenset[int]:
@@ -160,18 +174,21 @@ class Columns:
             if len(self._masks) >= _HOLDERS_CACHE_MAX:
                 self._masks.clear()
             found = self._masks[block_hash] = np.fromiter(
-                (block_hash in s.resident_blocks for s in self.states), dtype=bool,
-                count=len(self.states))
+                (block_hash in s.resident_blocks for s in self.states),
+                dtype=bool,
+                count=len(self.states),
+            )
         return found
 
-    def hit_array(self, prefix_hashes: Sequence[int], prompt_tokens: int,
-                  block_tokens: int) -> np.ndarray | None:
+    def hit_array(
+        self, prefix_hashes: Sequence[int], prompt_tokens: int, block_tokens: int
+    ) -> np.ndarray | None:
         """Prefix-hit tokens of every instance as an array; None when nobody has a hit."""
         if not prefix_hashes or not self.has_resident:
             return None
         holding = None
         blocks = None
-        for block_hash in prefix_hashes[:-(-prompt_tokens // block_tokens)]:
+        for block_hash in prefix_hashes[: -(-prompt_tokens // block_tokens)]:
             mask = self.holder_mask(block_hash)
             holding = mask if holding is None else holding & mask
             if not holding.any():
@@ -181,8 +198,9 @@ class Columns:
             return None
         return (blocks * block_tokens).clip(max=prompt_tokens)
 
-    def hits(self, prefix_hashes: Sequence[int], prompt_tokens: int,
-             block_tokens: int) -> dict[int, int]:
+    def hits(
+        self, prefix_hashes: Sequence[int], prompt_tokens: int, block_tokens: int
+    ) -> dict[int, int]:
         """Prefix-hit tokens of every instance that has any (index → tokens)."""
         if not prefix_hashes or not self.has_resident:
             return {}
@@ -190,9 +208,10 @@ class Columns:
         # deepest level it reaches.
         levels: list[frozenset[int]] = []
         holding: frozenset[int] | None = None
-        for block_hash in prefix_hashes[:-(-prompt_tokens // block_tokens)]:
-            holding = self.holders(block_hash) if holding is None else \
-                self._narrow(holding, block_hash)
+        for block_hash in prefix_hashes[: -(-prompt_tokens // block_tokens)]:
+            holding = (
+                self.holders(block_hash) if holding is None else self._narrow(holding, block_hash)
+            )
             if not holding:
                 break
             levels.append(holding)
@@ -259,8 +278,16 @@ def refuse_edits(plan: type[dict[Any, Any]], grow: str) -> None:
         refuse.__name__ = name
         return refuse
 
-    for name in ("__setitem__", "__delitem__", "update", "pop", "popitem", "clear",
-                 "setdefault", "__ior__"):
+    for name in (
+        "__setitem__",
+        "__delitem__",
+        "update",
+        "pop",
+        "popitem",
+        "clear",
+        "setdefault",
+        "__ior__",
+    ):
         setattr(plan, name, refusal(name))
 
 

@@ -63,12 +63,26 @@ class PathMatrix:
     measurement; `measured_incidence` and `measured_bps` follow the same order.
     """
 
-    __slots__ = ("network", "src_ids", "dst_ids", "link_index", "capacity_bps", "known_flows",
-                 "incidence", "rtt_s", "measured_at", "measured_incidence", "measured_bps",
-                 "version", "lo_s", "hi_s")
+    __slots__ = (
+        "network",
+        "src_ids",
+        "dst_ids",
+        "link_index",
+        "capacity_bps",
+        "known_flows",
+        "incidence",
+        "rtt_s",
+        "measured_at",
+        "measured_incidence",
+        "measured_bps",
+        "version",
+        "lo_s",
+        "hi_s",
+    )
 
-    def __init__(self, network: NetworkModel, src_ids: Sequence[str], dst_ids: Sequence[str],
-                 now_s: float) -> None:
+    def __init__(
+        self, network: NetworkModel, src_ids: Sequence[str], dst_ids: Sequence[str], now_s: float
+    ) -> None:
         self.network = network
         self.src_ids = tuple(src_ids)
         self.dst_ids = tuple(dst_ids)
@@ -80,12 +94,12 @@ class PathMatrix:
         longest = max((len(t.links) for row in terms for t in row), default=0)
         # Hop-major (hop, source, destination): reducing over the first axis is a few
         # element-wise minima of whole planes, far faster than over a short last axis.
-        incidence = np.full((max(1, longest), len(src_ids), len(dst_ids)), _NO_LINK,
-                            dtype=np.intp)
+        incidence = np.full((max(1, longest), len(src_ids), len(dst_ids)), _NO_LINK, dtype=np.intp)
         for i, row in enumerate(terms):
             for j, path in enumerate(row):
-                for k, (link, cap, flows) in enumerate(zip(path.links, path.caps, path.known,
-                                                           strict=True)):
+                for k, (link, cap, flows) in enumerate(
+                    zip(path.links, path.caps, path.known, strict=True)
+                ):
                     index = self.link_index.get(link)
                     if index is None:
                         index = self.link_index[link] = len(capacity)
@@ -96,10 +110,12 @@ class PathMatrix:
         self.capacity_bps = np.array(capacity)
         self.known_flows = np.array(known)
         self.rtt_s = np.array([[t.rtt_s for t in row] for row in terms]).reshape(
-            len(src_ids), len(dst_ids))
+            len(src_ids), len(dst_ids)
+        )
         # The few pairs with a fresh measurement, kept apart: their base is the measurement.
         measured = np.array([[t.measured_bps for t in row] for row in terms]).reshape(
-            len(src_ids), len(dst_ids))
+            len(src_ids), len(dst_ids)
+        )
         measured_at = np.nonzero(measured)
         self.measured_at = np.ravel_multi_index(measured_at, measured.shape)
         self.measured_incidence = incidence[:, measured_at[0], measured_at[1]]
@@ -109,8 +125,11 @@ class PathMatrix:
 
     def valid(self, network: NetworkModel, now_s: float) -> bool:
         """True while the matrix still says what `network` would say at `now_s`."""
-        return (network is self.network and self.version == network.version
-                and self.lo_s < now_s <= self.hi_s)
+        return (
+            network is self.network
+            and self.version == network.version
+            and self.lo_s < now_s <= self.hi_s
+        )
 
     def bandwidth_bps(self, extra_flows: Mapping[LinkId, int] | None) -> np.ndarray:
         """B_eff of every (source, destination) pair with `extra_flows` added."""
@@ -126,8 +145,7 @@ class PathMatrix:
         # take, ufunc.reduce and put: the same values as fancy indexing, min and a masked
         # store, at a fraction of the call overhead that dominates arrays this small.
         flows_plus_one = flows + 1.0
-        bps = np.minimum.reduce((self.capacity_bps / flows_plus_one).take(self.incidence),
-                                axis=0)
+        bps = np.minimum.reduce((self.capacity_bps / flows_plus_one).take(self.incidence), axis=0)
         if len(self.measured_bps):
             # max(flows) + 1 == max(flows + 1): rounding is monotone.
             busiest = np.maximum.reduce(flows_plus_one.take(self.measured_incidence), axis=0)

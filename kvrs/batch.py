@@ -39,8 +39,12 @@ class BatchPlan:
 
 
 def plan_batch(
-    requests: Sequence[RecoveryRequest], view: ClusterView, cost: CostModel, now_s: float,
-    policy: RecoveryPolicy, migration_slots_free: int,
+    requests: Sequence[RecoveryRequest],
+    view: ClusterView,
+    cost: CostModel,
+    now_s: float,
+    policy: RecoveryPolicy,
+    migration_slots_free: int,
 ) -> BatchPlan:
     """Decide every request, sharing links, instance queues and migration slots."""
     if migration_slots_free < 0:
@@ -51,11 +55,17 @@ def plan_batch(
     slots_left = migration_slots_free
     decisions: dict[int, RecoveryDecision] = {}
     transfers: dict[int, tuple[OptionCost, tuple[LinkId, ...]]] = {}
-    for index in sorted(range(len(requests)), key=lambda i: _slack_bound(requests[i], cost,
-                                                                         now_s)):
+    for index in sorted(range(len(requests)), key=lambda i: _slack_bound(requests[i], cost, now_s)):
         request = requests[index]
-        decision = policy.decide(request, view, cost, now_s, migration_slot_free=slots_left > 0,
-                                 extra_flows=flows, extra_wait_s=extra_wait)
+        decision = policy.decide(
+            request,
+            view,
+            cost,
+            now_s,
+            migration_slot_free=slots_left > 0,
+            extra_flows=flows,
+            extra_wait_s=extra_wait,
+        )
         decisions[index] = decision
         action = decision.action
         if action not in _MOVES_KV:
@@ -71,9 +81,14 @@ def plan_batch(
             path = topology.path_links(decision.source_id, decision.target_id)
             transfers[index] = (chosen, path)
             flows.add_path(path)
-    final = tuple([decisions[i] if i not in transfers else
-                   _recost(decisions[i], *transfers[i], requests[i], cost, now_s, flows)
-                   for i in range(len(requests))])
+    final = tuple(
+        [
+            decisions[i]
+            if i not in transfers
+            else _recost(decisions[i], *transfers[i], requests[i], cost, now_s, flows)
+            for i in range(len(requests))
+        ]
+    )
     makespan = max((d.cost_s for d in final if d.action is not Action.ABORT), default=0.0)
     return BatchPlan(final, makespan)
 
@@ -88,15 +103,24 @@ def _slack_bound(request: RecoveryRequest, cost: CostModel, now_s: float) -> tup
 
 def _chosen_option(decision: RecoveryDecision) -> OptionCost:
     for option in decision.options:
-        if option.action is decision.action and option.target_id == decision.target_id \
-                and option.source_id == decision.source_id and option.feasible:
+        if (
+            option.action is decision.action
+            and option.target_id == decision.target_id
+            and option.source_id == decision.source_id
+            and option.feasible
+        ):
             return option
     raise AssertionError(f"decision {decision.request_id} lists no option for its action")
 
 
 def _recost(
-    decision: RecoveryDecision, chosen: OptionCost, path: tuple[LinkId, ...],
-    request: RecoveryRequest, cost: CostModel, now_s: float, flows: Mapping[LinkId, int],
+    decision: RecoveryDecision,
+    chosen: OptionCost,
+    path: tuple[LinkId, ...],
+    request: RecoveryRequest,
+    cost: CostModel,
+    now_s: float,
+    flows: Mapping[LinkId, int],
 ) -> RecoveryDecision:
     """The decision with its transfer (`chosen`, over `path`) re-costed under every flow of
     the final plan."""
@@ -107,8 +131,7 @@ def _recost(
     others: dict[LinkId, int] = {}
     for link in path:
         others[link] = others.get(link, flows[link]) - 1
-    bps, rtt_s = cost.network.rate_and_rtt(decision.source_id, decision.target_id, now_s,
-                                           others)
+    bps, rtt_s = cost.network.rate_and_rtt(decision.source_id, decision.target_id, now_s, others)
     bits_per_token = cost.kv_bits_per_token
     if decision.action is Action.MIGRATE:
         transfer_s = rtt_s + bits_per_token * request.prompt_tokens / bps
@@ -128,8 +151,7 @@ def _recost(
     updated = _new(OptionCost)
     updated.__dict__.update(chosen.__dict__, cost_s=total, transfer_s=transfer_s)
     options = tuple([updated if option is chosen else option for option in decision.options])
-    slack = (math.inf if request.deadline_s is None
-             else request.deadline_s - now_s - total)
+    slack = math.inf if request.deadline_s is None else request.deadline_s - now_s - total
     recosted = _new(RecoveryDecision)
     recosted.__dict__.update(decision.__dict__, cost_s=total, options=options, slack_s=slack)
     return recosted

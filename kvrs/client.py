@@ -176,20 +176,32 @@ class KvrsClient:
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
         self._scheduler = _Endpoints(
-            "scheduler", scheduler_addrs, scheduler_pb2_grpc.SchedulerServiceStub,
-            settings, provider,
+            "scheduler",
+            scheduler_addrs,
+            scheduler_pb2_grpc.SchedulerServiceStub,
+            settings,
+            provider,
         )
         self._oracle = _Endpoints(
-            "cost oracle", (cost_oracle_addr,) if cost_oracle_addr else (),
-            oracle_pb2_grpc.CostOracleServiceStub, settings, provider,
+            "cost oracle",
+            (cost_oracle_addr,) if cost_oracle_addr else (),
+            oracle_pb2_grpc.CostOracleServiceStub,
+            settings,
+            provider,
         )
         self._slots = _Endpoints(
-            "slot broker", (slot_broker_addr,) if slot_broker_addr else (),
-            slots_pb2_grpc.SlotBrokerServiceStub, settings, provider,
+            "slot broker",
+            (slot_broker_addr,) if slot_broker_addr else (),
+            slots_pb2_grpc.SlotBrokerServiceStub,
+            settings,
+            provider,
         )
         self._gossip = _Endpoints(
-            "gossip", (gossip_addr,) if gossip_addr else (),
-            gossip_pb2_grpc.GossipServiceStub, settings, provider,
+            "gossip",
+            (gossip_addr,) if gossip_addr else (),
+            gossip_pb2_grpc.GossipServiceStub,
+            settings,
+            provider,
         )
 
     @classmethod
@@ -262,7 +274,12 @@ class KvrsClient:
                     raise error_from_rpc(exc, address) from exc
                 log.info(
                     "%s %s at %s failed with %s (attempt %d of %d)",
-                    endpoints.service, method, address, exc.code().name, attempt + 1, attempts,
+                    endpoints.service,
+                    method,
+                    address,
+                    exc.code().name,
+                    attempt + 1,
+                    attempts,
                 )
                 last = (exc, address)
                 continue
@@ -460,6 +477,4 @@ class KvrsClient:
 
     async def list_links(self, *, timeout_s: float | None = None) -> gossip_pb2.ListLinksResponse:
         """The newest bandwidth sample of every measured link, each with its age."""
-        return await self._call(
-            self._gossip, "ListLinks", gossip_pb2.ListLinksRequest(), timeout_s
-        )
+        return await self._call(self._gossip, "ListLinks", gossip_pb2.ListLinksRequest(), timeout_s)

@@ -58,8 +58,20 @@ def _read_only(name: str) -> Any:
     return refuse
 
 
-for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
-              "__setitem__", "__delitem__", "__iadd__", "__imul__"):
+for _name in (
+    "append",
+    "extend",
+    "insert",
+    "pop",
+    "remove",
+    "clear",
+    "sort",
+    "reverse",
+    "__setitem__",
+    "__delitem__",
+    "__iadd__",
+    "__imul__",
+):
     setattr(InstanceList, _name, _read_only(_name))
 
 
@@ -80,8 +92,9 @@ class ClusterView:
     """The view is older than the staleness bound (e.g. the gossip store is unreachable)."""
     derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     """What decisions compute from `instances` alone, keyed by its owner; emptied with them."""
-    _lists: dict[Any, InstanceList] = field(default_factory=dict, init=False, repr=False,
-                                            compare=False)
+    _lists: dict[Any, InstanceList] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "instances":
@@ -107,15 +120,18 @@ class ClusterView:
                 self._lists.clear()
             if key[1]:
                 cached = InstanceList(
-                    s for s in self._alive(role, ()) if s.instance_id not in key[1])
+                    s for s in self._alive(role, ()) if s.instance_id not in key[1]
+                )
             else:
-                cached = InstanceList(sorted(
-                    (s for s in self.instances.values() if s.alive and s.role is role),
-                    key=lambda s: s.instance_id))
+                cached = InstanceList(
+                    sorted(
+                        (s for s in self.instances.values() if s.alive and s.role is role),
+                        key=lambda s: s.instance_id,
+                    )
+                )
             self._lists[key] = cached
         return cached
 
     def get(self, instance_id: str) -> InstanceState | None:
         """The state of `instance_id`, None when the view does not know it."""
         return self.instances.get(instance_id)
-

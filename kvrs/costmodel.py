@@ -29,12 +29,17 @@ class CostModel:
         return self.model.kv_bytes(tokens)
 
     def transfer(
-        self, src_id: str, dst_id: str, tokens: int, now_s: float,
+        self,
+        src_id: str,
+        dst_id: str,
+        tokens: int,
+        now_s: float,
         extra_flows: Mapping[LinkId, int] | None = None,
     ) -> TransferEstimate:
         """T_x(src, dst, S(tokens))."""
-        return self.network.transfer(src_id, dst_id, self.model.kv_bytes(tokens), now_s,
-                                     extra_flows)
+        return self.network.transfer(
+            src_id, dst_id, self.model.kv_bytes(tokens), now_s, extra_flows
+        )
 
     def prefill_s(self, tokens: int) -> float:
         """T_pf(L)."""
@@ -46,7 +51,9 @@ class CostModel:
 
 
 def prefix_hit_tokens(
-    prefix_hashes: Sequence[int], resident: frozenset[int], block_tokens: int,
+    prefix_hashes: Sequence[int],
+    resident: frozenset[int],
+    block_tokens: int,
     prompt_tokens: int,
 ) -> int:
     """Tokens of the prompt whose KV `resident` already holds: the leading resident blocks.

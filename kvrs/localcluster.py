@@ -154,11 +154,19 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "cost-oracle", "services.cost_oracle", "COST_ORACLE_LISTEN_ADDR", stage=1, port=50052
     ),
     ServiceSpec(
-        "scheduler-1", "services.scheduler", "SCHEDULER_LISTEN_ADDR", stage=1, port=50053,
+        "scheduler-1",
+        "services.scheduler",
+        "SCHEDULER_LISTEN_ADDR",
+        stage=1,
+        port=50053,
         env=lambda wiring: {"SCHEDULER_HOLDER_ID": "scheduler-1"},
     ),
     ServiceSpec(
-        "scheduler-2", "services.scheduler", "SCHEDULER_LISTEN_ADDR", stage=1, port=50057,
+        "scheduler-2",
+        "services.scheduler",
+        "SCHEDULER_LISTEN_ADDR",
+        stage=1,
+        port=50057,
         env=lambda wiring: {"SCHEDULER_HOLDER_ID": "scheduler-2"},
     ),
     _worker("prefill-0", "prefill", 50060),
@@ -168,7 +176,11 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("prober", "services.prober", "PROBER_LISTEN_ADDR", stage=2, port=50055),
     ServiceSpec("router", "services.router", "ROUTER_LISTEN_ADDR", stage=2, port=50056),
     ServiceSpec(
-        "openai-http", "services.openai_http", "OPENAI_HTTP_LISTEN_ADDR", stage=3, port=8000,
+        "openai-http",
+        "services.openai_http",
+        "OPENAI_HTTP_LISTEN_ADDR",
+        stage=3,
+        port=8000,
         health_path="/health",
     ),
 )
@@ -181,8 +193,12 @@ def _pinned_adapter(decode_instance: str, port: int) -> ServiceSpec:
     """An OpenAI HTTP adapter placing every completion on `decode_instance` first: the
     HTTP endpoint a gateway reaches that instance at."""
     return ServiceSpec(
-        f"{ADAPTER_PREFIX}{decode_instance}", "services.openai_http", "OPENAI_HTTP_LISTEN_ADDR",
-        stage=3, port=port, health_path="/health",
+        f"{ADAPTER_PREFIX}{decode_instance}",
+        "services.openai_http",
+        "OPENAI_HTTP_LISTEN_ADDR",
+        stage=3,
+        port=port,
+        health_path="/health",
         env=lambda wiring: {"OPENAI_HTTP_DECODE_INSTANCE": decode_instance},
     )
 
@@ -204,9 +220,23 @@ def _envoy_command(wiring: Wiring) -> list[str]:
     listen_port = wiring.address("envoy").rpartition(":")[2]
     admin_port = wiring.health_addresses["envoy"].rpartition(":")[2]
     result = subprocess.run(
-        [sys.executable, "-m", "services.epp.envoy_config", "--epp-addr", wiring.address("epp"),
-         "--listen-port", listen_port, "--admin-port", admin_port, "--output", str(config_file)],
-        capture_output=True, text=True, check=False, cwd=REPO_ROOT,
+        [
+            sys.executable,
+            "-m",
+            "services.epp.envoy_config",
+            "--epp-addr",
+            wiring.address("epp"),
+            "--listen-port",
+            listen_port,
+            "--admin-port",
+            admin_port,
+            "--output",
+            str(config_file),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=REPO_ROOT,
     )
     if result.returncode != 0:
         raise ClusterError(f"cannot render the Envoy configuration:\n{result.stderr}")
@@ -222,8 +252,15 @@ ENVOY_SERVICES: tuple[ServiceSpec, ...] = (
     _pinned_adapter("decode-1", 8002),
     ServiceSpec("epp", "services.epp", "EPP_LISTEN_ADDR", stage=3, port=9002, env=_epp_env),
     ServiceSpec(
-        "envoy", "envoy", "", stage=4, port=8081, kind="gateway", health_path="/ready",
-        health_port=9901, command=_envoy_command,
+        "envoy",
+        "envoy",
+        "",
+        stage=4,
+        port=8081,
+        kind="gateway",
+        health_path="/ready",
+        health_port=9901,
+        command=_envoy_command,
     ),
 )
 """`kvrs up --envoy`: Envoy with the endpoint picker in front of one OpenAI adapter per
@@ -263,10 +300,10 @@ PEER_ADDR_ENV = {
 
 def peer_env(addresses: Mapping[str, str]) -> dict[str, str]:
     """GOSSIP_ADDR, SCHEDULER_ADDRS, ... for the services present in `addresses`."""
-    env = {PEER_ADDR_ENV[name]: address for name, address in addresses.items()
-           if name in PEER_ADDR_ENV}
-    schedulers = [address for name, address in addresses.items()
-                  if name.startswith("scheduler-")]
+    env = {
+        PEER_ADDR_ENV[name]: address for name, address in addresses.items() if name in PEER_ADDR_ENV
+    }
+    schedulers = [address for name, address in addresses.items() if name.startswith("scheduler-")]
     if schedulers:
         env["SCHEDULER_ADDRS"] = ",".join(schedulers)
     return env
@@ -409,8 +446,9 @@ def stop_processes(records: Sequence[ProcessRecord], grace_s: float) -> list[Pro
         time.sleep(0.05)
     killed = [record for record in records if is_running(record)]
     for record in killed:
-        log.warning("%s (pid %d) did not stop within %.1f s; killing it",
-                    record.name, record.pid, grace_s)
+        log.warning(
+            "%s (pid %d) did not stop within %.1f s; killing it", record.name, record.pid, grace_s
+        )
         _signal_group(record, signal.SIGKILL)
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline and any(is_running(r) for r in killed):
@@ -513,8 +551,7 @@ def has_main(module: str) -> bool:
     if spec is None or not spec.submodule_search_locations:
         return False
     return any(
-        (Path(location) / "__main__.py").is_file()
-        for location in spec.submodule_search_locations
+        (Path(location) / "__main__.py").is_file() for location in spec.submodule_search_locations
     )
 
 
@@ -546,8 +583,19 @@ def start_private_redis(run_dir: Path, port: int) -> ProcessRecord:
     data_dir = run_dir / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [
-        binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-        "--appendonly", "no", "--dir", str(data_dir), "--daemonize", "no",
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(data_dir),
+        "--daemonize",
+        "no",
     ]
     record = spawn("redis", "redis", command, "redis-server", f"127.0.0.1:{port}", {}, run_dir)
     client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2)
@@ -666,8 +714,7 @@ def start_cluster(
     run_dir = options.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     _check_not_running(run_dir)
-    missing = [spec.name for spec in services
-               if spec.command is None and not has_main(spec.module)]
+    missing = [spec.name for spec in services if spec.command is None and not has_main(spec.module)]
     if missing:
         raise ClusterError(f"services not installed in this checkout: {', '.join(missing)}")
     if not options.topology_file.is_file():
@@ -679,8 +726,10 @@ def start_cluster(
 
     private_redis = not options.redis_url
     # Every listener: each service's port, then the separate health ports.
-    listeners = [*services, *(replace(spec, port=spec.health_port)
-                              for spec in services if spec.health_port)]
+    listeners = [
+        *services,
+        *(replace(spec, port=spec.health_port) for spec in services if spec.health_port),
+    ]
     spare = free_ports(len(listeners) + 1)
     if options.base_port:
         ports = layout_ports(options.base_port, listeners)
@@ -692,10 +741,11 @@ def start_cluster(
     }
     health_addresses = {
         spec.name: f"127.0.0.1:{port}"
-        for spec, port in zip(listeners[len(services):], ports[len(services):], strict=True)
+        for spec, port in zip(listeners[len(services) :], ports[len(services) :], strict=True)
     }
-    wiring = Wiring(addresses=addresses, options=options, health_addresses=health_addresses,
-                    run_dir=run_dir)
+    wiring = Wiring(
+        addresses=addresses, options=options, health_addresses=health_addresses, run_dir=run_dir
+    )
 
     tls_dir = generate_certs(run_dir) if options.tls else None
     started: list[ProcessRecord] = []
@@ -729,17 +779,28 @@ def start_cluster(
                     command = spec.command(wiring)
                 else:
                     command = [sys.executable, "-m", spec.module, *spec.args]
-                record = spawn(spec.name, spec.kind, command, spec.module, addresses[spec.name],
-                               env, run_dir, spec.health_path)
+                record = spawn(
+                    spec.name,
+                    spec.kind,
+                    command,
+                    spec.module,
+                    addresses[spec.name],
+                    env,
+                    run_dir,
+                    spec.health_path,
+                )
                 record.health_addr = health_addresses.get(spec.name, "")
                 batch.append(record)
             started.extend(batch)
             state.save()
             stage_started_s = time.monotonic()
             asyncio.run(_wait_serving(batch, tls_dir, options.startup_timeout_s))
-            log.info("stage %d (%s) serving after %.1f s", stage,
-                     ", ".join(record.name for record in batch),
-                     time.monotonic() - stage_started_s)
+            log.info(
+                "stage %d (%s) serving after %.1f s",
+                stage,
+                ", ".join(record.name for record in batch),
+                time.monotonic() - stage_started_s,
+            )
     except BaseException:
         stop_processes(list(reversed(started)), grace_s=3.0)
         (run_dir / STATE_FILE).unlink(missing_ok=True)

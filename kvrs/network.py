@@ -82,8 +82,21 @@ class PathTerms:
     `lo_s < now_s <= hi_s` (the interval in which the measurement keeps its status).
     """
 
-    __slots__ = ("links", "caps", "known", "tier", "rtt_s", "measured_bps", "estimate",
-                 "stale", "lo_s", "hi_s", "bps", "bottleneck", "flows")
+    __slots__ = (
+        "links",
+        "caps",
+        "known",
+        "tier",
+        "rtt_s",
+        "measured_bps",
+        "estimate",
+        "stale",
+        "lo_s",
+        "hi_s",
+        "bps",
+        "bottleneck",
+        "flows",
+    )
 
     links: tuple[LinkId, ...]
     caps: tuple[float, ...]
@@ -107,8 +120,14 @@ class _FanPaths:
 
     __slots__ = ("dst_ids", "paths_version", "incidence", "rtt_s", "tiers")
 
-    def __init__(self, dst_ids: tuple[str, ...], paths_version: int, incidence: np.ndarray,
-                 rtt_s: tuple[float, ...], tiers: tuple[Tier, ...]) -> None:
+    def __init__(
+        self,
+        dst_ids: tuple[str, ...],
+        paths_version: int,
+        incidence: np.ndarray,
+        rtt_s: tuple[float, ...],
+        tiers: tuple[Tier, ...],
+    ) -> None:
         self.dst_ids = dst_ids
         self.paths_version = paths_version
         self.incidence = incidence
@@ -178,7 +197,10 @@ class NetworkModel:
         self._inputs_version = next(_INPUT_VERSIONS)
 
     def rate_and_rtt(
-        self, src_id: str, dst_id: str, now_s: float,
+        self,
+        src_id: str,
+        dst_id: str,
+        now_s: float,
         extra_flows: Mapping[LinkId, int] | None = None,
     ) -> tuple[float, float]:
         """(bandwidth_bps, rtt_s) of the path: the hot-path form of `transfer`."""
@@ -202,13 +224,15 @@ class NetworkModel:
         if cached is not None and cached.dst_ids == dst_ids and cached.valid(self, now_s):
             return cached
         fan = self._fan_paths.get(src_id)
-        if fan is None or fan.dst_ids != dst_ids \
-                or fan.paths_version != self.topology.paths_version:
+        if (
+            fan is None
+            or fan.dst_ids != dst_ids
+            or fan.paths_version != self.topology.paths_version
+        ):
             fan = self._fan_paths[src_id] = self._build_fan(src_id, dst_ids)
         # Each path's share of its bottleneck, min over its links of capacity / (flows + 1),
         # for every destination at once.
-        bandwidth_bps = np.minimum.reduce(self._link_shares().take(fan.incidence),
-                                          axis=0).tolist()
+        bandwidth_bps = np.minimum.reduce(self._link_shares().take(fan.incidence), axis=0).tolist()
         rtt_s = fan.rtt_s
         lo_s, hi_s = -math.inf, math.inf
         estimated = self._estimated.get(src_id)
@@ -223,8 +247,15 @@ class NetworkModel:
                     lo_s, hi_s = max(lo_s, path.lo_s), min(hi_s, path.hi_s)
             rtt_s = tuple(rtt)
         table = self._tables[src_id] = PathTable(
-            src_id=src_id, dst_ids=dst_ids, bandwidth_bps=tuple(bandwidth_bps), rtt_s=rtt_s,
-            tiers=fan.tiers, version=self.version, lo_s=lo_s, hi_s=hi_s)
+            src_id=src_id,
+            dst_ids=dst_ids,
+            bandwidth_bps=tuple(bandwidth_bps),
+            rtt_s=rtt_s,
+            tiers=fan.tiers,
+            version=self.version,
+            lo_s=lo_s,
+            hi_s=hi_s,
+        )
         return table
 
     def _build_fan(self, src_id: str, dst_ids: tuple[str, ...]) -> _FanPaths:
@@ -239,9 +270,13 @@ class NetworkModel:
                     self._link_ids.append(link)
                     i = index[link] = len(self._link_ids)
                 incidence[k, j] = i
-        return _FanPaths(dst_ids, self.topology.paths_version, incidence,
-                         tuple(rtt if links else 0.0 for _, links, rtt in pairs),
-                         tuple(tier for tier, _, _ in pairs))
+        return _FanPaths(
+            dst_ids,
+            self.topology.paths_version,
+            incidence,
+            tuple(rtt if links else 0.0 for _, links, rtt in pairs),
+            tuple(tier for tier, _, _ in pairs),
+        )
 
     def _link_shares(self) -> np.ndarray:
         """capacity / (known flows + 1) of every indexed link; infinity at index 0."""
@@ -250,8 +285,10 @@ class NetworkModel:
             caps_key = (self.topology.version, len(self._link_ids))
             if self._caps is None or self._caps[0] != caps_key:
                 capacity = self.topology.link_capacity_bps
-                self._caps = (caps_key, np.array(
-                    [math.inf, *(capacity(link) for link in self._link_ids)]))
+                self._caps = (
+                    caps_key,
+                    np.array([math.inf, *(capacity(link) for link in self._link_ids)]),
+                )
             caps = self._caps[1]
             flows = np.zeros(len(caps))
             index = self._link_index
@@ -267,7 +304,10 @@ class NetworkModel:
         return self.topology.tier(src_id, dst_id)
 
     def bandwidth_bps(
-        self, src_id: str, dst_id: str, now_s: float,
+        self,
+        src_id: str,
+        dst_id: str,
+        now_s: float,
         extra_flows: Mapping[LinkId, int] | None = None,
     ) -> tuple[float, LinkId | None]:
         """B_eff of the path and its bottleneck link (None to itself: infinite bandwidth)."""
@@ -278,7 +318,11 @@ class NetworkModel:
         return bps, link
 
     def transfer(
-        self, src_id: str, dst_id: str, kv_bytes: int, now_s: float,
+        self,
+        src_id: str,
+        dst_id: str,
+        kv_bytes: int,
+        now_s: float,
         extra_flows: Mapping[LinkId, int] | None = None,
     ) -> TransferEstimate:
         """T_x: seconds to move `kv_bytes` from `src_id` to `dst_id`; 0 for nothing to move."""
@@ -295,11 +339,17 @@ class NetworkModel:
             seconds = path.rtt_s + BITS_PER_BYTE * kv_bytes / bps
         estimate = path.estimate
         return build(
-            TransferEstimate, src_id=src_id, dst_id=dst_id, kv_bytes=kv_bytes,
-            transfer_s=seconds, tier=path.tier, bottleneck_bps=bps,
+            TransferEstimate,
+            src_id=src_id,
+            dst_id=dst_id,
+            kv_bytes=kv_bytes,
+            transfer_s=seconds,
+            tier=path.tier,
+            bottleneck_bps=bps,
             rtt_s=path.rtt_s if path.links else 0.0,
             telemetry_age_s=-1.0 if estimate is None else estimate.age_s(now_s),
-            telemetry_stale=path.stale, flows_on_path=flows if link is not None else 0,
+            telemetry_stale=path.stale,
+            flows_on_path=flows if link is not None else 0,
         )
 
     def _path(self, src_id: str, dst_id: str, now_s: float) -> PathTerms:

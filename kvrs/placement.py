@@ -109,8 +109,11 @@ class PlacementPolicy(Protocol):
     name: str
 
     def select(
-        self, request: PlacementRequest, candidates: Sequence[InstanceState],
-        cost: CostModel, now_s: float,
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[InstanceState],
+        cost: CostModel,
+        now_s: float,
     ) -> Placement: ...
 
 
@@ -118,7 +121,10 @@ class PlacementPolicy(Protocol):
 
 
 def _netkv_scores(
-    columns: _Columns, fan: _Fan, hits: dict[int, int] | np.ndarray | None, prompt_tokens: int,
+    columns: _Columns,
+    fan: _Fan,
+    hits: dict[int, int] | np.ndarray | None,
+    prompt_tokens: int,
     cost: CostModel,
 ) -> list[float] | np.ndarray:
     """T_x + W of every candidate; infinity where the KV does not fit.
@@ -136,7 +142,8 @@ def _netkv_scores(
         for i, hit in hits.items():
             need = prompt_tokens - hit
             scores[i] = columns.wait[i] + (
-                fan.rtt[i] + bits_per_token * need * fan.inv_bps[i] if need else 0.0)
+                fan.rtt[i] + bits_per_token * need * fan.inv_bps[i] if need else 0.0
+            )
         if columns.min_free < prompt_tokens:
             for i, free in enumerate(columns.free):
                 if free < prompt_tokens - hits.get(i, 0):
@@ -160,7 +167,8 @@ def _netkv_scores(
     index = np.fromiter(hits, dtype=np.intp, count=len(hits))
     need = prompt_tokens - np.fromiter(hits.values(), dtype=np.float64, count=len(hits))
     scores[index] = wait[index] + np.where(
-        need > 0, rtt[index] + (bits_per_token * need) * inv_bps[index], 0.0)
+        need > 0, rtt[index] + (bits_per_token * need) * inv_bps[index], 0.0
+    )
     if columns.min_free < prompt_tokens:
         need_all = np.full(len(columns.ids), float(prompt_tokens))
         need_all[index] = need
@@ -169,7 +177,8 @@ def _netkv_scores(
 
 
 def _two_best(
-    scores: list[float] | np.ndarray, tie_key: Callable[[int], Any],
+    scores: list[float] | np.ndarray,
+    tie_key: Callable[[int], Any],
 ) -> tuple[int, int | None]:
     """Indices of the lowest and second-lowest finite scores, ties broken by `tie_key`.
 
@@ -215,8 +224,13 @@ class _Decision:
 
     __slots__ = ("request", "candidates", "cost", "now_s", "columns", "fan", "hits")
 
-    def __init__(self, request: PlacementRequest, candidates: Sequence[InstanceState],
-                 cost: CostModel, now_s: float) -> None:
+    def __init__(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[InstanceState],
+        cost: CostModel,
+        now_s: float,
+    ) -> None:
         if not candidates:
             raise FailedPrecondition("no decode candidates", field="candidates")
         self.request = request
@@ -228,11 +242,13 @@ class _Decision:
         block_tokens = cost.model.block_tokens
         self.hits: dict[int, int] | np.ndarray | None
         if len(self.columns.ids) >= HIT_ARRAY_MIN_CANDIDATES:
-            self.hits = self.columns.hit_array(request.prefix_hashes, request.prompt_tokens,
-                                               block_tokens)
+            self.hits = self.columns.hit_array(
+                request.prefix_hashes, request.prompt_tokens, block_tokens
+            )
         else:
-            self.hits = self.columns.hits(request.prefix_hashes, request.prompt_tokens,
-                                          block_tokens)
+            self.hits = self.columns.hits(
+                request.prefix_hashes, request.prompt_tokens, block_tokens
+            )
 
     def hit(self, i: int) -> int:
         """Prefix-hit tokens of candidate `i`."""
@@ -253,8 +269,9 @@ class _Decision:
         return [(int(i), int(hits[i])) for i in np.flatnonzero(hits)]
 
     def netkv_scores(self) -> list[float] | np.ndarray:
-        return _netkv_scores(self.columns, self.fan, self.hits, self.request.prompt_tokens,
-                             self.cost)
+        return _netkv_scores(
+            self.columns, self.fan, self.hits, self.request.prompt_tokens, self.cost
+        )
 
     def fits(self, i: int) -> bool:
         return self.columns.free[i] >= self.request.prompt_tokens - self.hit(i)
@@ -268,26 +285,36 @@ class _Decision:
     def exhausted(self) -> ResourceExhausted:
         return ResourceExhausted(
             f"no decode candidate has {self.request.prompt_tokens} tokens of free KV memory "
-            f"({len(self.candidates)} considered)", field="free_kv_tokens")
+            f"({len(self.candidates)} considered)",
+            field="free_kv_tokens",
+        )
 
     def score(self, i: int) -> CandidateScore:
         """The netkv terms of candidate `i`."""
         hit = self.hit(i)
         need = self.request.prompt_tokens - hit
         fan = self.fan
-        transfer_s = (fan.rtt[i] + self.cost.kv_bits_per_token * need * fan.inv_bps[i]
-                      if need else 0.0)
+        transfer_s = (
+            fan.rtt[i] + self.cost.kv_bits_per_token * need * fan.inv_bps[i] if need else 0.0
+        )
         wait_s = self.columns.wait[i]
-        return build(CandidateScore, instance_id=self.columns.ids[i], score_s=transfer_s + wait_s,
-                     transfer_s=transfer_s, wait_s=wait_s, prefix_hit_tokens=hit,
-                     tier=fan.table.tiers[i])
+        return build(
+            CandidateScore,
+            instance_id=self.columns.ids[i],
+            score_s=transfer_s + wait_s,
+            transfer_s=transfer_s,
+            wait_s=wait_s,
+            prefix_hit_tokens=hit,
+            tier=fan.table.tiers[i],
+        )
 
     def placement(self, policy: str, best: int, runner: int | None) -> Placement:
         request, columns = self.request, self.columns
         hit = self.hit(best)
         kv_bytes = (request.prompt_tokens - hit) * self.cost.kv_bytes_per_token
-        transfer = self.cost.network.transfer(request.prefill_id, columns.ids[best], kv_bytes,
-                                              self.now_s)
+        transfer = self.cost.network.transfer(
+            request.prefill_id, columns.ids[best], kv_bytes, self.now_s
+        )
         wait_s = columns.wait[best]
         return build(
             Placement,
@@ -311,8 +338,13 @@ class NetKv:
 
     name = "netkv"
 
-    def select(self, request: PlacementRequest, candidates: Sequence[InstanceState],
-               cost: CostModel, now_s: float) -> Placement:
+    def select(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[InstanceState],
+        cost: CostModel,
+        now_s: float,
+    ) -> Placement:
         decision = _Decision(request, candidates, cost, now_s)
         best, runner = _two_best(decision.netkv_scores(), decision.tier_key)
         if best < 0:
@@ -338,8 +370,13 @@ class CacheLoad:
         self.cache_weight = cache_weight
         self.load_weight = load_weight
 
-    def select(self, request: PlacementRequest, candidates: Sequence[InstanceState],
-               cost: CostModel, now_s: float) -> Placement:
+    def select(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[InstanceState],
+        cost: CostModel,
+        now_s: float,
+    ) -> Placement:
         decision = _Decision(request, candidates, cost, now_s)
         columns = decision.columns
         prompt_tokens = request.prompt_tokens
@@ -362,13 +399,20 @@ class LeastLoaded:
 
     name = "least_loaded"
 
-    def select(self, request: PlacementRequest, candidates: Sequence[InstanceState],
-               cost: CostModel, now_s: float) -> Placement:
+    def select(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[InstanceState],
+        cost: CostModel,
+        now_s: float,
+    ) -> Placement:
         decision = _Decision(request, candidates, cost, now_s)
         columns = decision.columns
         order = heapq.nsmallest(
-            2, (i for i in range(len(columns.ids)) if decision.fits(i)),
-            key=lambda i: (columns.load[i], columns.wait[i], columns.ids[i]))
+            2,
+            (i for i in range(len(columns.ids)) if decision.fits(i)),
+            key=lambda i: (columns.load[i], columns.wait[i], columns.ids[i]),
+        )
         if not order:
             raise decision.exhausted()
         return decision.placement(self.name, order[0], order[1] if len(order) > 1 else None)
@@ -382,8 +426,13 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def select(self, request: PlacementRequest, candidates: Sequence[InstanceState],
-               cost: CostModel, now_s: float) -> Placement:
+    def select(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[InstanceState],
+        cost: CostModel,
+        now_s: float,
+    ) -> Placement:
         if not candidates:
             raise FailedPrecondition("no decode candidates", field="candidates")
         n = len(candidates)
@@ -391,15 +440,18 @@ class RoundRobin:
         for step in range(n):
             i = (self._next + step) % n
             state = candidates[i]
-            hit = prefix_hit_tokens(request.prefix_hashes, state.resident_blocks, block_tokens,
-                                    request.prompt_tokens)
+            hit = prefix_hit_tokens(
+                request.prefix_hashes, state.resident_blocks, block_tokens, request.prompt_tokens
+            )
             if state.free_kv_tokens >= request.prompt_tokens - hit:
                 self._next = i + 1
                 decision = _Decision(request, candidates, cost, now_s)
                 return decision.placement(self.name, i, None)
         raise ResourceExhausted(
             f"no decode candidate has {request.prompt_tokens} tokens of free KV memory "
-            f"({n} considered)", field="free_kv_tokens")
+            f"({n} considered)",
+            field="free_kv_tokens",
+        )
 
 
 PLACEMENT_POLICY_NAMES = ("round_robin", "least_loaded", "cache_load", "netkv")
@@ -418,18 +470,21 @@ def make_placement_policy(name: str, **params: Any) -> PlacementPolicy:
         factory = _POLICIES[name]
     except KeyError:
         raise InvalidArgument(
-            "policy", f"unknown placement policy {name!r} "
-                      f"(known: {', '.join(PLACEMENT_POLICY_NAMES)})") from None
+            "policy",
+            f"unknown placement policy {name!r} (known: {', '.join(PLACEMENT_POLICY_NAMES)})",
+        ) from None
     try:
         return factory(**params)
     except TypeError as exc:
-        raise InvalidArgument("policy", f"{name}: bad parameters {sorted(params)}: {exc}") \
-            from None
+        raise InvalidArgument("policy", f"{name}: bad parameters {sorted(params)}: {exc}") from None
 
 
 def score_candidates(
-    request: PlacementRequest, candidates: Sequence[InstanceState], cost: CostModel,
-    now_s: float, limit: int | None = None,
+    request: PlacementRequest,
+    candidates: Sequence[InstanceState],
+    cost: CostModel,
+    now_s: float,
+    limit: int | None = None,
 ) -> list[CandidateScore]:
     """The netkv terms of the candidates that fit, best first (for decision traces)."""
     decision = _Decision(request, candidates, cost, now_s)

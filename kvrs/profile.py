@@ -57,8 +57,9 @@ class ComputeProfile:
         object.__setattr__(self, "table", table)
         # The monotone envelope used for interpolation (the measured table stays as is).
         object.__setattr__(self, "_xs", [tokens for tokens, _ in table])
-        object.__setattr__(self, "_ys", list(itertools.accumulate(
-            (seconds for _, seconds in table), max)))
+        object.__setattr__(
+            self, "_ys", list(itertools.accumulate((seconds for _, seconds in table), max))
+        )
 
     def fit_s(self, tokens: float) -> float:
         """The fitted quadratic alone, a + b·L + c·L² (no table)."""
@@ -100,8 +101,7 @@ class ComputeProfile:
             return 0.0
         if cached_tokens == 0:
             return self.prefill_s(new_tokens)
-        return (self.prefill_s(cached_tokens + new_tokens) - self.prefill_s(cached_tokens)
-                + self.a_s)
+        return self.prefill_s(cached_tokens + new_tokens) - self.prefill_s(cached_tokens) + self.a_s
 
     @classmethod
     def fit(cls, model: str, table: Iterable[tuple[int, float]]) -> ComputeProfile:
@@ -200,8 +200,7 @@ class DecodeProfile:
             raise InvalidArgument("batch", f"must be >= 0, got {batch}")
         if context_tokens < 0:
             raise InvalidArgument("context_tokens", f"must be >= 0, got {context_tokens}")
-        return (self.a_s + self.b_s_per_context_token * context_tokens
-                + self.c_s_per_request * batch)
+        return self.a_s + self.b_s_per_context_token * context_tokens + self.c_s_per_request * batch
 
 
 # opt-13b and llama3-70b: the DistServe fits (A100); opt-125m and tiny: rough CPU figures.
@@ -209,8 +208,7 @@ PROFILE_PRESETS: dict[str, ComputeProfile] = {
     profile.model: profile
     for profile in (
         ComputeProfile("opt-13b", a_s=16.46e-3, b_s_per_token=0.0926e-3, c_s_per_token2=6.47e-9),
-        ComputeProfile("llama3-70b", a_s=20e-3, b_s_per_token=0.0708e-3,
-                       c_s_per_token2=6.63e-10),
+        ComputeProfile("llama3-70b", a_s=20e-3, b_s_per_token=0.0708e-3, c_s_per_token2=6.63e-10),
         ComputeProfile("llama3-8b", a_s=8e-3, b_s_per_token=0.0205e-3, c_s_per_token2=1.6e-10),
         ComputeProfile("opt-125m", a_s=10e-3, b_s_per_token=0.195e-3, c_s_per_token2=2.5e-8),
         ComputeProfile("tiny", a_s=1e-3, b_s_per_token=2e-6, c_s_per_token2=1e-10),
@@ -219,10 +217,8 @@ PROFILE_PRESETS: dict[str, ComputeProfile] = {
 
 DECODE_PRESETS: dict[str, DecodeProfile] = {
     "opt-13b": DecodeProfile(a_s=17.2e-3, b_s_per_context_token=5.0e-6, c_s_per_request=0.54e-3),
-    "llama3-70b": DecodeProfile(a_s=30e-3, b_s_per_context_token=2.0e-6,
-                                c_s_per_request=0.3e-3),
-    "llama3-8b": DecodeProfile(a_s=8e-3, b_s_per_context_token=0.8e-6,
-                               c_s_per_request=0.1e-3),
+    "llama3-70b": DecodeProfile(a_s=30e-3, b_s_per_context_token=2.0e-6, c_s_per_request=0.3e-3),
+    "llama3-8b": DecodeProfile(a_s=8e-3, b_s_per_context_token=0.8e-6, c_s_per_request=0.1e-3),
     "opt-125m": DecodeProfile(a_s=20e-3, b_s_per_context_token=2e-6, c_s_per_request=1e-3),
     "tiny": DecodeProfile(a_s=1e-3, b_s_per_context_token=1e-7, c_s_per_request=1e-4),
 }
@@ -234,8 +230,9 @@ def compute_profile(model: str) -> ComputeProfile:
         return PROFILE_PRESETS[model]
     except KeyError:
         known = ", ".join(sorted(PROFILE_PRESETS))
-        raise InvalidArgument("model", f"no compute profile for {model!r} (known: {known})") \
-            from None
+        raise InvalidArgument(
+            "model", f"no compute profile for {model!r} (known: {known})"
+        ) from None
 
 
 def decode_profile(model: str) -> DecodeProfile:
@@ -244,5 +241,6 @@ def decode_profile(model: str) -> DecodeProfile:
         return DECODE_PRESETS[model]
     except KeyError:
         known = ", ".join(sorted(DECODE_PRESETS))
-        raise InvalidArgument("model", f"no decode profile for {model!r} (known: {known})") \
-            from None
+        raise InvalidArgument(
+            "model", f"no decode profile for {model!r} (known: {known})"
+        ) from None

@@ -83,8 +83,7 @@ class RecoveryRequest:
         if self.prompt_tokens < 0:
             raise InvalidArgument("prompt_tokens", f"must be >= 0, got {self.prompt_tokens}")
         if self.generated_tokens < 0:
-            raise InvalidArgument("generated_tokens",
-                                  f"must be >= 0, got {self.generated_tokens}")
+            raise InvalidArgument("generated_tokens", f"must be >= 0, got {self.generated_tokens}")
         if not self.source_prefill_id:
             raise InvalidArgument("source_prefill_id", "must not be empty")
 
@@ -137,8 +136,13 @@ class RecoveryPolicy(Protocol):
     name: str
 
     def decide(
-        self, request: RecoveryRequest, view: ClusterView, cost: CostModel, now_s: float,
-        migration_slot_free: bool = True, extra_flows: Mapping[LinkId, int] | None = None,
+        self,
+        request: RecoveryRequest,
+        view: ClusterView,
+        cost: CostModel,
+        now_s: float,
+        migration_slot_free: bool = True,
+        extra_flows: Mapping[LinkId, int] | None = None,
         extra_wait_s: Mapping[str, float] | None = None,
     ) -> RecoveryDecision: ...
 
@@ -146,8 +150,9 @@ class RecoveryPolicy(Protocol):
 # -- HYBRID split -----------------------------------------------------------------------
 
 
-def _split(profile: ComputeProfile, prompt_tokens: int, bits_per_token: float, bps: float,
-           rtt_s: float) -> tuple[int, float]:
+def _split(
+    profile: ComputeProfile, prompt_tokens: int, bits_per_token: float, bps: float, rtt_s: float
+) -> tuple[int, float]:
     """The k in [0, L] minimising max(T_pf(k), T_x(S(L − k))) and that maximum.
 
     T_pf rises with k and T_x falls, so the optimum sits where they cross. With a
@@ -172,8 +177,9 @@ def _split(profile: ComputeProfile, prompt_tokens: int, bits_per_token: float, b
                 lo = mid + 1
         for k in (hi - 1, hi):
             if k > 0:
-                moved_s = (rtt_s + bits_per_token * (prompt_tokens - k) / bps
-                           if k < prompt_tokens else 0.0)
+                moved_s = (
+                    rtt_s + bits_per_token * (prompt_tokens - k) / bps if k < prompt_tokens else 0.0
+                )
                 term = max(prefill_s(k), moved_s)
                 if term < best_s:
                     best_k, best_s = k, term
@@ -194,8 +200,9 @@ def _split(profile: ComputeProfile, prompt_tokens: int, bits_per_token: float, b
         if 0 < k <= prompt_tokens:
             # The fit exactly as ComputeProfile.prefill_s evaluates it.
             prefill_s = a + k * (b + k * c)
-            moved_s = (rtt_s + bits_per_token * (prompt_tokens - k) / bps
-                       if k < prompt_tokens else 0.0)
+            moved_s = (
+                rtt_s + bits_per_token * (prompt_tokens - k) / bps if k < prompt_tokens else 0.0
+            )
             term = prefill_s if prefill_s > moved_s else moved_s
             if term < best_s:
                 best_k, best_s = k, term
@@ -203,7 +210,11 @@ def _split(profile: ComputeProfile, prompt_tokens: int, bits_per_token: float, b
 
 
 def hybrid_split(
-    cost: CostModel, source_id: str, target_id: str, prompt_tokens: int, now_s: float,
+    cost: CostModel,
+    source_id: str,
+    target_id: str,
+    prompt_tokens: int,
+    now_s: float,
     extra_flows: Mapping[LinkId, int] | None = None,
 ) -> tuple[int, float]:
     """(k, max(T_pf(k), T_x(source, target, S(L − k)))) for the best split of a prompt."""
@@ -214,6 +225,7 @@ def hybrid_split(
 
 
 # -- evaluation of the options of one request -------------------------------------------
+
 
 def _columns(view: ClusterView, exclude_ids: Collection[str]) -> tuple[Columns, Columns]:
     """Columns of the view's alive decode and prefill instances minus `exclude_ids`.
@@ -229,8 +241,10 @@ def _columns(view: ClusterView, exclude_ids: Collection[str]) -> tuple[Columns, 
     if found is None:
         if len(derived) >= _COLUMNS_CACHE_MAX:
             derived.clear()
-        found = derived[key] = (Columns.of(view.decode_instances(exclude_ids)),
-                                Columns.of(view.prefill_instances(exclude_ids)))
+        found = derived[key] = (
+            Columns.of(view.decode_instances(exclude_ids)),
+            Columns.of(view.prefill_instances(exclude_ids)),
+        )
     return found
 
 
@@ -246,26 +260,50 @@ class _Options:
     once from a `PathMatrix`, shared by the MIGRATE, HYBRID and RECOMPUTE searches.
     """
 
-    __slots__ = ("request", "view", "cost", "now_s", "extra_flows", "extra_wait", "decode",
-                 "prefill", "targets", "migrate_block", "memory_block", "ext_s", "_priced")
+    __slots__ = (
+        "request",
+        "view",
+        "cost",
+        "now_s",
+        "extra_flows",
+        "extra_wait",
+        "decode",
+        "prefill",
+        "targets",
+        "migrate_block",
+        "memory_block",
+        "ext_s",
+        "_priced",
+    )
 
-    def __init__(self, request: RecoveryRequest, view: ClusterView, cost: CostModel,
-                 now_s: float, slot_free: bool, extra_flows: Mapping[LinkId, int] | None,
-                 extra_wait: Mapping[str, float] | None) -> None:
+    def __init__(
+        self,
+        request: RecoveryRequest,
+        view: ClusterView,
+        cost: CostModel,
+        now_s: float,
+        slot_free: bool,
+        extra_flows: Mapping[LinkId, int] | None,
+        extra_wait: Mapping[str, float] | None,
+    ) -> None:
         self.request, self.view, self.cost, self.now_s = request, view, cost, now_s
         self.extra_flows = extra_flows or None
         self.extra_wait = extra_wait or None
         self.decode, self.prefill = _columns(view, request.exclude_ids)
         if not self.decode.ids:
-            raise FailedPrecondition("no alive decode instance to recover to",
-                                     field="decode_instances")
+            raise FailedPrecondition(
+                "no alive decode instance to recover to", field="decode_instances"
+            )
         need = request.prompt_tokens + request.generated_tokens
         free = self.decode.free
         self.targets: Sequence[int] = (
-            range(len(free)) if self.decode.min_free >= need
-            else [i for i, tokens in enumerate(free) if tokens >= need])
-        self.memory_block = "" if self.targets else (
-            f"no decode instance has {need} tokens of free KV memory")
+            range(len(free))
+            if self.decode.min_free >= need
+            else [i for i, tokens in enumerate(free) if tokens >= need]
+        )
+        self.memory_block = (
+            "" if self.targets else (f"no decode instance has {need} tokens of free KV memory")
+        )
         source = view.get(request.source_prefill_id)
         if not request.source_kv_available or (source is not None and not source.alive):
             self.migrate_block = "source KV lost"
@@ -302,12 +340,15 @@ class _Options:
         if row is not None:
             bps, rtt = self.priced()
             return bps[row].tolist(), rtt[row].tolist()
-        pairs = [network.rate_and_rtt(src_id, dst_id, self.now_s, self.extra_flows)
-                 for dst_id in self.decode.ids]
+        pairs = [
+            network.rate_and_rtt(src_id, dst_id, self.now_s, self.extra_flows)
+            for dst_id in self.decode.ids
+        ]
         return [bps for bps, _ in pairs], [rtt for _, rtt in pairs]
 
-    def migrate_and_hybrid(self, with_hybrid: bool,
-                           targets: Sequence[int] | None = None) -> tuple[_Raw | None, _Raw | None]:
+    def migrate_and_hybrid(
+        self, with_hybrid: bool, targets: Sequence[int] | None = None
+    ) -> tuple[_Raw | None, _Raw | None]:
         """Cheapest MIGRATE and HYBRID over the targets (None when none is computable).
 
         W(d) + T_ext bounds both options from below; with a fitted profile, so does the
@@ -351,14 +392,16 @@ class _Options:
             # one by one, the costly crossing last, is testing floor + the least of them.)
             if bounded and h_i >= 0 and total >= h_s and floor + recompute_all_s >= h_s:
                 per_token_s = bits_per_token / bps
-                crossing = ((a_s * per_token_s + b_s * (rtt_s + per_token_s * prompt_tokens))
-                            / (b_s + per_token_s))
+                crossing = (a_s * per_token_s + b_s * (rtt_s + per_token_s * prompt_tokens)) / (
+                    b_s + per_token_s
+                )
                 if floor + crossing >= h_s:
                     continue
             found = splits.get((bps, rtt_s))
             if found is None:
-                found = splits[(bps, rtt_s)] = _split(compute, prompt_tokens, bits_per_token,
-                                                      bps, rtt_s)
+                found = splits[(bps, rtt_s)] = _split(
+                    compute, prompt_tokens, bits_per_token, bps, rtt_s
+                )
             k, term = found
             total = floor + term
             if total < h_s or h_i < 0:
@@ -367,13 +410,24 @@ class _Options:
         best_m = (m_s, ids[m_i], source, waits[m_i], m_transfer, ext_s, 0)
         if h_i < 0:
             return best_m, None
-        moved = (rtts[h_i] + bits_per_token * (prompt_tokens - h_k) / bandwidths[h_i]
-                 if h_k < prompt_tokens else 0.0)
-        return best_m, (h_s, ids[h_i], source, waits[h_i], moved, compute.prefill_s(h_k) + ext_s,
-                        h_k)
+        moved = (
+            rtts[h_i] + bits_per_token * (prompt_tokens - h_k) / bandwidths[h_i]
+            if h_k < prompt_tokens
+            else 0.0
+        )
+        return best_m, (
+            h_s,
+            ids[h_i],
+            source,
+            waits[h_i],
+            moved,
+            compute.prefill_s(h_k) + ext_s,
+            h_k,
+        )
 
-    def recompute(self, targets: Sequence[int] | None = None,
-                  only_prefill: int | None = None) -> _Raw | None:
+    def recompute(
+        self, targets: Sequence[int] | None = None, only_prefill: int | None = None
+    ) -> _Raw | None:
         """Cheapest RECOMPUTE over (prefill, target) pairs; None without either."""
         request, cost = self.request, self.cost
         targets = self.targets if targets is None else targets
@@ -410,11 +464,24 @@ class _Options:
                 total = base + transfer
                 if total < best_s or best_p < 0:
                     best_p, best_i, best_s, best_transfer = p, i, total, transfer
-        return (best_s, decode.ids[best_i], columns.ids[best_p], waits[best_p], best_transfer,
-                prefill_s, 0)
+        return (
+            best_s,
+            decode.ids[best_i],
+            columns.ids[best_p],
+            waits[best_p],
+            best_transfer,
+            prefill_s,
+            0,
+        )
 
-    def _recompute_priced(self, targets: Sequence[int], only_prefill: int | None,
-                          waits: list[float], prefill_s: float, bits: float) -> _Raw:
+    def _recompute_priced(
+        self,
+        targets: Sequence[int],
+        only_prefill: int | None,
+        waits: list[float],
+        prefill_s: float,
+        bits: float,
+    ) -> _Raw:
         import numpy as np
 
         bps, rtt = self.priced()
@@ -433,8 +500,15 @@ class _Options:
         else:
             p, i = divmod(int(total.argmin()), total.shape[1])
         transfer = float(rtt[p, i]) + bits / float(bps[p, i])
-        return (float(total[p, i]), self.decode.ids[i], self.prefill.ids[p], waits[p],
-                transfer, prefill_s, 0)
+        return (
+            float(total[p, i]),
+            self.decode.ids[i],
+            self.prefill.ids[p],
+            waits[p],
+            transfer,
+            prefill_s,
+            0,
+        )
 
     def option(self, action: Action, raw: _Raw | None, block: str) -> OptionCost:
         """The OptionCost of a raw option; infeasible with `block` as reason when set.
@@ -445,41 +519,96 @@ class _Options:
         option = _new(OptionCost)
         if raw is None:
             reason = block or self.memory_block or "no alive prefill instance"
-            option.__dict__.update(action=action, target_id="", source_id="", cost_s=_INF,
-                                   wait_s=_INF, transfer_s=_INF, compute_s=_INF,
-                                   split_tokens=0, feasible=False, infeasible_reason=reason)
+            option.__dict__.update(
+                action=action,
+                target_id="",
+                source_id="",
+                cost_s=_INF,
+                wait_s=_INF,
+                transfer_s=_INF,
+                compute_s=_INF,
+                split_tokens=0,
+                feasible=False,
+                infeasible_reason=reason,
+            )
             return option
         total, target, source, wait, transfer, compute, split = raw
-        option.__dict__.update(action=action, target_id=target, source_id=source, cost_s=total,
-                               wait_s=wait, transfer_s=transfer, compute_s=compute,
-                               split_tokens=split, feasible=not block, infeasible_reason=block)
+        option.__dict__.update(
+            action=action,
+            target_id=target,
+            source_id=source,
+            cost_s=total,
+            wait_s=wait,
+            transfer_s=transfer,
+            compute_s=compute,
+            split_tokens=split,
+            feasible=not block,
+            infeasible_reason=block,
+        )
         return option
 
-    def decision(self, policy: str, chosen: OptionCost | None, options: tuple[OptionCost, ...],
-                 reason: str, check_deadline: bool) -> RecoveryDecision:
+    def decision(
+        self,
+        policy: str,
+        chosen: OptionCost | None,
+        options: tuple[OptionCost, ...],
+        reason: str,
+        check_deadline: bool,
+    ) -> RecoveryDecision:
         """The decision for `chosen` (None: nothing feasible), ABORTing on a missed deadline."""
         request = self.request
         if chosen is None:
             return RecoveryDecision(
-                request.request_id, Action.ABORT, "", "", _INF, 0, options,
+                request.request_id,
+                Action.ABORT,
+                "",
+                "",
+                _INF,
+                0,
+                options,
                 "no feasible option: " + "; ".join(o.infeasible_reason for o in options),
-                -_INF, None, policy)
+                -_INF,
+                None,
+                policy,
+            )
         deadline = request.deadline_s
         slack = _INF if deadline is None else deadline - self.now_s - chosen.cost_s
         if check_deadline and slack < 0.0:
-            return RecoveryDecision(request.request_id, Action.ABORT, "", "", chosen.cost_s, 0,
-                                    options, "no option meets the deadline", slack, chosen,
-                                    policy)
+            return RecoveryDecision(
+                request.request_id,
+                Action.ABORT,
+                "",
+                "",
+                chosen.cost_s,
+                0,
+                options,
+                "no option meets the deadline",
+                slack,
+                chosen,
+                policy,
+            )
         runner_up = None
         for option in options:
-            if option is not chosen and option.feasible and (
-                    runner_up is None or option.cost_s < runner_up.cost_s):
+            if (
+                option is not chosen
+                and option.feasible
+                and (runner_up is None or option.cost_s < runner_up.cost_s)
+            ):
                 runner_up = option
         decision = _new(RecoveryDecision)  # as in `option`
         decision.__dict__.update(
-            request_id=request.request_id, action=chosen.action, target_id=chosen.target_id,
-            source_id=chosen.source_id, cost_s=chosen.cost_s, split_tokens=chosen.split_tokens,
-            options=options, reason=reason, slack_s=slack, runner_up=runner_up, policy=policy)
+            request_id=request.request_id,
+            action=chosen.action,
+            target_id=chosen.target_id,
+            source_id=chosen.source_id,
+            cost_s=chosen.cost_s,
+            split_tokens=chosen.split_tokens,
+            options=options,
+            reason=reason,
+            slack_s=slack,
+            runner_up=runner_up,
+            policy=policy,
+        )
         return decision
 
 
@@ -487,8 +616,7 @@ def _cheapest(options: tuple[OptionCost, ...]) -> OptionCost | None:
     """The cheapest feasible option; on a tie the earlier one (callers list MIGRATE first)."""
     best = None
     for option in options:
-        if option.feasible and (best is None or
-                                option.cost_s < best.cost_s - TIE_TOLERANCE_S):
+        if option.feasible and (best is None or option.cost_s < best.cost_s - TIE_TOLERANCE_S):
             best = option
     return best
 
@@ -502,19 +630,25 @@ class Kvrs:
     name = "kvrs"
 
     def decide(
-        self, request: RecoveryRequest, view: ClusterView, cost: CostModel, now_s: float,
-        migration_slot_free: bool = True, extra_flows: Mapping[LinkId, int] | None = None,
+        self,
+        request: RecoveryRequest,
+        view: ClusterView,
+        cost: CostModel,
+        now_s: float,
+        migration_slot_free: bool = True,
+        extra_flows: Mapping[LinkId, int] | None = None,
         extra_wait_s: Mapping[str, float] | None = None,
     ) -> RecoveryDecision:
-        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows,
-                       extra_wait_s)
+        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows, extra_wait_s)
         block = ctx.migrate_block
         # A blocked MIGRATE is still priced (a trace should show what the missing slot or
         # the lost KV cost); a blocked HYBRID would only repeat that, so it is not searched.
         migrate, hybrid = ctx.migrate_and_hybrid(with_hybrid=not block)
-        options = (ctx.option(Action.MIGRATE, migrate, block),
-                   ctx.option(Action.RECOMPUTE, ctx.recompute(), ""),
-                   ctx.option(Action.HYBRID, hybrid, block))
+        options = (
+            ctx.option(Action.MIGRATE, migrate, block),
+            ctx.option(Action.RECOMPUTE, ctx.recompute(), ""),
+            ctx.option(Action.HYBRID, hybrid, block),
+        )
         chosen = _cheapest(options)
         if chosen is options[0] and options[0].cost_s >= options[2].cost_s - TIE_TOLERANCE_S:
             reason = "cheapest option (MIGRATE on a tie with the best split)"
@@ -534,15 +668,21 @@ class Rom:
     name = "rom"
 
     def decide(
-        self, request: RecoveryRequest, view: ClusterView, cost: CostModel, now_s: float,
-        migration_slot_free: bool = True, extra_flows: Mapping[LinkId, int] | None = None,
+        self,
+        request: RecoveryRequest,
+        view: ClusterView,
+        cost: CostModel,
+        now_s: float,
+        migration_slot_free: bool = True,
+        extra_flows: Mapping[LinkId, int] | None = None,
         extra_wait_s: Mapping[str, float] | None = None,
     ) -> RecoveryDecision:
-        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows,
-                       extra_wait_s)
+        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows, extra_wait_s)
         if not ctx.targets:
-            options = (ctx.option(Action.MIGRATE, None, ctx.migrate_block),
-                       ctx.option(Action.RECOMPUTE, None, ctx.memory_block))
+            options = (
+                ctx.option(Action.MIGRATE, None, ctx.migrate_block),
+                ctx.option(Action.RECOMPUTE, None, ctx.memory_block),
+            )
             return ctx.decision(self.name, None, options, "", check_deadline=False)
         fits = set(ctx.targets)
         target = next(i for i in ctx.decode.by_wait() if i in fits)
@@ -551,20 +691,24 @@ class Rom:
         if ctx.prefill.ids:
             recompute = ctx.recompute(targets=(target,), only_prefill=ctx.prefill.by_wait()[0])
         block = ctx.migrate_block
-        options = (ctx.option(Action.MIGRATE, migrate, block),
-                   ctx.option(Action.RECOMPUTE, recompute, ""))
+        options = (
+            ctx.option(Action.MIGRATE, migrate, block),
+            ctx.option(Action.RECOMPUTE, recompute, ""),
+        )
         if block:
             chosen, reason = options[1], f"RECOMPUTE ({block})"
         else:
-            bps, _ = cost.network.rate_and_rtt(request.source_prefill_id,
-                                               ctx.decode.ids[target], now_s)
+            bps, _ = cost.network.rate_and_rtt(
+                request.source_prefill_id, ctx.decode.ids[target], now_s
+            )
             migrate_s = cost.kv_bits_per_token * request.prompt_tokens / bps
             if migrate_s < cost.prefill_s(request.prompt_tokens):
                 chosen, reason = options[0], "8·S(L)/B < T_pf(L)"
             else:
                 chosen, reason = options[1], "8·S(L)/B >= T_pf(L)"
-        return ctx.decision(self.name, chosen if chosen.feasible else None, options, reason,
-                            check_deadline=False)
+        return ctx.decision(
+            self.name, chosen if chosen.feasible else None, options, reason, check_deadline=False
+        )
 
 
 class AlwaysMigrate:
@@ -573,22 +717,31 @@ class AlwaysMigrate:
     name = "always_migrate"
 
     def decide(
-        self, request: RecoveryRequest, view: ClusterView, cost: CostModel, now_s: float,
-        migration_slot_free: bool = True, extra_flows: Mapping[LinkId, int] | None = None,
+        self,
+        request: RecoveryRequest,
+        view: ClusterView,
+        cost: CostModel,
+        now_s: float,
+        migration_slot_free: bool = True,
+        extra_flows: Mapping[LinkId, int] | None = None,
         extra_wait_s: Mapping[str, float] | None = None,
     ) -> RecoveryDecision:
-        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows,
-                       extra_wait_s)
+        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows, extra_wait_s)
         migrate, _ = ctx.migrate_and_hybrid(with_hybrid=False)
         block = ctx.migrate_block
         migrate_option = ctx.option(Action.MIGRATE, migrate, block)
         if migrate_option.feasible:
-            return ctx.decision(self.name, migrate_option, (migrate_option,), "always MIGRATE",
-                                check_deadline=False)
+            return ctx.decision(
+                self.name, migrate_option, (migrate_option,), "always MIGRATE", check_deadline=False
+            )
         recompute = ctx.option(Action.RECOMPUTE, ctx.recompute(), "")
-        return ctx.decision(self.name, recompute if recompute.feasible else None,
-                            (migrate_option, recompute), f"RECOMPUTE ({block})",
-                            check_deadline=False)
+        return ctx.decision(
+            self.name,
+            recompute if recompute.feasible else None,
+            (migrate_option, recompute),
+            f"RECOMPUTE ({block})",
+            check_deadline=False,
+        )
 
 
 class AlwaysRecompute:
@@ -599,21 +752,30 @@ class AlwaysRecompute:
     name = "always_recompute"
 
     def decide(
-        self, request: RecoveryRequest, view: ClusterView, cost: CostModel, now_s: float,
-        migration_slot_free: bool = True, extra_flows: Mapping[LinkId, int] | None = None,
+        self,
+        request: RecoveryRequest,
+        view: ClusterView,
+        cost: CostModel,
+        now_s: float,
+        migration_slot_free: bool = True,
+        extra_flows: Mapping[LinkId, int] | None = None,
         extra_wait_s: Mapping[str, float] | None = None,
     ) -> RecoveryDecision:
-        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows,
-                       extra_wait_s)
+        ctx = _Options(request, view, cost, now_s, migration_slot_free, extra_flows, extra_wait_s)
         recompute = ctx.option(Action.RECOMPUTE, ctx.recompute(), "")
         if recompute.feasible:
-            return ctx.decision(self.name, recompute, (recompute,), "always RECOMPUTE",
-                                check_deadline=False)
+            return ctx.decision(
+                self.name, recompute, (recompute,), "always RECOMPUTE", check_deadline=False
+            )
         migrate, _ = ctx.migrate_and_hybrid(with_hybrid=False)
         migrate_option = ctx.option(Action.MIGRATE, migrate, ctx.migrate_block)
-        return ctx.decision(self.name, migrate_option if migrate_option.feasible else None,
-                            (recompute, migrate_option),
-                            f"MIGRATE ({recompute.infeasible_reason})", check_deadline=False)
+        return ctx.decision(
+            self.name,
+            migrate_option if migrate_option.feasible else None,
+            (recompute, migrate_option),
+            f"MIGRATE ({recompute.infeasible_reason})",
+            check_deadline=False,
+        )
 
 
 RECOVERY_POLICY_NAMES = ("always_migrate", "always_recompute", "rom", "kvrs")
@@ -632,5 +794,6 @@ def make_recovery_policy(name: str) -> RecoveryPolicy:
         return _POLICIES[name]()
     except KeyError:
         raise InvalidArgument(
-            "policy", f"unknown recovery policy {name!r} "
-                      f"(known: {', '.join(RECOVERY_POLICY_NAMES)})") from None
+            "policy",
+            f"unknown recovery policy {name!r} (known: {', '.join(RECOVERY_POLICY_NAMES)})",
+        ) from None

@@ -100,7 +100,7 @@ def prefix_block_hashes(token_ids: Sequence[int], block_tokens: int) -> list[int
     hashes: list[int] = []
     previous = b""
     for end in range(block_tokens, len(token_ids) + 1, block_tokens):
-        block = token_ids[end - block_tokens:end]
+        block = token_ids[end - block_tokens : end]
         digest = hashlib.blake2b(
             previous + struct.pack(f"<{len(block)}q", *block), digest_size=8
         ).digest()

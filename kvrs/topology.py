@@ -94,12 +94,14 @@ _LINK_TIER: dict[str, Tier] = {
     "pod-down": Tier.SPINE,
 }
 
-DEFAULT_TIERS: Mapping[Tier, TierSpec] = MappingProxyType({
-    Tier.NODE: TierSpec(capacity_bps=gbps_to_bps(3600), hop_latency_s=0.0),
-    Tier.RACK: TierSpec(capacity_bps=gbps_to_bps(400), hop_latency_s=2e-6),
-    Tier.POD: TierSpec(capacity_bps=gbps_to_bps(400), hop_latency_s=2e-6),
-    Tier.SPINE: TierSpec(capacity_bps=gbps_to_bps(200), hop_latency_s=2e-6),
-})
+DEFAULT_TIERS: Mapping[Tier, TierSpec] = MappingProxyType(
+    {
+        Tier.NODE: TierSpec(capacity_bps=gbps_to_bps(3600), hop_latency_s=0.0),
+        Tier.RACK: TierSpec(capacity_bps=gbps_to_bps(400), hop_latency_s=2e-6),
+        Tier.POD: TierSpec(capacity_bps=gbps_to_bps(400), hop_latency_s=2e-6),
+        Tier.SPINE: TierSpec(capacity_bps=gbps_to_bps(200), hop_latency_s=2e-6),
+    }
+)
 
 
 class Topology:
@@ -117,8 +119,9 @@ class Topology:
             raise InvalidArgument("tiers", f"missing tier(s): {', '.join(missing)}")
         for tier, spec in tiers.items():
             if not spec.capacity_bps > 0 or spec.hop_latency_s < 0:
-                raise InvalidArgument(f"tiers.{Tier(tier).name.lower()}",
-                                      "needs capacity > 0 and hop latency >= 0")
+                raise InvalidArgument(
+                    f"tiers.{Tier(tier).name.lower()}", "needs capacity > 0 and hop latency >= 0"
+                )
         if setup_latency_s < 0:
             raise InvalidArgument("setup_latency_s", f"must be >= 0, got {setup_latency_s}")
         self.tiers: dict[Tier, TierSpec] = {Tier(t): s for t, s in tiers.items()}
@@ -156,8 +159,9 @@ class Topology:
             try:
                 tier = Tier[str(name).upper()]
             except KeyError:
-                raise InvalidArgument(f"tiers.{name}", "unknown tier (node, rack, pod, spine)") \
-                    from None
+                raise InvalidArgument(
+                    f"tiers.{name}", "unknown tier (node, rack, pod, spine)"
+                ) from None
             tiers[tier] = TierSpec(
                 capacity_bps=gbps_to_bps(_number(spec, "capacity_gbps", f"tiers.{name}")),
                 hop_latency_s=_number(spec, "hop_latency_us", f"tiers.{name}", 0.0) * 1e-6,
@@ -168,15 +172,17 @@ class Topology:
             name = _string(node, "name", f"nodes[{i}]")
             if name in nodes:
                 raise InvalidArgument(f"nodes[{i}].name", f"duplicate node {name!r}")
-            nodes[name] = Location(node=name, rack=str(node.get("rack", "")),
-                                   pod=str(node.get("pod", "")))
+            nodes[name] = Location(
+                node=name, rack=str(node.get("rack", "")), pod=str(node.get("pod", ""))
+            )
         overrides: dict[LinkId, float] = {}
         for i, link in enumerate(d.get("links") or []):
             kind = _string(link, "kind", f"links[{i}]")
             if kind not in _LINK_TIER:
                 raise InvalidArgument(f"links[{i}].kind", f"unknown link kind {kind!r}")
             overrides[(kind, _string(link, "name", f"links[{i}]"))] = gbps_to_bps(
-                _number(link, "capacity_gbps", f"links[{i}]"))
+                _number(link, "capacity_gbps", f"links[{i}]")
+            )
         topology = cls(tiers, setup_latency_s, nodes, overrides)
         for i, inst in enumerate(d.get("instances") or []):
             where = f"instances[{i}]"
@@ -184,8 +190,9 @@ class Topology:
             try:
                 role = Role(role_name)
             except ValueError:
-                raise InvalidArgument(f"{where}.role", f"must be prefill or decode, not "
-                                      f"{role_name!r}") from None
+                raise InvalidArgument(
+                    f"{where}.role", f"must be prefill or decode, not {role_name!r}"
+                ) from None
             node = _string(inst, "node", where)
             if nodes and node not in nodes:
                 raise InvalidArgument(f"{where}.node", f"unknown node {node!r}")
@@ -193,8 +200,9 @@ class Topology:
             if instance_id in topology._instances:
                 raise InvalidArgument(f"{where}.id", f"duplicate instance {instance_id!r}")
             gpu_index = int(_number(inst, "gpu_index", where, 0))
-            topology.add_instance(InstanceSpec(instance_id, role,
-                                               Location(node=node, gpu_index=gpu_index)))
+            topology.add_instance(
+                InstanceSpec(instance_id, role, Location(node=node, gpu_index=gpu_index))
+            )
         return topology
 
     @classmethod
@@ -215,9 +223,12 @@ class Topology:
         prefill instances `prefill-<i>`, the rest decode instances `decode-<i>`, numbered
         across the whole cluster.
         """
-        for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node),
-                            ("nodes_per_rack", nodes_per_rack),
-                            ("racks_per_pod", racks_per_pod)):
+        for name, value in (
+            ("nodes", nodes),
+            ("gpus_per_node", gpus_per_node),
+            ("nodes_per_rack", nodes_per_rack),
+            ("racks_per_pod", racks_per_pod),
+        ):
             if value <= 0:
                 raise InvalidArgument(name, f"must be > 0, got {value}")
         n_prefill = gpus_per_node // 2 if prefill_gpus_per_node is None else prefill_gpus_per_node
@@ -246,9 +257,14 @@ class Topology:
             raise InvalidArgument("location.node", f"{spec.instance_id}: node must not be empty")
         known = self._nodes.get(spec.location.node)
         if known is not None:
-            spec = replace(spec, location=replace(
-                spec.location, rack=spec.location.rack or known.rack,
-                pod=spec.location.pod or known.pod))
+            spec = replace(
+                spec,
+                location=replace(
+                    spec.location,
+                    rack=spec.location.rack or known.rack,
+                    pod=spec.location.pod or known.pod,
+                ),
+            )
         self._instances[spec.instance_id] = spec
         self._pair_cache.clear()
         self.version += 1

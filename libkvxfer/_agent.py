@@ -115,15 +115,17 @@ class _Pacer:
 class TransferAgent(KvSender, KvReceiver):
     """Sends and receives KV over pairwise gloo groups (see `libkvxfer` for the protocol)."""
 
-    def __init__(self, config: AgentConfig,
-                 tracer_provider: trace.TracerProvider | None = None) -> None:
+    def __init__(
+        self, config: AgentConfig, tracer_provider: trace.TracerProvider | None = None
+    ) -> None:
         if not config.instance_id:
             raise InvalidArgument("instance_id", "must not be empty")
         self.config = config
         self.incarnation = uuid.uuid4().hex
         self._tracer = trace.get_tracer("libkvxfer", tracer_provider=tracer_provider)
-        self._store = TCPStore(config.host, config.port, is_master=True,
-                               wait_for_workers=False, use_libuv=True)
+        self._store = TCPStore(
+            config.host, config.port, is_master=True, wait_for_workers=False, use_libuv=True
+        )
         self._inbound = InboundPairs(self._store, config.host, config.timeout_s)
         self._outbound = OutboundPairs(self.incarnation, config.host, config.timeout_s)
         self._tags = itertools.count(1)
@@ -131,8 +133,9 @@ class TransferAgent(KvSender, KvReceiver):
         self._abandoned: set[str] = set()
         self._issued_at_s: dict[str, float] = {}
         """transfer id -> monotonic time its ticket was issued (receiver side)."""
-        self._executor = ThreadPoolExecutor(config.max_concurrent_transfers,
-                                            thread_name_prefix="kvxfer")
+        self._executor = ThreadPoolExecutor(
+            config.max_concurrent_transfers, thread_name_prefix="kvxfer"
+        )
         self._closed = False
 
     @property
@@ -151,14 +154,22 @@ class TransferAgent(KvSender, KvReceiver):
 
     # -- receiver ---------------------------------------------------------------------
 
-    def prepare(self, sender_id: str, request_id: str, token_start: int, token_end: int,
-                traceparent: str = "") -> TransferTicket:
+    def prepare(
+        self,
+        sender_id: str,
+        request_id: str,
+        token_start: int,
+        token_end: int,
+        traceparent: str = "",
+    ) -> TransferTicket:
         if not sender_id:
             raise InvalidArgument("sender_id", "must not be empty")
         _check_request_id(request_id)
         if not 0 <= token_start < token_end:
-            raise InvalidArgument("token_range", f"need 0 <= token_start < token_end, got "
-                                  f"[{token_start}, {token_end})")
+            raise InvalidArgument(
+                "token_range",
+                f"need 0 <= token_start < token_end, got [{token_start}, {token_end})",
+            )
         with self._tag_lock:
             tag = (next(self._tags) - 1) % _MAX_TAG + 1
         transfer_id = uuid.uuid4().hex
@@ -179,14 +190,20 @@ class TransferAgent(KvSender, KvReceiver):
         )
 
     def abandon(self, ticket: TransferTicket, reason: str) -> None:
-        log.info("abandoning transfer %s of %s from %s: %s", ticket.transfer_id,
-                 ticket.request_id, ticket.sender_id, reason)
+        log.info(
+            "abandoning transfer %s of %s from %s: %s",
+            ticket.transfer_id,
+            ticket.request_id,
+            ticket.sender_id,
+            reason,
+        )
         self._abandoned.add(ticket.transfer_id)
         self._issued_at_s.pop(ticket.transfer_id, None)
         self._inbound.close_pair(ticket.sender_id, ticket.group_generation)
 
-    def recv(self, ticket: TransferTicket, layout: KvLayout,
-             out: KvLayers | None = None) -> ReceivedKv:
+    def recv(
+        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None = None
+    ) -> ReceivedKv:
         if ticket.receiver_incarnation != self.incarnation:
             raise InvalidArgument("ticket", "was not issued by this agent")
         if out is not None:
@@ -199,8 +216,7 @@ class TransferAgent(KvSender, KvReceiver):
             _record(span, received.stats)
             return received
 
-    def _recv(self, ticket: TransferTicket, layout: KvLayout,
-              out: KvLayers | None) -> ReceivedKv:
+    def _recv(self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None) -> ReceivedKv:
         started = self._issued_at_s.pop(ticket.transfer_id, None) or time.monotonic()
 
         def cancelled() -> bool:
@@ -212,8 +228,10 @@ class TransferAgent(KvSender, KvReceiver):
             _check_header(header, ticket, layout)
             if out is None:
                 shape = (ticket.tokens, layout.kv_heads, layout.head_dim)
-                out = [(torch.empty(shape, dtype=layout.dtype),
-                        torch.empty(shape, dtype=layout.dtype)) for _ in range(layout.layers)]
+                out = [
+                    (torch.empty(shape, dtype=layout.dtype), torch.empty(shape, dtype=layout.dtype))
+                    for _ in range(layout.layers)
+                ]
             chunks = plan_chunks(header)
             self._recv_chunks(group, ticket, header, chunks, out)
         except TransferRejected:
@@ -225,9 +243,15 @@ class TransferAgent(KvSender, KvReceiver):
             if cancelled():
                 raise PeerLost(f"transfer {ticket.transfer_id} abandoned") from exc
             raise
-        stats = TransferStats(ticket.request_id, ticket.transfer_id, ticket.token_start,
-                              ticket.token_end, header.kv_bytes, len(chunks),
-                              time.monotonic() - started)
+        stats = TransferStats(
+            ticket.request_id,
+            ticket.transfer_id,
+            ticket.token_start,
+            ticket.token_end,
+            header.kv_bytes,
+            len(chunks),
+            time.monotonic() - started,
+        )
         return ReceivedKv(layers=list(out), stats=stats, sender_id=header.sender_id)
 
     def _recv_header(self, group: PairGroup, ticket: TransferTicket) -> TransferHeader:
@@ -244,18 +268,34 @@ class TransferAgent(KvSender, KvReceiver):
             raise TransferRejected(code, message)
         return TransferHeader.from_bytes(data)
 
-    def _recv_chunks(self, group: PairGroup, ticket: TransferTicket, header: TransferHeader,
-                     chunks: list[tuple[int, int, int]], out: KvLayers) -> None:
+    def _recv_chunks(
+        self,
+        group: PairGroup,
+        ticket: TransferTicket,
+        header: TransferHeader,
+        chunks: list[tuple[int, int, int]],
+        out: KvLayers,
+    ) -> None:
         posted: deque = deque()
 
         def post(index: int) -> None:
             layer, start, end = chunks[index]
             meta = torch.empty(CHUNK_META_BYTES, dtype=torch.uint8)
-            key = tensor_bytes(out[layer][0][start - header.token_start:end - header.token_start])
+            key = tensor_bytes(out[layer][0][start - header.token_start : end - header.token_start])
             value = tensor_bytes(
-                out[layer][1][start - header.token_start:end - header.token_start])
-            posted.append((index, meta, key, value, group.recv(meta, ticket.tag),
-                           group.recv(key, ticket.tag), group.recv(value, ticket.tag)))
+                out[layer][1][start - header.token_start : end - header.token_start]
+            )
+            posted.append(
+                (
+                    index,
+                    meta,
+                    key,
+                    value,
+                    group.recv(meta, ticket.tag),
+                    group.recv(key, ticket.tag),
+                    group.recv(value, ticket.tag),
+                )
+            )
 
         window = max(1, self.config.window_chunks)
         for index in range(min(window, len(chunks))):
@@ -267,8 +307,14 @@ class TransferAgent(KvSender, KvReceiver):
             meta = ChunkMeta.from_bytes(meta_bytes.numpy().tobytes())
             layer, start, end = chunks[index]
             expected = (ticket.request_id, ticket.transfer_id, index, layer, start, end)
-            found = (meta.request_id, meta.transfer_id, meta.index, meta.layer,
-                     meta.token_start, meta.token_end)
+            found = (
+                meta.request_id,
+                meta.transfer_id,
+                meta.index,
+                meta.layer,
+                meta.token_start,
+                meta.token_end,
+            )
             if found != expected:
                 raise LayoutMismatch(f"chunk {index}: expected {expected}, got {found}")
             group.wait(key_work, f"chunk {index} key")
@@ -276,58 +322,84 @@ class TransferAgent(KvSender, KvReceiver):
             if next_index < len(chunks):
                 post(next_index)
                 next_index += 1
-            if meta.key_checksum != NO_CHECKSUM and (checksum(key) != meta.key_checksum
-                                                     or checksum(value) != meta.value_checksum):
-                raise ChecksumMismatch(f"request {ticket.request_id} layer {layer} tokens "
-                                       f"[{start}, {end}): checksum mismatch")
+            if meta.key_checksum != NO_CHECKSUM and (
+                checksum(key) != meta.key_checksum or checksum(value) != meta.value_checksum
+            ):
+                raise ChecksumMismatch(
+                    f"request {ticket.request_id} layer {layer} tokens "
+                    f"[{start}, {end}): checksum mismatch"
+                )
 
-    async def recv_async(self, ticket: TransferTicket, layout: KvLayout,
-                         out: KvLayers | None = None) -> ReceivedKv:
+    async def recv_async(
+        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None = None
+    ) -> ReceivedKv:
         return await self._in_thread(self.recv, ticket, layout, out)
 
     # -- sender -----------------------------------------------------------------------
 
-    def send(self, ticket: TransferTicket, kv: KvLayers,
-             pacing_bps: float | None = None) -> TransferStats:
+    def send(
+        self, ticket: TransferTicket, kv: KvLayers, pacing_bps: float | None = None
+    ) -> TransferStats:
         if ticket.protocol_version != _protocol.PROTOCOL_VERSION:
-            raise ProtocolVersionMismatch(_protocol.PROTOCOL_VERSION, ticket.protocol_version,
-                                          "ticket")
+            raise ProtocolVersionMismatch(
+                _protocol.PROTOCOL_VERSION, ticket.protocol_version, "ticket"
+            )
         layout = KvLayout.of(kv)
         for layer, (key, value) in enumerate(kv):
             for name, tensor in (("key", key), ("value", value)):
-                if tuple(tensor.shape) != (ticket.tokens, layout.kv_heads, layout.head_dim) \
-                        or tensor.dtype != layout.dtype or tensor.device.type != "cpu":
-                    raise InvalidArgument(f"kv[{layer}].{name}", "must be a CPU tensor of "
-                                          f"[{ticket.tokens}, {layout.kv_heads}, "
-                                          f"{layout.head_dim}] {dtype_name(layout.dtype)}, "
-                                          f"got {tuple(tensor.shape)} {tensor.dtype} "
-                                          f"on {tensor.device}")
+                if (
+                    tuple(tensor.shape) != (ticket.tokens, layout.kv_heads, layout.head_dim)
+                    or tensor.dtype != layout.dtype
+                    or tensor.device.type != "cpu"
+                ):
+                    raise InvalidArgument(
+                        f"kv[{layer}].{name}",
+                        "must be a CPU tensor of "
+                        f"[{ticket.tokens}, {layout.kv_heads}, "
+                        f"{layout.head_dim}] {dtype_name(layout.dtype)}, "
+                        f"got {tuple(tensor.shape)} {tensor.dtype} "
+                        f"on {tensor.device}",
+                    )
         pacing = self.config.pacing_bps if pacing_bps is None else pacing_bps
         with self._span("kvxfer.send", ticket) as span:
             stats = self._send(ticket, kv, layout, pacing or None)
             _record(span, stats)
             return stats
 
-    def _send(self, ticket: TransferTicket, kv: KvLayers, layout: KvLayout,
-              pacing_bps: float | None) -> TransferStats:
+    def _send(
+        self, ticket: TransferTicket, kv: KvLayers, layout: KvLayout, pacing_bps: float | None
+    ) -> TransferStats:
         started = time.monotonic()
         group = self._group_for(ticket)
         header = TransferHeader(
-            request_id=ticket.request_id, transfer_id=ticket.transfer_id,
-            sender_id=self.config.instance_id, token_start=ticket.token_start,
-            token_end=ticket.token_end, layers=layout.layers, kv_heads=layout.kv_heads,
-            head_dim=layout.head_dim, dtype=dtype_name(layout.dtype),
-            chunk_tokens=self.config.chunk_tokens, traceparent=ticket.traceparent)
+            request_id=ticket.request_id,
+            transfer_id=ticket.transfer_id,
+            sender_id=self.config.instance_id,
+            token_start=ticket.token_start,
+            token_end=ticket.token_end,
+            layers=layout.layers,
+            kv_heads=layout.kv_heads,
+            head_dim=layout.head_dim,
+            dtype=dtype_name(layout.dtype),
+            chunk_tokens=self.config.chunk_tokens,
+            traceparent=ticket.traceparent,
+        )
         try:
-            return self._send_chunks(group, ticket, kv, layout, header, _Pacer(pacing_bps),
-                                     started)
+            return self._send_chunks(group, ticket, kv, layout, header, _Pacer(pacing_bps), started)
         except BaseException:
             group.close()
             raise
 
-    def _send_chunks(self, group: PairGroup, ticket: TransferTicket, kv: KvLayers,
-                     layout: KvLayout, header: TransferHeader, pacer: _Pacer,
-                     started: float) -> TransferStats:
+    def _send_chunks(
+        self,
+        group: PairGroup,
+        ticket: TransferTicket,
+        kv: KvLayers,
+        layout: KvLayout,
+        header: TransferHeader,
+        pacer: _Pacer,
+        started: float,
+    ) -> TransferStats:
         encoded = header.to_bytes()
         in_flight: deque = deque()
         self._post(group, ticket, in_flight, _protocol.encode_preamble(0, len(encoded)), encoded)
@@ -337,24 +409,42 @@ class TransferAgent(KvSender, KvReceiver):
             offset = slice(start - ticket.token_start, end - ticket.token_start)
             key = tensor_bytes(kv[layer][0][offset].contiguous())
             value = tensor_bytes(kv[layer][1][offset].contiguous())
-            sums = ((checksum(key), checksum(value)) if self.config.checksums
-                    else (NO_CHECKSUM, NO_CHECKSUM))
-            meta = ChunkMeta(ticket.request_id, ticket.transfer_id, index, layer, start, end,
-                             header.dtype, (end - start, layout.kv_heads, layout.head_dim),
-                             *sums)
+            sums = (
+                (checksum(key), checksum(value))
+                if self.config.checksums
+                else (NO_CHECKSUM, NO_CHECKSUM)
+            )
+            meta = ChunkMeta(
+                ticket.request_id,
+                ticket.transfer_id,
+                index,
+                layer,
+                start,
+                end,
+                header.dtype,
+                (end - start, layout.kv_heads, layout.head_dim),
+                *sums,
+            )
             pacer.account(key.numel() + value.numel())
             self._post(group, ticket, in_flight, meta.to_bytes(), key, value)
             while len(in_flight) > 3 * window:
                 group.wait(in_flight.popleft()[0], f"chunk {index} send")
         while in_flight:
             group.wait(in_flight.popleft()[0], "send")
-        return TransferStats(ticket.request_id, ticket.transfer_id, ticket.token_start,
-                             ticket.token_end, header.kv_bytes, len(chunks),
-                             time.monotonic() - started)
+        return TransferStats(
+            ticket.request_id,
+            ticket.transfer_id,
+            ticket.token_start,
+            ticket.token_end,
+            header.kv_bytes,
+            len(chunks),
+            time.monotonic() - started,
+        )
 
     @staticmethod
-    def _post(group: PairGroup, ticket: TransferTicket, in_flight: deque,
-              *messages: bytes | torch.Tensor) -> None:
+    def _post(
+        group: PairGroup, ticket: TransferTicket, in_flight: deque, *messages: bytes | torch.Tensor
+    ) -> None:
         for message in messages:
             if isinstance(message, bytes):
                 message = torch.frombuffer(bytearray(message), dtype=torch.uint8)
@@ -362,9 +452,13 @@ class TransferAgent(KvSender, KvReceiver):
             in_flight.append((group.send(message, ticket.tag), message))
 
     def _group_for(self, ticket: TransferTicket) -> PairGroup:
-        return self._outbound.group(ticket.receiver_id, ticket.receiver_incarnation,
-                                    ticket.group_generation, ticket.rendezvous_address,
-                                    self.config.instance_id)
+        return self._outbound.group(
+            ticket.receiver_id,
+            ticket.receiver_incarnation,
+            ticket.group_generation,
+            ticket.rendezvous_address,
+            self.config.instance_id,
+        )
 
     def reject(self, ticket: TransferTicket, error: KvrsError) -> None:
         with self._span("kvxfer.reject", ticket) as span:
@@ -372,13 +466,15 @@ class TransferAgent(KvSender, KvReceiver):
             group = self._group_for(ticket)
             body = f"{error.code}\n{error}".encode()
             in_flight: deque = deque()
-            self._post(group, ticket, in_flight, _protocol.encode_preamble(FLAG_REJECT,
-                                                                           len(body)), body)
+            self._post(
+                group, ticket, in_flight, _protocol.encode_preamble(FLAG_REJECT, len(body)), body
+            )
             while in_flight:
                 group.wait(in_flight.popleft()[0], "reject")
 
-    async def send_async(self, ticket: TransferTicket, kv: KvLayers,
-                         pacing_bps: float | None = None) -> TransferStats:
+    async def send_async(
+        self, ticket: TransferTicket, kv: KvLayers, pacing_bps: float | None = None
+    ) -> TransferStats:
         return await self._in_thread(self.send, ticket, kv, pacing_bps)
 
     async def reject_async(self, ticket: TransferTicket, error: KvrsError) -> None:
@@ -389,8 +485,7 @@ class TransferAgent(KvSender, KvReceiver):
     async def _in_thread(self, fn: Callable, *args):
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()
-        return await loop.run_in_executor(self._executor,
-                                          functools.partial(context.run, fn, *args))
+        return await loop.run_in_executor(self._executor, functools.partial(context.run, fn, *args))
 
     @contextlib.contextmanager
     def _span(self, name: str, ticket: TransferTicket) -> Iterator[trace.Span]:
@@ -404,16 +499,18 @@ class TransferAgent(KvSender, KvReceiver):
             parent = extract({"traceparent": ticket.traceparent})
         kind = trace.SpanKind.CONSUMER if name == "kvxfer.recv" else trace.SpanKind.PRODUCER
         with self._tracer.start_as_current_span(name, context=parent, kind=kind) as span:
-            span.set_attributes({
-                "kvrs.request_id": ticket.request_id,
-                "kvxfer.transfer_id": ticket.transfer_id,
-                "kvxfer.sender_id": ticket.sender_id,
-                "kvxfer.receiver_id": ticket.receiver_id,
-                "kvxfer.token_start": ticket.token_start,
-                "kvxfer.token_end": ticket.token_end,
-                "kvxfer.group_generation": ticket.group_generation,
-                "kvxfer.protocol_version": _protocol.PROTOCOL_VERSION,
-            })
+            span.set_attributes(
+                {
+                    "kvrs.request_id": ticket.request_id,
+                    "kvxfer.transfer_id": ticket.transfer_id,
+                    "kvxfer.sender_id": ticket.sender_id,
+                    "kvxfer.receiver_id": ticket.receiver_id,
+                    "kvxfer.token_start": ticket.token_start,
+                    "kvxfer.token_end": ticket.token_end,
+                    "kvxfer.group_generation": ticket.group_generation,
+                    "kvxfer.protocol_version": _protocol.PROTOCOL_VERSION,
+                }
+            )
             try:
                 yield span
             except KvrsError as exc:
@@ -422,12 +519,14 @@ class TransferAgent(KvSender, KvReceiver):
 
 
 def _record(span: trace.Span, stats: TransferStats) -> None:
-    span.set_attributes({
-        "kvrs.kv_bytes": stats.kv_bytes,
-        "kvxfer.chunks": stats.chunks,
-        "kvxfer.seconds": stats.seconds,
-        "kvxfer.throughput_bps": stats.throughput_bps,
-    })
+    span.set_attributes(
+        {
+            "kvrs.kv_bytes": stats.kv_bytes,
+            "kvxfer.chunks": stats.chunks,
+            "kvxfer.seconds": stats.seconds,
+            "kvxfer.throughput_bps": stats.throughput_bps,
+        }
+    )
 
 
 def _check_request_id(request_id: str) -> None:
@@ -439,16 +538,24 @@ def _check_request_id(request_id: str) -> None:
 
 def _check_header(header: TransferHeader, ticket: TransferTicket, layout: KvLayout) -> None:
     if (header.request_id, header.transfer_id, header.token_start, header.token_end) != (
-            ticket.request_id, ticket.transfer_id, ticket.token_start, ticket.token_end):
-        raise LayoutMismatch(f"header names {header.request_id} [{header.token_start}, "
-                             f"{header.token_end}) transfer {header.transfer_id}, ticket "
-                             f"{ticket.request_id} [{ticket.token_start}, {ticket.token_end}) "
-                             f"transfer {ticket.transfer_id}")
+        ticket.request_id,
+        ticket.transfer_id,
+        ticket.token_start,
+        ticket.token_end,
+    ):
+        raise LayoutMismatch(
+            f"header names {header.request_id} [{header.token_start}, "
+            f"{header.token_end}) transfer {header.transfer_id}, ticket "
+            f"{ticket.request_id} [{ticket.token_start}, {ticket.token_end}) "
+            f"transfer {ticket.transfer_id}"
+        )
     sent = (header.layers, header.kv_heads, header.head_dim, dtype_from_name(header.dtype))
     wanted = (layout.layers, layout.kv_heads, layout.head_dim, layout.dtype)
     if sent != wanted:
-        raise LayoutMismatch(f"sender's KV is (layers, kv_heads, head_dim, dtype) = {sent}, "
-                             f"this receiver's model needs {wanted}")
+        raise LayoutMismatch(
+            f"sender's KV is (layers, kv_heads, head_dim, dtype) = {sent}, "
+            f"this receiver's model needs {wanted}"
+        )
 
 
 def _check_out(out: KvLayers, layout: KvLayout, tokens: int) -> None:
@@ -457,7 +564,13 @@ def _check_out(out: KvLayers, layout: KvLayout, tokens: int) -> None:
     shape = (tokens, layout.kv_heads, layout.head_dim)
     for layer, pair in enumerate(out):
         for name, tensor in zip(("key", "value"), pair, strict=True):
-            if (tuple(tensor.shape) != shape or tensor.dtype != layout.dtype
-                    or not tensor.is_contiguous() or tensor.device.type != "cpu"):
-                raise InvalidArgument(f"out[{layer}].{name}", f"must be a contiguous CPU "
-                                      f"tensor of {shape} {dtype_name(layout.dtype)}")
+            if (
+                tuple(tensor.shape) != shape
+                or tensor.dtype != layout.dtype
+                or not tensor.is_contiguous()
+                or tensor.device.type != "cpu"
+            ):
+                raise InvalidArgument(
+                    f"out[{layer}].{name}",
+                    f"must be a contiguous CPU tensor of {shape} {dtype_name(layout.dtype)}",
+                )

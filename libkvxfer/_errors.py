@@ -42,8 +42,7 @@ class ProtocolVersionMismatch(KvXferError, FailedPrecondition):
     def __init__(self, local_version: int, peer_version: int, detail: str = "") -> None:
         self.local_version = local_version
         self.peer_version = peer_version
-        text = (f"peer speaks libkvxfer protocol {peer_version}, this process speaks "
-                f"{local_version}")
+        text = f"peer speaks libkvxfer protocol {peer_version}, this process speaks {local_version}"
         super().__init__(f"{text} ({detail})" if detail else text)
 
 

@@ -27,8 +27,9 @@ class KvSender(ABC):
     """The side that holds a request's KV (a prefill worker, or any worker after extend)."""
 
     @abstractmethod
-    def send(self, ticket: TransferTicket, kv: KvLayers,
-             pacing_bps: float | None = None) -> TransferStats:
+    def send(
+        self, ticket: TransferTicket, kv: KvLayers, pacing_bps: float | None = None
+    ) -> TransferStats:
         """Push `kv` — exactly the ticket's token range, one (key, value) per layer.
 
         Called on the sender once the receiver's ticket arrives. Blocks until every
@@ -48,8 +49,9 @@ class KvSender(ABC):
         """
 
     @abstractmethod
-    async def send_async(self, ticket: TransferTicket, kv: KvLayers,
-                         pacing_bps: float | None = None) -> TransferStats:
+    async def send_async(
+        self, ticket: TransferTicket, kv: KvLayers, pacing_bps: float | None = None
+    ) -> TransferStats:
         """`send` on a worker thread; awaiting it never blocks the event loop."""
 
     @abstractmethod
@@ -61,8 +63,14 @@ class KvReceiver(ABC):
     """The side that wants a request's KV (a decode worker, a recovery target)."""
 
     @abstractmethod
-    def prepare(self, sender_id: str, request_id: str, token_start: int, token_end: int,
-                traceparent: str = "") -> TransferTicket:
+    def prepare(
+        self,
+        sender_id: str,
+        request_id: str,
+        token_start: int,
+        token_end: int,
+        traceparent: str = "",
+    ) -> TransferTicket:
         """A ticket for tokens [token_start, token_end) of `request_id` from `sender_id`.
 
         Called on the receiver before the sender is contacted. Never blocks: it picks the
@@ -70,8 +78,9 @@ class KvReceiver(ABC):
         """
 
     @abstractmethod
-    def recv(self, ticket: TransferTicket, layout: KvLayout,
-             out: KvLayers | None = None) -> ReceivedKv:
+    def recv(
+        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None = None
+    ) -> ReceivedKv:
         """Receive the ticket's KV, verifying the version first and every chunk's checksum.
 
         Called on the receiver right after the ticket was handed on (before or while the
@@ -91,6 +100,7 @@ class KvReceiver(ABC):
         """
 
     @abstractmethod
-    async def recv_async(self, ticket: TransferTicket, layout: KvLayout,
-                         out: KvLayers | None = None) -> ReceivedKv:
+    async def recv_async(
+        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None = None
+    ) -> ReceivedKv:
         """`recv` on a worker thread; awaiting it never blocks the event loop."""

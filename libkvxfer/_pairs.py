@@ -52,8 +52,9 @@ def group_prefix(sender_id: str, generation: int) -> str:
 class PairGroup:
     """A live two-rank gloo group and the operations a transfer needs on it."""
 
-    def __init__(self, group: ProcessGroupGloo, peer_rank: int, name: str,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, group: ProcessGroupGloo, peer_rank: int, name: str, timeout_s: float
+    ) -> None:
         self._group = group
         self._peer_rank = peer_rank
         self.name = name
@@ -94,7 +95,8 @@ class PairGroup:
         probe = torch.empty(1, dtype=torch.uint8)
         try:
             self._group.recv([probe], self._peer_rank, CLOSE_TAG).wait(
-                datetime.timedelta(milliseconds=1))
+                datetime.timedelta(milliseconds=1)
+            )
         except RuntimeError:
             # Expected: the timeout (or an already dead pair) is what closes the sockets.
             log.debug("pair %s closed", self.name)
@@ -136,8 +138,7 @@ class InboundPairs:
             return False
         return slot.group.exception() is not None or slot.group.result().broken
 
-    def group(self, sender_id: str, generation: int,
-              cancelled: Callable[[], bool]) -> PairGroup:
+    def group(self, sender_id: str, generation: int, cancelled: Callable[[], bool]) -> PairGroup:
         """The pair group of a ticket, built (blocking) when this is its first transfer."""
         with self._lock:
             slot = self._slots.get(sender_id)
@@ -160,8 +161,7 @@ class InboundPairs:
         if slot.group.done() and slot.group.exception() is None:
             slot.group.result().close()
 
-    def _build(self, sender_id: str, generation: int,
-               cancelled: Callable[[], bool]) -> PairGroup:
+    def _build(self, sender_id: str, generation: int, cancelled: Callable[[], bool]) -> PairGroup:
         prefix = group_prefix(sender_id, generation)
         # Wait for the sender's claim before building: the gloo constructor cannot be
         # interrupted, while this wait can (abandon) and it times out on its own.
@@ -170,12 +170,17 @@ class InboundPairs:
             if cancelled():
                 raise PeerLost(f"pair {prefix}: abandoned before the sender joined")
             if time.monotonic() > deadline:
-                raise TransferTimeout(f"pair {prefix}: sender did not join within "
-                                      f"{self._timeout_s:.1f} s")
+                raise TransferTimeout(
+                    f"pair {prefix}: sender did not join within {self._timeout_s:.1f} s"
+                )
             time.sleep(_CLAIM_POLL_S)
         try:
-            group = ProcessGroupGloo(PrefixStore(prefix, self._store), RECEIVER_RANK, 2,
-                                     _gloo_options(self._host, self._timeout_s))
+            group = ProcessGroupGloo(
+                PrefixStore(prefix, self._store),
+                RECEIVER_RANK,
+                2,
+                _gloo_options(self._host, self._timeout_s),
+            )
         except RuntimeError as exc:
             raise from_torch_error(exc, f"pair {prefix}: join") from exc
         return PairGroup(group, SENDER_RANK, prefix, self._timeout_s)
@@ -211,8 +216,9 @@ class OutboundPairs:
         self._pairs: dict[tuple[str, str], _Outbound] = {}
         self._stores: dict[tuple[str, str], Store] = {}
 
-    def group(self, receiver_id: str, incarnation: str, generation: int, address: str,
-              sender_id: str) -> PairGroup:
+    def group(
+        self, receiver_id: str, incarnation: str, generation: int, address: str, sender_id: str
+    ) -> PairGroup:
         """The group a ticket names; joins it (blocking) on first use."""
         key = (receiver_id, incarnation)
         with self._lock:
@@ -220,8 +226,10 @@ class OutboundPairs:
             same = pair is not None and pair.generation == generation
             if not same:
                 if pair is not None and generation < pair.generation:
-                    raise PeerLost(f"ticket names pair generation {generation}, "
-                                   f"already replaced by {pair.generation}")
+                    raise PeerLost(
+                        f"ticket names pair generation {generation}, "
+                        f"already replaced by {pair.generation}"
+                    )
                 old, pair = pair, _Outbound(generation)
                 self._pairs[key] = pair
         if same:
@@ -250,8 +258,12 @@ class OutboundPairs:
             return store
         host, _, port = address.rpartition(":")
         try:
-            store = TCPStore(host, int(port), is_master=False,
-                             timeout=datetime.timedelta(seconds=self._timeout_s))
+            store = TCPStore(
+                host,
+                int(port),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self._timeout_s),
+            )
         except (RuntimeError, ValueError) as exc:
             raise PeerLost(f"receiver store {address} unreachable: {exc}") from exc
         with self._lock:
@@ -260,8 +272,7 @@ class OutboundPairs:
                 del self._stores[stale]
             return self._stores.setdefault(key, store)
 
-    def _join(self, address: str, incarnation: str, sender_id: str,
-              generation: int) -> PairGroup:
+    def _join(self, address: str, incarnation: str, sender_id: str, generation: int) -> PairGroup:
         prefix = group_prefix(sender_id, generation)
         store = self._store(address, incarnation)
         try:
@@ -275,8 +286,12 @@ class OutboundPairs:
             # are gone, the receiver must open a new generation.
             raise PeerLost(f"pair {prefix} belongs to an earlier incarnation of {sender_id}")
         try:
-            group = ProcessGroupGloo(PrefixStore(prefix, store), SENDER_RANK, 2,
-                                     _gloo_options(self._host, self._timeout_s))
+            group = ProcessGroupGloo(
+                PrefixStore(prefix, store),
+                SENDER_RANK,
+                2,
+                _gloo_options(self._host, self._timeout_s),
+            )
         except RuntimeError as exc:
             raise from_torch_error(exc, f"pair {prefix}: join") from exc
         return PairGroup(group, RECEIVER_RANK, prefix, self._timeout_s)

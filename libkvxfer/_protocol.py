@@ -153,8 +153,10 @@ class ChunkMeta:
     def to_bytes(self) -> bytes:
         data = json.dumps(asdict(self), separators=(",", ":")).encode()
         if len(data) > CHUNK_META_BYTES:
-            raise LayoutMismatch(f"chunk metadata of {len(data)} bytes exceeds "
-                                 f"{CHUNK_META_BYTES} (request id too long?)")
+            raise LayoutMismatch(
+                f"chunk metadata of {len(data)} bytes exceeds "
+                f"{CHUNK_META_BYTES} (request id too long?)"
+            )
         return data.ljust(CHUNK_META_BYTES, b" ")
 
     @classmethod

@@ -37,10 +37,11 @@ class KvLayout:
             raise InvalidArgument("kv", "needs at least one layer")
         key = kv[0][0]
         if key.dim() != 3:
-            raise InvalidArgument("kv", f"key tensors must be [tokens, kv_heads, head_dim], "
-                                  f"got shape {tuple(key.shape)}")
-        return cls(layers=len(kv), kv_heads=key.shape[1], head_dim=key.shape[2],
-                   dtype=key.dtype)
+            raise InvalidArgument(
+                "kv",
+                f"key tensors must be [tokens, kv_heads, head_dim], got shape {tuple(key.shape)}",
+            )
+        return cls(layers=len(kv), kv_heads=key.shape[1], head_dim=key.shape[2], dtype=key.dtype)
 
 
 @dataclass(frozen=True)
@@ -116,4 +117,3 @@ class ReceivedKv:
     @property
     def layout(self) -> KvLayout:
         return KvLayout.of(self.layers)
-

@@ -26,16 +26,26 @@ DEFAULT_LENGTHS = "16,32,64,128,256,512,1024"
 def register(parser: argparse.ArgumentParser) -> None:
     """Add the `kvrs calibrate` arguments."""
     parser.add_argument("--model", default="tiny", help="worker model preset (tiny, opt-125m)")
-    parser.add_argument("--dtype", default="",
-                        help="float64, float32, bfloat16 (default: what a worker uses)")
-    parser.add_argument("--lengths", default=DEFAULT_LENGTHS,
-                        help=f"comma-separated prompt lengths, tokens (default {DEFAULT_LENGTHS})")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per length; the median is kept")
-    parser.add_argument("--extend-new-tokens", type=int, default=16,
-                        help="tokens appended in each measured extend (g)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (as WORKER_TORCH_THREADS)")
+    parser.add_argument(
+        "--dtype", default="", help="float64, float32, bfloat16 (default: what a worker uses)"
+    )
+    parser.add_argument(
+        "--lengths",
+        default=DEFAULT_LENGTHS,
+        help=f"comma-separated prompt lengths, tokens (default {DEFAULT_LENGTHS})",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per length; the median is kept"
+    )
+    parser.add_argument(
+        "--extend-new-tokens",
+        type=int,
+        default=16,
+        help="tokens appended in each measured extend (g)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (as WORKER_TORCH_THREADS)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights seed")
     parser.add_argument("--output", required=True, help="where to write the profile JSON")
 
@@ -43,13 +53,19 @@ def register(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Measure, fit, write the profile, print the report; exit 2 (naming the flag) on bad input."""
     try:
-        report = calibrate(args.model, args.output, dtype=args.dtype, lengths=args.lengths,
-                           repeats=args.repeats, extend_new_tokens=args.extend_new_tokens,
-                           threads=args.threads, seed=args.seed)
+        report = calibrate(
+            args.model,
+            args.output,
+            dtype=args.dtype,
+            lengths=args.lengths,
+            repeats=args.repeats,
+            extend_new_tokens=args.extend_new_tokens,
+            threads=args.threads,
+            seed=args.seed,
+        )
     except KvrsError as exc:
         flag = f"--{exc.field.replace('_', '-')}" if exc.field else ""
-        print(f"kvrs calibrate: {flag + ': ' if flag else ''}{exc.message or exc}",
-              file=sys.stderr)
+        print(f"kvrs calibrate: {flag + ': ' if flag else ''}{exc.message or exc}", file=sys.stderr)
         return 2
     json.dump(report, sys.stdout, indent=2)
     sys.stdout.write("\n")
@@ -60,19 +76,28 @@ def _lengths(text: str, max_positions: int) -> list[int]:
     try:
         lengths = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
-        raise InvalidArgument("lengths", f"must be comma-separated integers, got {text!r}") \
-            from None
+        raise InvalidArgument(
+            "lengths", f"must be comma-separated integers, got {text!r}"
+        ) from None
     if not lengths or lengths[0] <= 0:
         raise InvalidArgument("lengths", "needs at least one length, every length > 0")
     if lengths[-1] > max_positions:
-        raise InvalidArgument("lengths", f"{lengths[-1]} exceeds the model's {max_positions} "
-                              "positions")
+        raise InvalidArgument(
+            "lengths", f"{lengths[-1]} exceeds the model's {max_positions} positions"
+        )
     return lengths
 
 
-def calibrate(model_name: str, output: str | Path, dtype: str = "",
-              lengths: str = DEFAULT_LENGTHS, repeats: int = 3, extend_new_tokens: int = 16,
-              threads: int = 1, seed: int = 0) -> dict[str, Any]:
+def calibrate(
+    model_name: str,
+    output: str | Path,
+    dtype: str = "",
+    lengths: str = DEFAULT_LENGTHS,
+    repeats: int = 3,
+    extend_new_tokens: int = 16,
+    threads: int = 1,
+    seed: int = 0,
+) -> dict[str, Any]:
     """The measurements, the fit and the extend check; writes the profile to `output`.
 
     The arguments are the command's flags; `kvrs up --calibrate` and `kvrs demo` call it
@@ -83,10 +108,14 @@ def calibrate(model_name: str, output: str | Path, dtype: str = "",
     from services.worker.model import MODEL_CONFIGS, Transformer, resolve_dtype
 
     if model_name not in MODEL_CONFIGS:
-        raise InvalidArgument("model", f"unknown worker model {model_name!r} (known: "
-                              f"{', '.join(MODEL_CONFIGS)})")
-    for field, value in (("repeats", repeats), ("threads", threads),
-                         ("extend_new_tokens", extend_new_tokens)):
+        raise InvalidArgument(
+            "model", f"unknown worker model {model_name!r} (known: {', '.join(MODEL_CONFIGS)})"
+        )
+    for field, value in (
+        ("repeats", repeats),
+        ("threads", threads),
+        ("extend_new_tokens", extend_new_tokens),
+    ):
         if value <= 0:
             raise InvalidArgument(field, f"must be > 0, got {value}")
     config = MODEL_CONFIGS[model_name]
@@ -125,16 +154,23 @@ def calibrate(model_name: str, output: str | Path, dtype: str = "",
             cache, _ = model.prefill(prompt(cached))
             new = prompt(g)
             samples.append(timed(lambda c=cache, n=new: model.extend(c, n)))
-        extend_check.append({"cached_tokens": cached, "new_tokens": g,
-                             "measured_s": statistics.median(samples),
-                             "predicted_s": profile.extend_s(cached, g)})
+        extend_check.append(
+            {
+                "cached_tokens": cached,
+                "new_tokens": g,
+                "measured_s": statistics.median(samples),
+                "predicted_s": profile.extend_s(cached, g),
+            }
+        )
     return {
         "model": model_name,
         "dtype": dtype_name,
         "threads": threads,
         "output": str(output),
         "profile": profile.to_json(),
-        "fit_vs_measured": [{"tokens": tokens, "measured_s": seconds,
-                             "fit_s": profile.fit_s(tokens)} for tokens, seconds in table],
+        "fit_vs_measured": [
+            {"tokens": tokens, "measured_s": seconds, "fit_s": profile.fit_s(tokens)}
+            for tokens, seconds in table
+        ],
         "extend_check": extend_check,
     }

@@ -26,45 +26,83 @@ _BPS_PER_GBPS = 1e9
 def register(parser: argparse.ArgumentParser) -> None:
     command = parser.prog.split()[-1]
     parser.add_argument(
-        "--dir", type=Path, default=Path(DEFAULT_RUN_DIR),
+        "--dir",
+        type=Path,
+        default=Path(DEFAULT_RUN_DIR),
         help=f"run directory: logs, certificates, state file (default {DEFAULT_RUN_DIR})",
     )
     if command == "up":
-        parser.add_argument("--workers-model", default="tiny",
-                            help="model preset of the workers (default tiny)")
-        parser.add_argument("--tls", action="store_true",
-                            help="generate dev certificates and run every hop over mTLS")
-        parser.add_argument("--otlp-endpoint", default=os.environ.get(
-            "OTEL_EXPORTER_OTLP_ENDPOINT", ""),
-                            help="export spans over OTLP gRPC (e.g. http://127.0.0.1:4317)")
-        parser.add_argument("--envoy", action="store_true",
-                            help="also run Envoy with the endpoint picker in front of one "
-                                 "OpenAI adapter per decode instance")
-        parser.add_argument("--base-port", type=int, default=0,
-                            help="the standard ports shifted to start here (50051: gossip "
-                                 "50051, cost-oracle 50052, scheduler-1 50053, ...; "
-                                 "default: free ports)")
-        parser.add_argument("--topology", type=Path, default=None,
-                            help="topology file (default deploy/topology.yaml)")
+        parser.add_argument(
+            "--workers-model", default="tiny", help="model preset of the workers (default tiny)"
+        )
+        parser.add_argument(
+            "--tls",
+            action="store_true",
+            help="generate dev certificates and run every hop over mTLS",
+        )
+        parser.add_argument(
+            "--otlp-endpoint",
+            default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
+            help="export spans over OTLP gRPC (e.g. http://127.0.0.1:4317)",
+        )
+        parser.add_argument(
+            "--envoy",
+            action="store_true",
+            help="also run Envoy with the endpoint picker in front of one "
+            "OpenAI adapter per decode instance",
+        )
+        parser.add_argument(
+            "--base-port",
+            type=int,
+            default=0,
+            help="the standard ports shifted to start here (50051: gossip "
+            "50051, cost-oracle 50052, scheduler-1 50053, ...; "
+            "default: free ports)",
+        )
+        parser.add_argument(
+            "--topology",
+            type=Path,
+            default=None,
+            help="topology file (default deploy/topology.yaml)",
+        )
         profile = parser.add_mutually_exclusive_group()
-        profile.add_argument("--calibrate", action="store_true",
-                             help="measure the workers' model on this machine first (kvrs "
-                                  "calibrate) and price every decision with that profile")
-        profile.add_argument("--profile-file", type=Path, default=None,
-                             help="a kvrs calibrate profile to price decisions with "
-                                  "(default: the model's preset)")
-        parser.add_argument("--timeout-s", type=float, default=60.0,
-                            help="how long each startup stage may take (default 60)")
+        profile.add_argument(
+            "--calibrate",
+            action="store_true",
+            help="measure the workers' model on this machine first (kvrs "
+            "calibrate) and price every decision with that profile",
+        )
+        profile.add_argument(
+            "--profile-file",
+            type=Path,
+            default=None,
+            help="a kvrs calibrate profile to price decisions with (default: the model's preset)",
+        )
+        parser.add_argument(
+            "--timeout-s",
+            type=float,
+            default=60.0,
+            help="how long each startup stage may take (default 60)",
+        )
     elif command == "down":
-        parser.add_argument("--grace-s", type=float, default=10.0,
-                            help="seconds between SIGTERM and SIGKILL (default 10)")
+        parser.add_argument(
+            "--grace-s",
+            type=float,
+            default=10.0,
+            help="seconds between SIGTERM and SIGKILL (default 10)",
+        )
     else:
         parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-        parser.add_argument("--gossip-addr", default="",
-                            help="gossip host:port (default: the local cluster, or GOSSIP_ADDR)")
-        parser.add_argument("--slot-broker-addr", default="",
-                            help="slot broker host:port (default: the local cluster, "
-                                 "or SLOT_BROKER_ADDR)")
+        parser.add_argument(
+            "--gossip-addr",
+            default="",
+            help="gossip host:port (default: the local cluster, or GOSSIP_ADDR)",
+        )
+        parser.add_argument(
+            "--slot-broker-addr",
+            default="",
+            help="slot broker host:port (default: the local cluster, or SLOT_BROKER_ADDR)",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,8 +168,10 @@ def calibrate_into(run_dir: Path, model: str) -> Path:
     path = (run_dir / "profile.json").resolve()
     print(f"calibrating {model} on this machine ...", flush=True)
     report = calibrate(model, path)
-    measured = ", ".join(f"{row['tokens']} tokens {row['measured_s'] * 1e3:.1f} ms"
-                         for row in report["fit_vs_measured"][::3])
+    measured = ", ".join(
+        f"{row['tokens']} tokens {row['measured_s'] * 1e3:.1f} ms"
+        for row in report["fit_vs_measured"][::3]
+    )
     print(f"prefill measured: {measured} (profile {path})", flush=True)
     return path
 
@@ -177,8 +217,11 @@ async def _collect(args: argparse.Namespace, state: Any) -> dict[str, Any]:
     settings = GrpcSettings(tls=TlsConfig.from_env(env))
     report: dict[str, Any] = {"gossip_addr": gossip_addr, "slot_broker_addr": slot_broker_addr}
     async with KvrsClient(
-        gossip_addr=gossip_addr, slot_broker_addr=slot_broker_addr, settings=settings,
-        timeout_s=2.0, max_attempts=2,
+        gossip_addr=gossip_addr,
+        slot_broker_addr=slot_broker_addr,
+        settings=settings,
+        timeout_s=2.0,
+        max_attempts=2,
     ) as client:
         try:
             nodes = await client.list_nodes(include_down=True)
@@ -262,8 +305,14 @@ def _render(report: dict[str, Any]) -> str:
     parts: list[str] = []
     if "processes" in report:
         rows = [
-            [p["name"], p["kind"], p["address"], str(p["pid"]),
-             "running" if p["running"] else "EXITED", f"{p['uptime_s']:.0f}"]
+            [
+                p["name"],
+                p["kind"],
+                p["address"],
+                str(p["pid"]),
+                "running" if p["running"] else "EXITED",
+                f"{p['uptime_s']:.0f}",
+            ]
             for p in report["processes"]
         ]
         parts.append(f"processes ({report['run_dir']})")
@@ -273,29 +322,58 @@ def _render(report: dict[str, Any]) -> str:
         parts.append(f"  unavailable: {report['gossip_error']}")
     else:
         rows = [
-            [n["instance_id"], n["role"], n["address"], n["node"], n["state"],
-             f"{n['age_s']:.2f}",
-             str(n["queue_depth"]), f"{n['queued_work_s']:.3f}", str(n["running_requests"]),
-             f"{n['free_kv_blocks']}/{n['kv_capacity_blocks']}"]
+            [
+                n["instance_id"],
+                n["role"],
+                n["address"],
+                n["node"],
+                n["state"],
+                f"{n['age_s']:.2f}",
+                str(n["queue_depth"]),
+                f"{n['queued_work_s']:.3f}",
+                str(n["running_requests"]),
+                f"{n['free_kv_blocks']}/{n['kv_capacity_blocks']}",
+            ]
             for n in report["instances"]
         ]
-        parts.append(_table(
-            ["ID", "ROLE", "ADDRESS", "NODE", "STATE", "AGE_S", "QUEUE", "QUEUED_WORK_S",
-             "RUNNING", "FREE_KV_BLOCKS"],
-            rows, empty="  (no instances registered)",
-        ))
+        parts.append(
+            _table(
+                [
+                    "ID",
+                    "ROLE",
+                    "ADDRESS",
+                    "NODE",
+                    "STATE",
+                    "AGE_S",
+                    "QUEUE",
+                    "QUEUED_WORK_S",
+                    "RUNNING",
+                    "FREE_KV_BLOCKS",
+                ],
+                rows,
+                empty="  (no instances registered)",
+            )
+        )
         parts.append("\nlinks (measured by the prober)")
         rows = [
-            [link["src_instance_id"], link["dst_instance_id"],
-             f"{link['bandwidth_bps'] / _BPS_PER_GBPS:.3f}",
-             f"{link['sample_bandwidth_bps'] / _BPS_PER_GBPS:.3f}",
-             f"{link['rtt_s'] * 1000:.3f}", str(link["samples"]), f"{link['age_s']:.2f}"]
+            [
+                link["src_instance_id"],
+                link["dst_instance_id"],
+                f"{link['bandwidth_bps'] / _BPS_PER_GBPS:.3f}",
+                f"{link['sample_bandwidth_bps'] / _BPS_PER_GBPS:.3f}",
+                f"{link['rtt_s'] * 1000:.3f}",
+                str(link["samples"]),
+                f"{link['age_s']:.2f}",
+            ]
             for link in report["links"]
         ]
-        parts.append(_table(
-            ["SRC", "DST", "EWMA_GBPS", "LAST_GBPS", "RTT_MS", "SAMPLES", "AGE_S"],
-            rows, empty="  (no link measured yet)",
-        ))
+        parts.append(
+            _table(
+                ["SRC", "DST", "EWMA_GBPS", "LAST_GBPS", "RTT_MS", "SAMPLES", "AGE_S"],
+                rows,
+                empty="  (no link measured yet)",
+            )
+        )
     parts.append(f"\nslots (slot broker {report['slot_broker_addr']})")
     if "slots_error" in report:
         parts.append(f"  unavailable: {report['slots_error']}")
@@ -307,8 +385,15 @@ def _render(report: dict[str, Any]) -> str:
             f" expired {slots['expired_total']})"
         )
         if slots["links"]:
-            rows = [[s["src_instance_id"], s["dst_instance_id"], str(s["in_use"]),
-                     str(s["cap"]) if s["cap"] else "-"] for s in slots["links"]]
+            rows = [
+                [
+                    s["src_instance_id"],
+                    s["dst_instance_id"],
+                    str(s["in_use"]),
+                    str(s["cap"]) if s["cap"] else "-",
+                ]
+                for s in slots["links"]
+            ]
             parts.append(_table(["SRC", "DST", "IN_USE", "CAP"], rows))
     return "\n".join(parts)
 
@@ -317,6 +402,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], empty: str = ""
     if not rows and empty:
         return empty
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True))
-             for line in (header, *rows)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True))
+        for line in (header, *rows)
+    ]
     return "\n".join("  " + line.rstrip() for line in lines)

@@ -31,22 +31,47 @@ def register(parser: argparse.ArgumentParser) -> None:
     """Add the `kvrs cost` arguments."""
     parser.add_argument("--model", required=True, help="model preset (e.g. opt-13b, llama3-70b)")
     parser.add_argument("--prompt-tokens", type=int, required=True, help="prompt length L")
-    parser.add_argument("--bandwidth-gbps", type=float, required=True,
-                        help="link bandwidth between the prefill and decode instance, Gbit/s")
-    parser.add_argument("--generated-tokens", type=int, default=0,
-                        help="tokens already generated when the decode instance failed")
-    parser.add_argument("--rtt-ms", type=float, default=0.0,
-                        help="round-trip and setup latency of a transfer, ms")
-    parser.add_argument("--decode-wait-s", type=float, default=0.0,
-                        help="work queued on the decode instance, s (W(d))")
-    parser.add_argument("--prefill-wait-s", type=float, default=0.0,
-                        help="work queued on the prefill instance, s (W(p))")
-    parser.add_argument("--deadline-s", type=float, default=None,
-                        help="SLO deadline, seconds from now (ABORT when no option meets it)")
-    parser.add_argument("--profile", default=None,
-                        help="compute profile JSON from `kvrs calibrate` (default: preset)")
-    parser.add_argument("--source-kv-lost", action="store_true",
-                        help="the prefill instance no longer holds the KV")
+    parser.add_argument(
+        "--bandwidth-gbps",
+        type=float,
+        required=True,
+        help="link bandwidth between the prefill and decode instance, Gbit/s",
+    )
+    parser.add_argument(
+        "--generated-tokens",
+        type=int,
+        default=0,
+        help="tokens already generated when the decode instance failed",
+    )
+    parser.add_argument(
+        "--rtt-ms", type=float, default=0.0, help="round-trip and setup latency of a transfer, ms"
+    )
+    parser.add_argument(
+        "--decode-wait-s",
+        type=float,
+        default=0.0,
+        help="work queued on the decode instance, s (W(d))",
+    )
+    parser.add_argument(
+        "--prefill-wait-s",
+        type=float,
+        default=0.0,
+        help="work queued on the prefill instance, s (W(p))",
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="SLO deadline, seconds from now (ABORT when no option meets it)",
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="compute profile JSON from `kvrs calibrate` (default: preset)",
+    )
+    parser.add_argument(
+        "--source-kv-lost", action="store_true", help="the prefill instance no longer holds the KV"
+    )
     parser.add_argument("--no-slot", action="store_true", help="no migration slot is free")
 
 
@@ -72,18 +97,27 @@ def cost_report(args: argparse.Namespace) -> dict[str, Any]:
             raise InvalidArgument(field, f"must be >= 0, got {getattr(args, field)}")
     model = model_spec(args.model)
     profile = ComputeProfile.load(args.profile) if args.profile else compute_profile(args.model)
-    cost = CostModel(model, profile, NetworkModel(
-        two_instance_topology(gbps_to_bps(args.bandwidth_gbps), ms_to_s(args.rtt_ms))))
+    cost = CostModel(
+        model,
+        profile,
+        NetworkModel(two_instance_topology(gbps_to_bps(args.bandwidth_gbps), ms_to_s(args.rtt_ms))),
+    )
     now_s = 0.0
-    view = ClusterView({
-        PREFILL_ID: InstanceState(PREFILL_ID, Role.PREFILL, wait_s=args.prefill_wait_s),
-        DECODE_ID: InstanceState(DECODE_ID, Role.DECODE, wait_s=args.decode_wait_s),
-    }, now_s=now_s)
+    view = ClusterView(
+        {
+            PREFILL_ID: InstanceState(PREFILL_ID, Role.PREFILL, wait_s=args.prefill_wait_s),
+            DECODE_ID: InstanceState(DECODE_ID, Role.DECODE, wait_s=args.decode_wait_s),
+        },
+        now_s=now_s,
+    )
     request = RecoveryRequest(
-        request_id="cli", prompt_tokens=args.prompt_tokens,
-        generated_tokens=args.generated_tokens, source_prefill_id=PREFILL_ID,
+        request_id="cli",
+        prompt_tokens=args.prompt_tokens,
+        generated_tokens=args.generated_tokens,
+        source_prefill_id=PREFILL_ID,
         deadline_s=None if args.deadline_s is None else now_s + args.deadline_s,
-        source_kv_available=not args.source_kv_lost)
+        source_kv_available=not args.source_kv_lost,
+    )
     decision = Kvrs().decide(request, view, cost, now_s, migration_slot_free=not args.no_slot)
     return _report(args, cost, decision)
 
@@ -103,8 +137,11 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _report(args: argparse.Namespace, cost: CostModel, decision: RecoveryDecision,
-            ) -> dict[str, Any]:
+def _report(
+    args: argparse.Namespace,
+    cost: CostModel,
+    decision: RecoveryDecision,
+) -> dict[str, Any]:
     options = {option.action: option for option in decision.options}
     hybrid = options[Action.HYBRID]
     bandwidth_bps, _ = cost.network.bandwidth_bps(PREFILL_ID, DECODE_ID, 0.0)
@@ -128,9 +165,13 @@ def _report(args: argparse.Namespace, cost: CostModel, decision: RecoveryDecisio
         "reason": decision.reason,
         "options": [
             {
-                "action": o.action.value, "cost_s": _finite(o.cost_s), "wait_s": _finite(o.wait_s),
-                "transfer_s": _finite(o.transfer_s), "compute_s": _finite(o.compute_s),
-                "split_tokens": o.split_tokens, "feasible": o.feasible,
+                "action": o.action.value,
+                "cost_s": _finite(o.cost_s),
+                "wait_s": _finite(o.wait_s),
+                "transfer_s": _finite(o.transfer_s),
+                "compute_s": _finite(o.compute_s),
+                "split_tokens": o.split_tokens,
+                "feasible": o.feasible,
                 "infeasible_reason": o.infeasible_reason,
             }
             for o in decision.options

@@ -39,27 +39,48 @@ PROMPTS = (
 )
 ACTION_NAMES = {1: "MIGRATE", 2: "RECOMPUTE", 3: "HYBRID", 4: "ABORT"}
 DEMO_SERVICES = (
-    "gossip", "slot-broker", "cost-oracle", "scheduler-1", "prefill-0", "prefill-1",
-    "decode-0", "decode-1", "prober", "router",
+    "gossip",
+    "slot-broker",
+    "cost-oracle",
+    "scheduler-1",
+    "prefill-0",
+    "prefill-1",
+    "decode-0",
+    "decode-1",
+    "prober",
+    "router",
 )
 JAEGER_UI_PORT = 16686
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=8,
-                        help="requests to stream through the router (default 8)")
-    parser.add_argument("--max-new-tokens", type=int, default=1500,
-                        help="tokens per request (default 1500)")
-    parser.add_argument("--cluster-dir", type=Path, default=None,
-                        help="reuse the cluster running from this run directory (kvrs up "
-                             "--dir); default: start a fresh one and stop it afterwards")
-    parser.add_argument("--workers-model", default="tiny",
-                        help="model preset of a fresh cluster's workers (default tiny)")
-    parser.add_argument("--timeout-s", type=float, default=120.0,
-                        help="deadline of each request (default 120)")
-    parser.add_argument("--no-calibrate", action="store_true",
-                        help="price decisions with the model's preset profile instead of "
-                             "measuring the model on this machine first (~2 s for tiny)")
+    parser.add_argument(
+        "--requests", type=int, default=8, help="requests to stream through the router (default 8)"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=1500, help="tokens per request (default 1500)"
+    )
+    parser.add_argument(
+        "--cluster-dir",
+        type=Path,
+        default=None,
+        help="reuse the cluster running from this run directory (kvrs up "
+        "--dir); default: start a fresh one and stop it afterwards",
+    )
+    parser.add_argument(
+        "--workers-model",
+        default="tiny",
+        help="model preset of a fresh cluster's workers (default tiny)",
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=120.0, help="deadline of each request (default 120)"
+    )
+    parser.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="price decisions with the model's preset profile instead of "
+        "measuring the model on this machine first (~2 s for tiny)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,8 +156,11 @@ async def _demo(args: argparse.Namespace, state) -> int:
     ]
     async with open_channel(state.address("router"), settings) as channel:
         router = router_pb2_grpc.RouterServiceStub(channel)
-        print(f"\nstreaming {len(streams)} requests of {args.max_new_tokens} tokens "
-              "through the router ...", flush=True)
+        print(
+            f"\nstreaming {len(streams)} requests of {args.max_new_tokens} tokens "
+            "through the router ...",
+            flush=True,
+        )
         tasks = [asyncio.create_task(_stream(router, s, args)) for s in streams]
         victim = await _kill_busiest_decode(state, settings, streams, tasks)
         await asyncio.gather(*tasks)
@@ -156,8 +180,10 @@ async def _stream(router, stream: Stream, args: argparse.Namespace) -> None:
     from kvrs.v1 import router_pb2
 
     request = router_pb2.GenerateRequest(
-        request_id=stream.request_id, prompt_token_ids=stream.prompt,
-        max_new_tokens=args.max_new_tokens)
+        request_id=stream.request_id,
+        prompt_token_ids=stream.prompt,
+        max_new_tokens=args.max_new_tokens,
+    )
     try:
         async for message in router.Generate(request, timeout=args.timeout_s):
             if message.index >= 0:
@@ -177,8 +203,10 @@ async def _wait_for_workers(state, settings, timeout_s: float = 30.0) -> None:
     try:
         while time.monotonic() < deadline:
             nodes = await client.list_nodes()
-            if sum(1 for n in nodes if n.registration.role == "decode") >= 2 and \
-                    sum(1 for n in nodes if n.registration.role == "prefill") >= 1:
+            if (
+                sum(1 for n in nodes if n.registration.role == "decode") >= 2
+                and sum(1 for n in nodes if n.registration.role == "prefill") >= 1
+            ):
                 return
             await asyncio.sleep(0.2)
     finally:
@@ -201,7 +229,8 @@ async def _kill_busiest_decode(state, settings, streams, tasks) -> str:
         async with open_channel(record.address, settings) as channel:
             try:
                 stats = await worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerStats(
-                    worker_pb2.GetWorkerStatsRequest(), timeout=2.0)
+                    worker_pb2.GetWorkerStatsRequest(), timeout=2.0
+                )
             except Exception:  # noqa: BLE001 - a worker that does not answer is skipped
                 continue
             running[record.name] = stats.running_requests
@@ -209,8 +238,11 @@ async def _kill_busiest_decode(state, settings, streams, tasks) -> str:
     record = next(r for r in decoders if r.name == victim)
     os.killpg(record.pid, signal.SIGKILL)
     at = {s.request_id: len(s.tokens) for s in streams}
-    print(f"kill -9 {victim} (pid {record.pid}) with {running[victim]} requests decoding "
-          f"on it; tokens streamed so far: {min(at.values())}..{max(at.values())}", flush=True)
+    print(
+        f"kill -9 {victim} (pid {record.pid}) with {running[victim]} requests decoding "
+        f"on it; tokens streamed so far: {min(at.values())}..{max(at.values())}",
+        flush=True,
+    )
     return victim
 
 
@@ -224,8 +256,19 @@ def _seconds(value: float) -> str:
 
 
 def _report(streams: list[Stream], victim: str, max_new_tokens: int) -> None:
-    header = ["REQUEST", "AT TOKEN", "ACTION", "TARGET", "MIGRATE s", "RECOMPUTE s",
-              "HYBRID s", "MEASURED s", "SPLIT", "SLACK s", "BATCH"]
+    header = [
+        "REQUEST",
+        "AT TOKEN",
+        "ACTION",
+        "TARGET",
+        "MIGRATE s",
+        "RECOMPUTE s",
+        "HYBRID s",
+        "MEASURED s",
+        "SPLIT",
+        "SLACK s",
+        "BATCH",
+    ]
     rows = []
     for stream in streams:
         summary = stream.summary
@@ -235,16 +278,25 @@ def _report(streams: list[Stream], victim: str, max_new_tokens: int) -> None:
             action = ACTION_NAMES.get(report.action, "?")
             if not report.succeeded and report.action != 4:
                 action += " (failed)"
-            rows.append([
-                stream.request_id, str(report.generated_tokens), action,
-                report.target_instance_id or "-",
-                _seconds(_best(report.options, 1)), _seconds(_best(report.options, 2)),
-                _seconds(_best(report.options, 3)), _seconds(report.measured_s),
-                str(report.split_tokens) if report.action == 3 else "-",
-                _seconds(report.slo_slack_s), str(report.batch_size),
-            ])
-    print(f"\nrecoveries after {victim} died (predicted cost per option, best target; "
-          "measured = decision to KV ready on the target):")
+            rows.append(
+                [
+                    stream.request_id,
+                    str(report.generated_tokens),
+                    action,
+                    report.target_instance_id or "-",
+                    _seconds(_best(report.options, 1)),
+                    _seconds(_best(report.options, 2)),
+                    _seconds(_best(report.options, 3)),
+                    _seconds(report.measured_s),
+                    str(report.split_tokens) if report.action == 3 else "-",
+                    _seconds(report.slo_slack_s),
+                    str(report.batch_size),
+                ]
+            )
+    print(
+        f"\nrecoveries after {victim} died (predicted cost per option, best target; "
+        "measured = decision to KV ready on the target):"
+    )
     if not rows:
         print("  (none: every request had finished before the kill)")
         return
@@ -259,8 +311,11 @@ def _report(streams: list[Stream], victim: str, max_new_tokens: int) -> None:
 
 async def _replay(router, streams: list[Stream], args: argparse.Namespace) -> int:
     """Streams every completed prompt again (no failure now); how many match exactly."""
-    replays = [Stream(f"{s.request_id}-replay", s.prompt) for s in streams
-               if len(s.tokens) == args.max_new_tokens]
+    replays = [
+        Stream(f"{s.request_id}-replay", s.prompt)
+        for s in streams
+        if len(s.tokens) == args.max_new_tokens
+    ]
     await asyncio.gather(*(_stream(router, r, args) for r in replays))
     originals = {f"{s.request_id}-replay": s for s in streams}
     return sum(1 for r in replays if r.tokens == originals[r.request_id].tokens)
@@ -274,5 +329,7 @@ def _traces(env: dict[str, str], streams: list[Stream]) -> None:
     print(f"\ntraces: http://{host or 'localhost'}:{JAEGER_UI_PORT}/search?service=kvrs-router")
     for stream in streams:
         if stream.summary is not None and stream.summary.recoveries:
-            print(f"  {stream.request_id}: http://{host or 'localhost'}:{JAEGER_UI_PORT}"
-                  f"/trace/{stream.summary.trace_id}")
+            print(
+                f"  {stream.request_id}: http://{host or 'localhost'}:{JAEGER_UI_PORT}"
+                f"/trace/{stream.summary.trace_id}"
+            )

@@ -22,18 +22,28 @@ log = logging.getLogger(__name__)
 
 def register(parser: argparse.ArgumentParser) -> None:
     names = [*EXPERIMENTS, "run"]
-    parser.add_argument("experiment", choices=names, metavar="EXPERIMENT",
-                        help="; ".join(f"{n}: {d}" for n, (_, _, d) in EXPERIMENTS.items())
-                        + "; run: one trace under one policy")
-    parser.add_argument("--config", type=Path,
-                        help="YAML/JSON laid over the experiment's defaults (for run: a "
-                             "SimConfig)")
+    parser.add_argument(
+        "experiment",
+        choices=names,
+        metavar="EXPERIMENT",
+        help="; ".join(f"{n}: {d}" for n, (_, _, d) in EXPERIMENTS.items())
+        + "; run: one trace under one policy",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="YAML/JSON laid over the experiment's defaults (for run: a SimConfig)",
+    )
     parser.add_argument("--out", type=Path, help="output directory (default runs/sim/NAME)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--trace", type=Path, help="run: a Mooncake-format trace")
     parser.add_argument("--policy", default="netkv", help="run: a placement policy")
-    parser.add_argument("--network-view", default="telemetry",
-                        choices=("topology", "telemetry", "live"), help="run: what it knows")
+    parser.add_argument(
+        "--network-view",
+        default="telemetry",
+        choices=("topology", "telemetry", "live"),
+        help="run: what it knows",
+    )
     parser.add_argument("--rate-scale", type=float, default=1.0, help="run: arrival speed-up")
 
 
@@ -62,8 +72,14 @@ def _single_run(args: argparse.Namespace, params: dict) -> int:
     workload = load_workload({"trace": str(args.trace) if args.trace else "shared"})
     config = SimConfig.from_dict(params)
     policy = PolicySpec(args.policy, args.policy, network_view=args.network_view)
-    result = run_one(config, workload.scaled(args.rate_scale), policy,
-                     show_progress=not args.no_progress)
-    print(json.dumps({"workload": workload.source, "summary": brief(result.summary),
-                      "stats": result.stats}, indent=2, default=str))
+    result = run_one(
+        config, workload.scaled(args.rate_scale), policy, show_progress=not args.no_progress
+    )
+    print(
+        json.dumps(
+            {"workload": workload.source, "summary": brief(result.summary), "stats": result.stats},
+            indent=2,
+            default=str,
+        )
+    )
     return 0

@@ -30,10 +30,10 @@ BACKGROUND_LINK_KINDS = {
 class BackgroundSpec:
     """Cross traffic the topology does not know about."""
 
-    utilisation: float = 0.0           # mean share of capacity taken, per link
+    utilisation: float = 0.0  # mean share of capacity taken, per link
     tiers: tuple[str, ...] = ("pod", "spine")
-    on_share: float = 0.9              # share of capacity taken while ON
-    period_s: float = 2.0              # mean ON + OFF cycle
+    on_share: float = 0.9  # share of capacity taken while ON
+    period_s: float = 2.0  # mean ON + OFF cycle
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.utilisation <= self.on_share <= 1.0:
@@ -48,8 +48,14 @@ class BackgroundSpec:
 class BackgroundTraffic:
     """Drives ON/OFF load on a set of links of a flow network."""
 
-    def __init__(self, spec: BackgroundSpec, loop: EventLoop, network: FlowNetwork,
-                 links: Iterable[Hashable], seed: int) -> None:
+    def __init__(
+        self,
+        spec: BackgroundSpec,
+        loop: EventLoop,
+        network: FlowNetwork,
+        links: Iterable[Hashable],
+        seed: int,
+    ) -> None:
         self.spec = spec
         self.loop = loop
         self.network = network
@@ -81,6 +87,6 @@ class BackgroundTraffic:
         self.network.set_background(link, capacity_bps * spec.on_share if on else 0.0)
         mean_s = spec.period_s * (duty if on else 1.0 - duty)
         if mean_s <= 0:
-            return          # duty 1: always ON
+            return  # duty 1: always ON
         self.toggles += 1
         self.loop.after(float(self._rng.exponential(mean_s)), self._set, link, not on)

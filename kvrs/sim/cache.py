@@ -45,18 +45,28 @@ class BlockIndex:
 class PrefixCache:
     """LRU set of prefix-block hashes with a capacity in blocks."""
 
-    __slots__ = ("capacity_blocks", "_resident", "_members", "_evicted", "_history_s",
-                 "hits_tokens", "lookups_tokens", "_snapshot", "_index")
+    __slots__ = (
+        "capacity_blocks",
+        "_resident",
+        "_members",
+        "_evicted",
+        "_history_s",
+        "hits_tokens",
+        "lookups_tokens",
+        "_snapshot",
+        "_index",
+    )
 
-    def __init__(self, capacity_blocks: int, history_s: float = 60.0,
-                 index: BlockIndex | None = None) -> None:
+    def __init__(
+        self, capacity_blocks: int, history_s: float = 60.0, index: BlockIndex | None = None
+    ) -> None:
         self.capacity_blocks = max(0, int(capacity_blocks))
-        self._resident: OrderedDict[int, float] = OrderedDict()   # block -> resident since
+        self._resident: OrderedDict[int, float] = OrderedDict()  # block -> resident since
         # The same blocks as a plain set, kept once `snapshot` is first asked for (decode
         # caches; prefill pools are read through `as_of`): a frozenset copies a set ten
         # times faster than an OrderedDict's keys (~2 µs against ~20 µs for 976 blocks).
         self._members: set[int] | None = None
-        self._evicted: dict[int, tuple[float, float]] = {}         # block -> (since, until)
+        self._evicted: dict[int, tuple[float, float]] = {}  # block -> (since, until)
         self._history_s = history_s
         self.hits_tokens = 0
         self.lookups_tokens = 0
@@ -88,7 +98,7 @@ class PrefixCache:
             return
         resident = self._resident
         members = self._members
-        for block in blocks[-self.capacity_blocks:]:
+        for block in blocks[-self.capacity_blocks :]:
             if block in resident:
                 resident.move_to_end(block)
             else:
@@ -160,8 +170,11 @@ class ResidentView:
     def __iter__(self) -> Iterator[int]:
         cache = self._cache
         seen = [b for b in cache._resident if cache._was_resident(b, self.time_s)]
-        seen.extend(b for b in cache._evicted if cache._was_resident(b, self.time_s)
-                    and b not in cache._resident)
+        seen.extend(
+            b
+            for b in cache._evicted
+            if cache._was_resident(b, self.time_s) and b not in cache._resident
+        )
         return iter(seen)
 
     def __bool__(self) -> bool:

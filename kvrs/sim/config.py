@@ -47,11 +47,11 @@ class ClusterSpec:
     racks_per_pod: int = 2
     gpus_per_instance: int = 4
     layout: str = "interleaved"
-    prefill_per_node: int = 1          # interleaved: the first instances of a node prefill
+    prefill_per_node: int = 1  # interleaved: the first instances of a node prefill
     nvlink_gbps: float = 3600.0
-    rack_gbps: float = 400.0           # node uplink to its ToR
-    pod_gbps: float = 200.0            # ToR uplink to aggregation
-    spine_gbps: float = 100.0          # aggregation uplink to spine
+    rack_gbps: float = 400.0  # node uplink to its ToR
+    pod_gbps: float = 200.0  # ToR uplink to aggregation
+    spine_gbps: float = 100.0  # aggregation uplink to spine
     hop_latency_us: float = 2.0
     setup_latency_ms: float = 1.0
     topology: Mapping[str, Any] | None = None
@@ -88,12 +88,15 @@ class ClusterSpec:
             for slot in range(self.instances_per_node):
                 if self.layout == "interleaved":
                     role = Role.PREFILL if slot < self.prefill_per_node else Role.DECODE
-                else:   # segregated: whole racks of prefill alternate with racks of decode
+                else:  # segregated: whole racks of prefill alternate with racks of decode
                     role = Role.PREFILL if rack % 2 == 0 else Role.DECODE
                 instance_id = f"{role.value}-{counters[role]}"
                 counters[role] += 1
-                topology.add_instance(InstanceSpec(
-                    instance_id, role, Location(name, gpu_index=slot * self.gpus_per_instance)))
+                topology.add_instance(
+                    InstanceSpec(
+                        instance_id, role, Location(name, gpu_index=slot * self.gpus_per_instance)
+                    )
+                )
         return topology
 
 
@@ -109,17 +112,22 @@ class ServingSpec:
 
     model: str = "llama3-70b"
     prefill_profile: str | Mapping[str, Any] = "llama3-70b"
-    decode_profile: str | Mapping[str, float] = field(default_factory=lambda: {
-        "a_s": 17e-3, "b_s_per_context_token": 3.8e-8, "c_s_per_request": 5e-5})
+    decode_profile: str | Mapping[str, float] = field(
+        default_factory=lambda: {
+            "a_s": 17e-3,
+            "b_s_per_context_token": 3.8e-8,
+            "c_s_per_request": 5e-5,
+        }
+    )
     prefill_budget_tokens: int = 16_384
     prefix_pool_tokens: int = 3_000_000
-    prefix_pool_scope: str = "node"        # "node": one LRU per node; "global": one for all
+    prefix_pool_scope: str = "node"  # "node": one LRU per node; "global": one for all
     decode_kv_tokens: int = 500_000
     decode_max_batch: int = 256
-    decode_cache_tokens: int = 500_000     # prefix blocks a decode instance keeps
-    transfer_overlap: float = 0.0          # share of the KV already sent when prefill ends
+    decode_cache_tokens: int = 500_000  # prefix blocks a decode instance keeps
+    transfer_overlap: float = 0.0  # share of the KV already sent when prefill ends
     prefill_router: str = "cache_aware"
-    prefill_weights: Mapping[str, float] | None = None   # "weighted": share per prefill
+    prefill_weights: Mapping[str, float] | None = None  # "weighted": share per prefill
 
     def __post_init__(self) -> None:
         if self.prefill_router == "weighted" and not self.prefill_weights:
@@ -194,10 +202,10 @@ class RecoverySpec:
     """How requests on failed instances continue."""
 
     policy: str = "kvrs"
-    planner: str = "batch"                 # "batch": plan_batch; "per_request": one by one
-    migration_slots: int = 32              # concurrent MIGRATE/HYBRID transfers (RoM README)
-    deadline_s: float | None = None        # resume within this long after the failure
-    detection_s: float = 0.0               # failure to recovery decision
+    planner: str = "batch"  # "batch": plan_batch; "per_request": one by one
+    migration_slots: int = 32  # concurrent MIGRATE/HYBRID transfers (RoM README)
+    deadline_s: float | None = None  # resume within this long after the failure
+    detection_s: float = 0.0  # failure to recovery decision
     network_view: str = "live"
 
     def __post_init__(self) -> None:
@@ -218,7 +226,7 @@ class SimConfig:
     slo: SloSpec = field(default_factory=SloSpec)
     recovery: RecoverySpec = field(default_factory=RecoverySpec)
     failures: tuple[FailureSpec, ...] = ()
-    placement_retry_s: float = 0.05        # wait before retrying when no decode has memory
+    placement_retry_s: float = 0.05  # wait before retrying when no decode has memory
     seed: int = 0
 
     @classmethod
@@ -243,8 +251,14 @@ class SimConfig:
         return dataclasses.replace(self, **changes)
 
 
-_NESTED = {"cluster": ClusterSpec, "serving": ServingSpec, "telemetry": TelemetrySpec,
-           "background": BackgroundSpec, "slo": SloSpec, "recovery": RecoverySpec}
+_NESTED = {
+    "cluster": ClusterSpec,
+    "serving": ServingSpec,
+    "telemetry": TelemetrySpec,
+    "background": BackgroundSpec,
+    "slo": SloSpec,
+    "recovery": RecoverySpec,
+}
 
 
 def _build(cls: type, d: Mapping[str, Any], where: str) -> Any:
@@ -259,8 +273,9 @@ def _build(cls: type, d: Mapping[str, Any], where: str) -> Any:
         if cls is SimConfig and key in _NESTED:
             value = _build(_NESTED[key], value, key)
         elif cls is SimConfig and key == "failures":
-            value = tuple(_build(FailureSpec, item, f"failures[{i}]")
-                          for i, item in enumerate(value or ()))
+            value = tuple(
+                _build(FailureSpec, item, f"failures[{i}]") for i, item in enumerate(value or ())
+            )
         elif isinstance(value, list) and key == "tiers":
             value = tuple(value)
         elif isinstance(value, str) and value in ("inf", "infinity"):

@@ -44,11 +44,28 @@ class Link:
 class Flow:
     """A KV transfer in flight; `remaining_bits` is exact as of `updated_s`."""
 
-    __slots__ = ("flow_id", "links", "total_bits", "remaining_bits", "rate_bps", "updated_s",
-                 "on_done", "handle", "tag", "started_s", "active")
+    __slots__ = (
+        "flow_id",
+        "links",
+        "total_bits",
+        "remaining_bits",
+        "rate_bps",
+        "updated_s",
+        "on_done",
+        "handle",
+        "tag",
+        "started_s",
+        "active",
+    )
 
-    def __init__(self, flow_id: int, links: tuple[Link, ...], bits: float,
-                 on_done: Callable[[Flow], Any] | None, tag: Any) -> None:
+    def __init__(
+        self,
+        flow_id: int,
+        links: tuple[Link, ...],
+        bits: float,
+        on_done: Callable[[Flow], Any] | None,
+        tag: Any,
+    ) -> None:
         self.flow_id = flow_id
         self.links = links
         self.total_bits = bits
@@ -92,9 +109,14 @@ class FlowNetwork:
             found = self.links[link_id] = Link(link_id, float(self._capacity_of(link_id)))
         return found
 
-    def start(self, link_ids: Iterable[Hashable], kv_bytes: float,
-              on_done: Callable[[Flow], Any] | None = None, setup_s: float = 0.0,
-              tag: Any = None) -> Flow:
+    def start(
+        self,
+        link_ids: Iterable[Hashable],
+        kv_bytes: float,
+        on_done: Callable[[Flow], Any] | None = None,
+        setup_s: float = 0.0,
+        tag: Any = None,
+    ) -> Flow:
         """Send `kv_bytes` over the path; `on_done(flow)` runs when the last bit arrives.
 
         The flow joins the links after `setup_s` (connection setup and hop latency), so
@@ -115,7 +137,7 @@ class FlowNetwork:
     def abort(self, flow: Flow) -> None:
         """Drop a flow (its endpoint failed); `on_done` never runs."""
         if flow.on_done is None and not flow.active and not flow.handle:
-            return      # already finished or aborted
+            return  # already finished or aborted
         self.loop.cancel(flow.handle)
         flow.handle = 0
         if flow.active:
@@ -232,8 +254,9 @@ class FlowNetwork:
             self._advance(flow, now_s)
         residual = {link: link.free_bps for link in links}
         unfrozen = {link: len(link.flows) for link in links}
-        heap = [(residual[link] / unfrozen[link], id_order, link)
-                for id_order, link in enumerate(links)]
+        heap = [
+            (residual[link] / unfrozen[link], id_order, link) for id_order, link in enumerate(links)
+        ]
         order = {link: i for i, link in enumerate(links)}
         heapq.heapify(heap)
         new_rate: dict[Flow, float] = {}
@@ -251,8 +274,9 @@ class FlowNetwork:
                     residual[other] = max(0.0, residual[other] - share)
                     unfrozen[other] -= 1
                     if other is not link and unfrozen[other] > 0:
-                        heapq.heappush(heap, (residual[other] / unfrozen[other], order[other],
-                                              other))
+                        heapq.heappush(
+                            heap, (residual[other] / unfrozen[other], order[other], other)
+                        )
             unfrozen[link] = 0
         for flow in flows:
             rate = new_rate.get(flow, 0.0)
@@ -264,5 +288,4 @@ class FlowNetwork:
             if flow.remaining_bits <= _DONE_BITS:
                 flow.handle = self.loop.at(now_s, self._complete, flow)
             elif rate > 0:
-                flow.handle = self.loop.at(now_s + flow.remaining_bits / rate, self._complete,
-                                           flow)
+                flow.handle = self.loop.at(now_s + flow.remaining_bits / rate, self._complete, flow)

@@ -33,11 +33,26 @@ def _ignore(instance_id: str) -> None:
 class PrefillJob:
     """Prompt tokens to turn into KV on a prefill instance; `on_done(job)` at batch end."""
 
-    __slots__ = ("record", "tokens", "hash_ids", "on_done", "hit_tokens", "estimate_s",
-                 "started_s", "tag", "prefill_id")
+    __slots__ = (
+        "record",
+        "tokens",
+        "hash_ids",
+        "on_done",
+        "hit_tokens",
+        "estimate_s",
+        "started_s",
+        "tag",
+        "prefill_id",
+    )
 
-    def __init__(self, record: RequestRecord, tokens: int, hash_ids: Sequence[int],
-                 on_done: Callable[[PrefillJob], Any], tag: Any = None) -> None:
+    def __init__(
+        self,
+        record: RequestRecord,
+        tokens: int,
+        hash_ids: Sequence[int],
+        on_done: Callable[[PrefillJob], Any],
+        tag: Any = None,
+    ) -> None:
         self.record = record
         self.tokens = tokens
         self.hash_ids = hash_ids
@@ -52,8 +67,16 @@ class PrefillJob:
 class PrefillInstance:
     """One prefill instance: a FIFO queue, token-budget batches, a prefix pool."""
 
-    def __init__(self, instance_id: str, node: str, loop: EventLoop, profile: ComputeProfile,
-                 pool: PrefixCache, block_tokens: int, budget_tokens: int) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        node: str,
+        loop: EventLoop,
+        profile: ComputeProfile,
+        pool: PrefixCache,
+        block_tokens: int,
+        budget_tokens: int,
+    ) -> None:
         self.instance_id = instance_id
         self.node = node
         self.loop = loop
@@ -69,8 +92,8 @@ class PrefillInstance:
         self.busy_s = 0.0
         self._handle = 0
         self._ending = False
-        self.on_change: Callable[[str], Any] = _ignore   # telemetry keeps the prior state
-        self.pool_shared = False      # other instances insert into the same prefix pool
+        self.on_change: Callable[[str], Any] = _ignore  # telemetry keeps the prior state
+        self.pool_shared = False  # other instances insert into the same prefix pool
 
     def hit_tokens(self, hash_ids: Sequence[int], tokens: int) -> int:
         """Prompt tokens the pool holds now; at least one token is always computed."""
@@ -151,18 +174,30 @@ class PrefillInstance:
 class DecodeMember:
     """A request on a decode instance: its KV context and the tokens it still owes."""
 
-    __slots__ = ("record", "context_tokens", "left_tokens", "reserved_tokens", "on_resume",
-                 "hash_ids")
+    __slots__ = (
+        "record",
+        "context_tokens",
+        "left_tokens",
+        "reserved_tokens",
+        "on_resume",
+        "hash_ids",
+    )
 
-    def __init__(self, record: RequestRecord, context_tokens: int, left_tokens: int,
-                 reserved_tokens: int, hash_ids: Sequence[int] = (),
-                 on_resume: Callable[[DecodeMember, float], Any] | None = None) -> None:
+    def __init__(
+        self,
+        record: RequestRecord,
+        context_tokens: int,
+        left_tokens: int,
+        reserved_tokens: int,
+        hash_ids: Sequence[int] = (),
+        on_resume: Callable[[DecodeMember, float], Any] | None = None,
+    ) -> None:
         self.record = record
         self.context_tokens = context_tokens
         self.left_tokens = left_tokens
         self.reserved_tokens = reserved_tokens
         self.hash_ids = hash_ids
-        self.on_resume = on_resume     # (member, time) at its first token on this instance
+        self.on_resume = on_resume  # (member, time) at its first token on this instance
 
 
 class ComputeJob:
@@ -170,8 +205,9 @@ class ComputeJob:
 
     __slots__ = ("duration_s", "on_done", "tag")
 
-    def __init__(self, duration_s: float, on_done: Callable[[ComputeJob], Any],
-                 tag: Any = None) -> None:
+    def __init__(
+        self, duration_s: float, on_done: Callable[[ComputeJob], Any], tag: Any = None
+    ) -> None:
         self.duration_s = duration_s
         self.on_done = on_done
         self.tag = tag
@@ -180,9 +216,17 @@ class ComputeJob:
 class DecodeInstance:
     """One decode instance: KV memory, a running batch and jobs that pause it."""
 
-    def __init__(self, instance_id: str, node: str, loop: EventLoop, profile: DecodeProfile,
-                 kv_capacity_tokens: int, max_batch: int, cache: PrefixCache,
-                 on_finish: Callable[[DecodeMember], Any]) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        node: str,
+        loop: EventLoop,
+        profile: DecodeProfile,
+        kv_capacity_tokens: int,
+        max_batch: int,
+        cache: PrefixCache,
+        on_finish: Callable[[DecodeMember], Any],
+    ) -> None:
         self.instance_id = instance_id
         self.node = node
         self.loop = loop
@@ -208,9 +252,9 @@ class DecodeInstance:
         self._seg_cut = False
         self._handle = 0
         self._job_until_s = 0.0
-        self._ending = False          # inside a boundary's callbacks: the boundary continues
-        self.context_tokens = 0       # Σ context of the batch
-        self.on_change: Callable[[str], Any] = _ignore   # telemetry keeps the prior state
+        self._ending = False  # inside a boundary's callbacks: the boundary continues
+        self.context_tokens = 0  # Σ context of the batch
+        self.on_change: Callable[[str], Any] = _ignore  # telemetry keeps the prior state
 
     # -- memory -------------------------------------------------------------------------
 
@@ -251,8 +295,9 @@ class DecodeInstance:
     # -- load, as telemetry reports it ---------------------------------------------------
 
     def step_now_s(self, extra_batch: int = 0, extra_context: int = 0) -> float:
-        return self.profile.step_s(len(self.batch) + extra_batch,
-                                   self.context_tokens + extra_context)
+        return self.profile.step_s(
+            len(self.batch) + extra_batch, self.context_tokens + extra_context
+        )
 
     def job_running(self, at_s: float) -> bool:
         """A job pauses the batch at `at_s` (W(d) then shrinks as time passes)."""
@@ -330,8 +375,9 @@ class DecodeInstance:
         steps = min(done + 1, self._seg_planned)
         if steps < self._seg_planned:
             self.loop.cancel(self._handle)
-            self._handle = self.loop.at(self._seg_start_s + self._run_s(steps),
-                                        self._end_run, steps)
+            self._handle = self.loop.at(
+                self._seg_start_s + self._run_s(steps), self._end_run, steps
+            )
         self._seg_cut = True
 
     def _start_run(self) -> None:
@@ -344,8 +390,9 @@ class DecodeInstance:
         self._seg_planned = min(m.left_tokens for m in batch)
         self._seg_cut = False
         self._running = True
-        self._handle = self.loop.at(now_s + self._run_s(self._seg_planned), self._end_run,
-                                    self._seg_planned)
+        self._handle = self.loop.at(
+            now_s + self._run_s(self._seg_planned), self._end_run, self._seg_planned
+        )
 
     def _end_run(self, steps: int) -> None:
         self.on_change(self.instance_id)

@@ -26,15 +26,35 @@ PENDING, COMPLETED, ABORTED = "pending", "completed", "aborted"
 class RequestRecord:
     """What happened to one request; filled in by the simulator as it goes."""
 
-    __slots__ = ("index", "arrival_s", "input_tokens", "output_tokens", "prefill_id",
-                 "decode_id", "prefill_start_s", "prefill_end_s", "prefix_hit_tokens",
-                 "decode_hit_tokens", "kv_bytes", "tier", "transfer_start_s", "transfer_end_s",
-                 "first_token_s", "finish_s", "status", "tpot_s", "tbt_s", "segments",
-                 "recoveries", "abort_reason", "predicted_ttft_s", "generated_tokens",
-                 "last_token_s")
+    __slots__ = (
+        "index",
+        "arrival_s",
+        "input_tokens",
+        "output_tokens",
+        "prefill_id",
+        "decode_id",
+        "prefill_start_s",
+        "prefill_end_s",
+        "prefix_hit_tokens",
+        "decode_hit_tokens",
+        "kv_bytes",
+        "tier",
+        "transfer_start_s",
+        "transfer_end_s",
+        "first_token_s",
+        "finish_s",
+        "status",
+        "tpot_s",
+        "tbt_s",
+        "segments",
+        "recoveries",
+        "abort_reason",
+        "predicted_ttft_s",
+        "generated_tokens",
+        "last_token_s",
+    )
 
-    def __init__(self, index: int, arrival_s: float, input_tokens: int,
-                 output_tokens: int) -> None:
+    def __init__(self, index: int, arrival_s: float, input_tokens: int, output_tokens: int) -> None:
         self.index = index
         self.arrival_s = arrival_s
         self.input_tokens = input_tokens
@@ -83,15 +103,16 @@ class RequestRecord:
             start = first + inc * (n - top)
             top_total = top * start + inc * top * (top - 1) / 2
         else:
-            gaps = np.concatenate([first + inc * np.arange(n, dtype=np.float64)
-                                   for _, first, inc, n in segments])
+            gaps = np.concatenate(
+                [first + inc * np.arange(n, dtype=np.float64) for _, first, inc, n in segments]
+            )
             offset = 0
             for extra, _, _, n in segments:
                 gaps[offset] += extra
                 offset += n
             total = float(gaps.sum())
             top = max(1, math.ceil(0.1 * count))
-            top_total = float(np.partition(gaps, count - top)[count - top:].sum())
+            top_total = float(np.partition(gaps, count - top)[count - top :].sum())
         self.tpot_s = total / count
         self.tbt_s = top_total / top
 
@@ -102,12 +123,12 @@ class RecoveryRecord:
 
     action: str
     started_s: float
-    restored_s: float = math.nan     # the KV (prompt and generated tokens) is whole again
-    resumed_s: float = math.nan      # the first token after recovery
+    restored_s: float = math.nan  # the KV (prompt and generated tokens) is whole again
+    resumed_s: float = math.nan  # the first token after recovery
     target_id: str = ""
     predicted_s: float = math.nan
     planner: str = ""
-    generated_tokens: int = 0        # tokens the request had produced when it failed
+    generated_tokens: int = 0  # tokens the request had produced when it failed
 
     @property
     def latency_s(self) -> float:
@@ -151,11 +172,23 @@ class SloSpec:
 def _stats(values: Iterable[float], scale: float = 1.0) -> dict[str, float]:
     array = np.fromiter((v for v in values if not math.isnan(v)), dtype=np.float64) * scale
     if array.size == 0:
-        return {"count": 0, "mean": math.nan, "p50": math.nan, "p90": math.nan,
-                "p99": math.nan, "max": math.nan}
+        return {
+            "count": 0,
+            "mean": math.nan,
+            "p50": math.nan,
+            "p90": math.nan,
+            "p99": math.nan,
+            "max": math.nan,
+        }
     p50, p90, p99 = np.percentile(array, [50, 90, 99])
-    return {"count": int(array.size), "mean": float(array.mean()), "p50": float(p50),
-            "p90": float(p90), "p99": float(p99), "max": float(array.max())}
+    return {
+        "count": int(array.size),
+        "mean": float(array.mean()),
+        "p50": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+        "max": float(array.max()),
+    }
 
 
 @dataclass
@@ -188,8 +221,14 @@ class RunSummary:
         return asdict(self)
 
 
-def summarize(policy: str, records: list[RequestRecord], slo: SloSpec,
-              sim_time_s: float = 0.0, wall_s: float = 0.0, events: int = 0) -> RunSummary:
+def summarize(
+    policy: str,
+    records: list[RequestRecord],
+    slo: SloSpec,
+    sim_time_s: float = 0.0,
+    wall_s: float = 0.0,
+    events: int = 0,
+) -> RunSummary:
     """Summarise the records of one run."""
     done = [r for r in records if r.status == COMPLETED]
     aborted = [r for r in records if r.status == ABORTED]
@@ -229,9 +268,13 @@ def summarize(policy: str, records: list[RequestRecord], slo: SloSpec,
     )
 
 
-def goodput_by_bisection(attainment_at: Callable[[float], float], low_rate: float,
-                         high_rate: float, target: float = 0.9,
-                         tolerance: float = 0.1) -> tuple[float, list[tuple[float, float]]]:
+def goodput_by_bisection(
+    attainment_at: Callable[[float], float],
+    low_rate: float,
+    high_rate: float,
+    target: float = 0.9,
+    tolerance: float = 0.1,
+) -> tuple[float, list[tuple[float, float]]]:
     """Highest rate whose attainment is ≥ `target`, by bisection to `tolerance` req/s.
 
     Assumes attainment falls with rate (DistServe's method). Returns the rate and every

@@ -10,8 +10,15 @@ from typing import TextIO
 class Progress:
     """Redraws `label [#####.....] 52% 2076/3993 1.2s` at most every `interval_s`."""
 
-    def __init__(self, total: int, label: str = "", stream: TextIO | None = None,
-                 interval_s: float = 0.5, width: int = 30, force: bool = False) -> None:
+    def __init__(
+        self,
+        total: int,
+        label: str = "",
+        stream: TextIO | None = None,
+        interval_s: float = 0.5,
+        width: int = 30,
+        force: bool = False,
+    ) -> None:
         self.total = max(1, total)
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
@@ -34,8 +41,10 @@ class Progress:
         share = min(1.0, self.done / self.total)
         filled = int(share * self.width)
         bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r{self.label} [{bar}] {share:4.0%} {self.done}/{self.total} "
-                          f"{now - self._started:.1f}s")
+        self.stream.write(
+            f"\r{self.label} [{bar}] {share:4.0%} {self.done}/{self.total} "
+            f"{now - self._started:.1f}s"
+        )
         self.stream.flush()
 
     def close(self) -> None:

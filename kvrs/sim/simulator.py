@@ -70,25 +70,38 @@ class Flight:
     outdated and do nothing.
     """
 
-    __slots__ = ("request", "record", "stage", "prefill_id", "source_kv", "decode_id",
-                 "flow", "job", "memory_tokens", "memory_state", "slot", "epoch", "recovery",
-                 "pending_parts")
+    __slots__ = (
+        "request",
+        "record",
+        "stage",
+        "prefill_id",
+        "source_kv",
+        "decode_id",
+        "flow",
+        "job",
+        "memory_tokens",
+        "memory_state",
+        "slot",
+        "epoch",
+        "recovery",
+        "pending_parts",
+    )
 
     def __init__(self, request: TraceRequest, record: RequestRecord) -> None:
         self.request = request
         self.record = record
         self.stage = "prefill"
-        self.prefill_id = ""          # the prefill instance holding the prompt's KV
+        self.prefill_id = ""  # the prefill instance holding the prompt's KV
         self.source_kv = False
         self.decode_id = ""
         self.flow: Flow | None = None
-        self.job: PrefillJob | None = None   # the prefill work it waits for, if any
+        self.job: PrefillJob | None = None  # the prefill work it waits for, if any
         self.memory_tokens = 0
-        self.memory_state = ""        # "", "queued" or "granted" on decode_id
-        self.slot = False             # holds a migration slot
+        self.memory_state = ""  # "", "queued" or "granted" on decode_id
+        self.slot = False  # holds a migration slot
         self.epoch = 0
         self.recovery: RecoveryRecord | None = None
-        self.pending_parts = 0        # HYBRID: transfer and recompute both must finish
+        self.pending_parts = 0  # HYBRID: transfer and recompute both must finish
 
 
 class _PrefillRouting:
@@ -103,8 +116,7 @@ class _PrefillRouting:
             self.by_pool[prefills[state.instance_id].pool].append(i)
 
     @classmethod
-    def of(cls, candidates: InstanceList,
-           prefills: dict[str, PrefillInstance]) -> _PrefillRouting:
+    def of(cls, candidates: InstanceList, prefills: dict[str, PrefillInstance]) -> _PrefillRouting:
         """The routing columns of `candidates`, cached on the list."""
         routing = candidates.derived.get(cls)
         if routing is None:
@@ -126,8 +138,13 @@ class RunResult:
 class Simulator:
     """One run of one policy over one workload."""
 
-    def __init__(self, config: SimConfig, requests: Iterable[TraceRequest], policy: PolicySpec,
-                 on_request_done: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        requests: Iterable[TraceRequest],
+        policy: PolicySpec,
+        on_request_done: Callable[[], Any] | None = None,
+    ) -> None:
         self.config = config
         self.policy_spec = policy
         self.loop = EventLoop()
@@ -142,8 +159,11 @@ class Simulator:
         decode_profile = serving.decode()
         pool_blocks = serving.prefix_pool_tokens // self.block_tokens
         self._pooled_blocks = BlockIndex()
-        shared_pool = PrefixCache(pool_blocks, index=self._pooled_blocks) \
-            if serving.prefix_pool_scope == "global" else None
+        shared_pool = (
+            PrefixCache(pool_blocks, index=self._pooled_blocks)
+            if serving.prefix_pool_scope == "global"
+            else None
+        )
         node_pools: dict[str, PrefixCache] = {}
         self.prefills: dict[str, PrefillInstance] = {}
         self.decodes: dict[str, DecodeInstance] = {}
@@ -153,16 +173,28 @@ class Simulator:
             self.node_of[spec.instance_id] = node
             if spec.role is Role.PREFILL:
                 pool = shared_pool or node_pools.setdefault(
-                    node, PrefixCache(pool_blocks, index=self._pooled_blocks))
+                    node, PrefixCache(pool_blocks, index=self._pooled_blocks)
+                )
                 self.prefills[spec.instance_id] = PrefillInstance(
-                    spec.instance_id, node, self.loop, self.compute, pool, self.block_tokens,
-                    serving.prefill_budget_tokens)
+                    spec.instance_id,
+                    node,
+                    self.loop,
+                    self.compute,
+                    pool,
+                    self.block_tokens,
+                    serving.prefill_budget_tokens,
+                )
             else:
                 self.decodes[spec.instance_id] = DecodeInstance(
-                    spec.instance_id, node, self.loop, decode_profile, serving.decode_kv_tokens,
+                    spec.instance_id,
+                    node,
+                    self.loop,
+                    decode_profile,
+                    serving.decode_kv_tokens,
                     serving.decode_max_batch,
                     PrefixCache(serving.decode_cache_tokens // self.block_tokens),
-                    self._decode_finished)
+                    self._decode_finished,
+                )
         pool_users: dict[int, int] = defaultdict(int)
         for prefill in self.prefills.values():
             pool_users[id(prefill.pool)] += 1
@@ -176,12 +208,23 @@ class Simulator:
             for d in self.decodes:
                 for link_id in self.topology.path_links(p, d):
                     self.network.link(link_id)
-        self.background = BackgroundTraffic(config.background, self.loop, self.network,
-                                            list(self.network.links), seed=config.seed + 1)
+        self.background = BackgroundTraffic(
+            config.background,
+            self.loop,
+            self.network,
+            list(self.network.links),
+            seed=config.seed + 1,
+        )
         # The control plane's copy reuses the paths just computed for the flow network.
-        self.telemetry = Telemetry(config.telemetry, self.loop, self.topology,
-                                   self.topology.copy, self.network, self.prefills,
-                                   self.decodes)
+        self.telemetry = Telemetry(
+            config.telemetry,
+            self.loop,
+            self.topology,
+            self.topology.copy,
+            self.network,
+            self.prefills,
+            self.decodes,
+        )
         self._costs: dict[str, CostModel] = {}
         if policy.mode == "placement":
             self.placement = make_placement_policy(policy.policy, **dict(policy.params))
@@ -223,18 +266,25 @@ class Simulator:
         finally:
             gc.set_threshold(*thresholds)
         wall_s = time.perf_counter() - started
-        summary = summarize(self.policy_spec.name, self.records, self.config.slo,
-                            sim_time_s=self.loop.now_s, wall_s=wall_s,
-                            events=self.loop.events_run)
+        summary = summarize(
+            self.policy_spec.name,
+            self.records,
+            self.config.slo,
+            sim_time_s=self.loop.now_s,
+            wall_s=wall_s,
+            events=self.loop.events_run,
+        )
         stats = dict(self.stats)
-        stats.update(flows=self.network.flows_started, refills=self.network.refills,
-                     refilled_flows=self.network.refilled_flows,
-                     decode_steps=sum(d.steps for d in self.decodes.values()),
-                     telemetry_samples=self.telemetry.samples,
-                     link_samples=self.telemetry.link_samples,
-                     background_toggles=self.background.toggles)
-        return RunResult(self.policy_spec.name, self.records, summary, stats,
-                         self.recovery_batches)
+        stats.update(
+            flows=self.network.flows_started,
+            refills=self.network.refills,
+            refilled_flows=self.network.refilled_flows,
+            decode_steps=sum(d.steps for d in self.decodes.values()),
+            telemetry_samples=self.telemetry.samples,
+            link_samples=self.telemetry.link_samples,
+            background_toggles=self.background.toggles,
+        )
+        return RunResult(self.policy_spec.name, self.records, summary, stats, self.recovery_batches)
 
     def _next_arrival(self) -> None:
         request = next(self._requests, None)
@@ -259,8 +309,9 @@ class Simulator:
     # -- arrival and prefill -------------------------------------------------------------
 
     def _arrive(self, request: TraceRequest) -> None:
-        record = RequestRecord(request.index, request.arrival_s, request.input_tokens,
-                               request.output_tokens)
+        record = RequestRecord(
+            request.index, request.arrival_s, request.input_tokens, request.output_tokens
+        )
         self.records.append(record)
         flight = Flight(request, record)
         self.flights[request.index] = flight
@@ -275,8 +326,13 @@ class Simulator:
             return
         flight.stage = "prefill"
         request = flight.request
-        flight.job = PrefillJob(flight.record, request.input_tokens, request.hash_ids,
-                                partial(self._prefilled, flight.epoch), tag=flight)
+        flight.job = PrefillJob(
+            flight.record,
+            request.input_tokens,
+            request.hash_ids,
+            partial(self._prefilled, flight.epoch),
+            tag=flight,
+        )
         prefill.submit(flight.job)
 
     def _route_prefill(self, request: TraceRequest) -> PrefillInstance | None:
@@ -295,8 +351,9 @@ class Simulator:
             share = np.array([float(weights.get(i, 0.0)) for i in ids])
             if share.sum() <= 0:
                 share = np.ones(len(ids))
-            pick = int(np.searchsorted(np.cumsum(share / share.sum()), self._rng.random(),
-                                       side="right"))
+            pick = int(
+                np.searchsorted(np.cumsum(share / share.sum()), self._rng.random(), side="right")
+            )
             return self.prefills[ids[min(pick, len(ids) - 1)]]
         age_s = max(0.0, self.loop.now_s - view.now_s)
         routing = _PrefillRouting.of(candidates, self.prefills)
@@ -311,10 +368,15 @@ class Simulator:
                 for i in routing.by_pool.get(pool, ()):
                     state = candidates[i]
                     if first_block in state.resident_blocks:
-                        hit = min(tokens - 1, prefix_hit_tokens(
-                            request.hash_ids, state.resident_blocks, self.block_tokens, tokens))
+                        hit = min(
+                            tokens - 1,
+                            prefix_hit_tokens(
+                                request.hash_ids, state.resident_blocks, self.block_tokens, tokens
+                            ),
+                        )
                         scores[i] = max(0.0, state.wait_s - age_s) + self.compute.extend_s(
-                            hit, tokens - hit)
+                            hit, tokens - hit
+                        )
         return self.prefills[candidates[int(scores.argmin())].instance_id]
 
     def _prefilled(self, epoch: int, job: PrefillJob) -> None:
@@ -360,20 +422,27 @@ class Simulator:
         cost = self._cost(self.policy_spec.network_view)
         try:
             placement = self.placement.select(  # type: ignore[union-attr]
-                PlacementRequest(str(request.index), flight.prefill_id, request.input_tokens,
-                                 request.hash_ids), candidates, cost, now_s)
+                PlacementRequest(
+                    str(request.index), flight.prefill_id, request.input_tokens, request.hash_ids
+                ),
+                candidates,
+                cost,
+                now_s,
+            )
         except (ResourceExhausted, FailedPrecondition):
             self._retry_placement(flight)
             return
         flight.record.predicted_ttft_s = placement.predicted_ttft_s
-        self._to_decode(flight, placement.instance_id, flight.prefill_id,
-                        request.input_tokens, use_hits=True)
+        self._to_decode(
+            flight, placement.instance_id, flight.prefill_id, request.input_tokens, use_hits=True
+        )
 
     def _retry_placement(self, flight: Flight) -> None:
         """No decode instance has room in the view: look again once the view has changed."""
         self.stats["placement_retries"] += 1
-        delay_s = max(self.config.placement_retry_s, self.telemetry.next_state_sample_s()
-                      - self.loop.now_s)
+        delay_s = max(
+            self.config.placement_retry_s, self.telemetry.next_state_sample_s() - self.loop.now_s
+        )
         self.loop.after(delay_s, self._place, flight, flight.epoch)
 
     def _place_by_recovery(self, flight: Flight) -> None:
@@ -385,14 +454,18 @@ class Simulator:
         now_s = self.loop.now_s
         request = flight.request
         recovery_request = RecoveryRequest(
-            request_id=str(request.index), prompt_tokens=request.input_tokens,
-            generated_tokens=0, source_prefill_id=flight.prefill_id,
-            exclude_ids=frozenset((flight.prefill_id,)))
+            request_id=str(request.index),
+            prompt_tokens=request.input_tokens,
+            generated_tokens=0,
+            source_prefill_id=flight.prefill_id,
+            exclude_ids=frozenset((flight.prefill_id,)),
+        )
         view = self.telemetry.view(self.policy_spec.network_view)
         cost = self._cost(self.policy_spec.network_view)
         try:
             decision = self.placement_recovery.decide(  # type: ignore[union-attr]
-                recovery_request, view, cost, now_s)
+                recovery_request, view, cost, now_s
+            )
         except FailedPrecondition:
             decision = None
         if decision is None or decision.action is Action.ABORT:
@@ -402,9 +475,16 @@ class Simulator:
         self.stats[f"placed_{decision.action.value}"] += 1
         self._execute(flight, decision, now_s, record=False)
 
-    def _to_decode(self, flight: Flight, decode_id: str, source_id: str, kv_tokens: int,
-                   use_hits: bool, then: Callable[[Flight], Any] | None = None,
-                   migration: bool = False) -> None:
+    def _to_decode(
+        self,
+        flight: Flight,
+        decode_id: str,
+        source_id: str,
+        kv_tokens: int,
+        use_hits: bool,
+        then: Callable[[Flight], Any] | None = None,
+        migration: bool = False,
+    ) -> None:
         """Reserve KV memory on `decode_id`, then pull `kv_tokens` of KV from `source_id`."""
         decode = self.decodes[decode_id]
         if not decode.alive:
@@ -420,13 +500,28 @@ class Simulator:
         flight.stage = "memory"
         flight.memory_tokens = flight.request.input_tokens + flight.request.output_tokens
         flight.memory_state = "queued"
-        granted = partial(self._memory_granted, flight, flight.epoch, source_id, kv_tokens,
-                          use_hits, then, migration)
+        granted = partial(
+            self._memory_granted,
+            flight,
+            flight.epoch,
+            source_id,
+            kv_tokens,
+            use_hits,
+            then,
+            migration,
+        )
         decode.request_memory(flight.memory_tokens, granted, tag=flight)
 
-    def _memory_granted(self, flight: Flight, epoch: int, source_id: str, kv_tokens: int,
-                        use_hits: bool, then: Callable[[Flight], Any] | None,
-                        migration: bool) -> None:
+    def _memory_granted(
+        self,
+        flight: Flight,
+        epoch: int,
+        source_id: str,
+        kv_tokens: int,
+        use_hits: bool,
+        then: Callable[[Flight], Any] | None,
+        migration: bool,
+    ) -> None:
         flight.memory_state = "granted"
         if flight.epoch != epoch:
             return
@@ -434,8 +529,9 @@ class Simulator:
         record = flight.record
         hit = 0
         if use_hits:
-            hit = min(kv_tokens, decode.cache.leading_hits(flight.request.hash_ids)
-                      * self.block_tokens)
+            hit = min(
+                kv_tokens, decode.cache.leading_hits(flight.request.hash_ids) * self.block_tokens
+            )
             record.decode_hit_tokens = hit
         kv_bytes = self.model.kv_bytes(kv_tokens - hit)
         if use_hits:
@@ -446,11 +542,16 @@ class Simulator:
             record.transfer_start_s = self.loop.now_s
         done = partial(self._kv_arrived, flight, flight.epoch, then or self._admit, migration)
         flight.flow = self.network.start(
-            self.topology.path_links(source_id, flight.decode_id), kv_bytes, done,
-            setup_s=self.topology.base_rtt_s(source_id, flight.decode_id), tag=flight)
+            self.topology.path_links(source_id, flight.decode_id),
+            kv_bytes,
+            done,
+            setup_s=self.topology.base_rtt_s(source_id, flight.decode_id),
+            tag=flight,
+        )
 
-    def _kv_arrived(self, flight: Flight, epoch: int, then: Callable[[Flight], Any],
-                    migration: bool, flow: Flow) -> None:
+    def _kv_arrived(
+        self, flight: Flight, epoch: int, then: Callable[[Flight], Any], migration: bool, flow: Flow
+    ) -> None:
         if flight.epoch != epoch:
             return
         flight.flow = None
@@ -466,9 +567,14 @@ class Simulator:
         generated = record.generated_tokens
         if flight.recovery is not None and math.isnan(flight.recovery.restored_s):
             flight.recovery.restored_s = self.loop.now_s
-        member = DecodeMember(record, request.input_tokens + generated,
-                              request.output_tokens - generated, flight.memory_tokens,
-                              request.hash_ids, self._resumed if flight.recovery else None)
+        member = DecodeMember(
+            record,
+            request.input_tokens + generated,
+            request.output_tokens - generated,
+            flight.memory_tokens,
+            request.hash_ids,
+            self._resumed if flight.recovery else None,
+        )
         flight.memory_state = ""
         self.decodes[flight.decode_id].admit(member)
 
@@ -512,8 +618,11 @@ class Simulator:
 
     def _fail(self, instance_id: str, node: str) -> None:
         """Kill an instance (or every instance of a node) and recover what it held."""
-        ids = [instance_id] if instance_id else sorted(
-            i for i, n in self.node_of.items() if n == node)
+        ids = (
+            [instance_id]
+            if instance_id
+            else sorted(i for i, n in self.node_of.items() if n == node)
+        )
         if not ids or any(i not in self.node_of for i in ids):
             raise InvalidArgument("failure", f"unknown instance or node: {instance_id or node}")
         failed_at_s = self.loop.now_s
@@ -528,7 +637,7 @@ class Simulator:
                 for job in self.prefills[dead].fail():
                     flight = job.tag
                     if flight.job is not job or flight.stage == "done":
-                        continue        # work it no longer waits for
+                        continue  # work it no longer waits for
                     if flight.stage == "prefill":
                         reroute.append(flight)
                     else:
@@ -550,8 +659,7 @@ class Simulator:
         for flight in flights:
             self._withdraw(flight)
         if flights:
-            self.loop.after(self.config.recovery.detection_s, self._recover, flights,
-                            failed_at_s)
+            self.loop.after(self.config.recovery.detection_s, self._recover, flights, failed_at_s)
 
     def _withdraw(self, flight: Flight) -> None:
         """Cancel whatever the flight was waiting for; it is about to be re-planned."""
@@ -583,19 +691,30 @@ class Simulator:
         requests = []
         for flight in flights:
             source_ok = flight.source_kv and flight.prefill_id not in self._dead
-            requests.append(RecoveryRequest(
-                request_id=str(flight.record.index),
-                prompt_tokens=flight.request.input_tokens,
-                generated_tokens=flight.record.generated_tokens,
-                source_prefill_id=flight.prefill_id or next(iter(self.prefills)),
-                deadline_s=deadline_s, source_kv_available=source_ok, exclude_ids=exclude))
+            requests.append(
+                RecoveryRequest(
+                    request_id=str(flight.record.index),
+                    prompt_tokens=flight.request.input_tokens,
+                    generated_tokens=flight.record.generated_tokens,
+                    source_prefill_id=flight.prefill_id or next(iter(self.prefills)),
+                    deadline_s=deadline_s,
+                    source_kv_available=source_ok,
+                    exclude_ids=exclude,
+                )
+            )
         view = self.telemetry.view(spec.network_view)
         cost = self._cost(spec.network_view)
         started = time.perf_counter()
         by_id = {str(f.record.index): f for f in flights}
         if spec.planner == "batch":
-            plan = plan_batch(requests, view, cost, now_s, self.recovery_policy,
-                              max(0, spec.migration_slots - self.slots_in_use))
+            plan = plan_batch(
+                requests,
+                view,
+                cost,
+                now_s,
+                self.recovery_policy,
+                max(0, spec.migration_slots - self.slots_in_use),
+            )
             plan_s = time.perf_counter() - started
             for decision in plan.decisions:
                 self._execute(by_id[decision.request_id], decision, failed_at_s)
@@ -603,25 +722,41 @@ class Simulator:
         else:
             for request in requests:
                 decision = self.recovery_policy.decide(
-                    request, view, cost, now_s,
-                    migration_slot_free=self.slots_in_use < spec.migration_slots)
+                    request,
+                    view,
+                    cost,
+                    now_s,
+                    migration_slot_free=self.slots_in_use < spec.migration_slots,
+                )
                 self._execute(by_id[request.request_id], decision, failed_at_s)
             plan_s = time.perf_counter() - started
             makespan_s = math.nan
-        self.recovery_batches.append({
-            "at_s": now_s, "failed_at_s": failed_at_s, "requests": len(requests),
-            "planner": spec.planner, "policy": spec.policy, "plan_wall_s": plan_s,
-            "predicted_makespan_s": makespan_s})
+        self.recovery_batches.append(
+            {
+                "at_s": now_s,
+                "failed_at_s": failed_at_s,
+                "requests": len(requests),
+                "planner": spec.planner,
+                "policy": spec.policy,
+                "plan_wall_s": plan_s,
+                "predicted_makespan_s": makespan_s,
+            }
+        )
 
-    def _execute(self, flight: Flight, decision: RecoveryDecision, started_s: float,
-                 record: bool = True) -> None:
+    def _execute(
+        self, flight: Flight, decision: RecoveryDecision, started_s: float, record: bool = True
+    ) -> None:
         """Carry out one recovery decision on the live cluster."""
         action = decision.action
         if record:
-            rec = RecoveryRecord(action=action.value, started_s=started_s,
-                                 target_id=decision.target_id, predicted_s=decision.cost_s,
-                                 planner=self.config.recovery.planner,
-                                 generated_tokens=flight.record.generated_tokens)
+            rec = RecoveryRecord(
+                action=action.value,
+                started_s=started_s,
+                target_id=decision.target_id,
+                predicted_s=decision.cost_s,
+                planner=self.config.recovery.planner,
+                generated_tokens=flight.record.generated_tokens,
+            )
             flight.record.recoveries.append(rec)
             flight.recovery = rec
             self.stats[f"recovery_{action.value}"] += 1
@@ -633,28 +768,47 @@ class Simulator:
         if action is Action.RECOMPUTE:
             prefill = self.prefills[decision.source_id]
             flight.stage = "recomputing"
-            flight.job = PrefillJob(flight.record, request.input_tokens + generated,
-                                    request.hash_ids,
-                                    partial(self._recomputed, flight.epoch, decision),
-                                    tag=flight)
+            flight.job = PrefillJob(
+                flight.record,
+                request.input_tokens + generated,
+                request.hash_ids,
+                partial(self._recomputed, flight.epoch, decision),
+                tag=flight,
+            )
             prefill.submit(flight.job)
             return
         # Placement-time moves (RoM load balancing) are not failure migrations: no slot.
         flight.slot = record
         self.slots_in_use += int(record)
         if action is Action.MIGRATE:
-            self._to_decode(flight, decision.target_id, decision.source_id,
-                            request.input_tokens, use_hits=not record,
-                            then=self._extend_then_admit, migration=record)
+            self._to_decode(
+                flight,
+                decision.target_id,
+                decision.source_id,
+                request.input_tokens,
+                use_hits=not record,
+                then=self._extend_then_admit,
+                migration=record,
+            )
             return
         split = max(0, min(decision.split_tokens, request.input_tokens))
         flight.pending_parts = 2
-        self._to_decode(flight, decision.target_id, decision.source_id,
-                        request.input_tokens - split, use_hits=False,
-                        then=self._hybrid_part_done, migration=record)
+        self._to_decode(
+            flight,
+            decision.target_id,
+            decision.source_id,
+            request.input_tokens - split,
+            use_hits=False,
+            then=self._hybrid_part_done,
+            migration=record,
+        )
         decode = self.decodes[decision.target_id]
-        decode.add_job(ComputeJob(self.compute.prefill_s(split),
-                                  partial(self._hybrid_compute_done, flight, flight.epoch)))
+        decode.add_job(
+            ComputeJob(
+                self.compute.prefill_s(split),
+                partial(self._hybrid_compute_done, flight, flight.epoch),
+            )
+        )
 
     def _recomputed(self, epoch: int, decision: RecoveryDecision, job: PrefillJob) -> None:
         flight: Flight = job.tag
@@ -681,14 +835,19 @@ class Simulator:
             return
         extend_s = self.compute.extend_s(flight.request.input_tokens, generated)
         self.decodes[flight.decode_id].add_job(
-            ComputeJob(extend_s, partial(self._extended, flight, flight.epoch)))
+            ComputeJob(extend_s, partial(self._extended, flight, flight.epoch))
+        )
 
     def _extended(self, flight: Flight, epoch: int, job: ComputeJob) -> None:
         if flight.epoch == epoch:
             self._admit(flight)
 
 
-def run_policy(config: SimConfig, requests: Iterable[TraceRequest], policy: PolicySpec,
-               on_request_done: Callable[[], Any] | None = None) -> RunResult:
+def run_policy(
+    config: SimConfig,
+    requests: Iterable[TraceRequest],
+    policy: PolicySpec,
+    on_request_done: Callable[[], Any] | None = None,
+) -> RunResult:
     """Simulate `requests` under `policy`; the convenience entry point."""
     return Simulator(config, requests, policy, on_request_done).run()

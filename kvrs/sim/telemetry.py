@@ -43,9 +43,9 @@ NETWORK_VIEWS = ("topology", "telemetry", "live")
 class TelemetrySpec:
     """How often the control plane's picture of the cluster is refreshed."""
 
-    state_period_s: float = 0.1      # instance load, memory, prefix blocks (gossip)
-    link_period_s: float = 1.0       # link capacity left by background, KV flow counts
-    stale_after_s: float = 60.0      # staleness bound handed to the network model
+    state_period_s: float = 0.1  # instance load, memory, prefix blocks (gossip)
+    link_period_s: float = 1.0  # link capacity left by background, KV flow counts
+    stale_after_s: float = 60.0  # staleness bound handed to the network model
 
     def __post_init__(self) -> None:
         if self.state_period_s < 0 or self.link_period_s < 0:
@@ -55,10 +55,16 @@ class TelemetrySpec:
 class Telemetry:
     """Samples instance and link state on the simulator's clock."""
 
-    def __init__(self, spec: TelemetrySpec, loop: EventLoop, topology: Topology,
-                 build_topology: Callable[[], Topology], flows: FlowNetwork,
-                 prefills: Mapping[str, PrefillInstance],
-                 decodes: Mapping[str, DecodeInstance]) -> None:
+    def __init__(
+        self,
+        spec: TelemetrySpec,
+        loop: EventLoop,
+        topology: Topology,
+        build_topology: Callable[[], Topology],
+        flows: FlowNetwork,
+        prefills: Mapping[str, PrefillInstance],
+        decodes: Mapping[str, DecodeInstance],
+    ) -> None:
         self.spec = spec
         self.loop = loop
         self.topology = topology
@@ -81,8 +87,9 @@ class Telemetry:
         # changed and the dead can differ from the last view, because an unchanged instance
         # that was idle at one sample is idle at every later one (its work only ends).
         self._recheck: set[str] = set()
-        self._position = {instance_id: position for position, instance_id
-                          in enumerate((*prefills, *decodes))}
+        self._position = {
+            instance_id: position for position, instance_id in enumerate((*prefills, *decodes))
+        }
         for instance in (*prefills.values(), *decodes.values()):
             instance.on_change = self.before_change
         # The control plane's copy of the topology, whose link capacities are measured.
@@ -139,18 +146,27 @@ class Telemetry:
         p = self.prefills.get(instance_id)
         if p is not None:
             return InstanceState(
-                instance_id=instance_id, role=Role.PREFILL, wait_s=p.wait_s(at_s),
-                queue_depth=len(p.queue), running_requests=len(p.batch),
+                instance_id=instance_id,
+                role=Role.PREFILL,
+                wait_s=p.wait_s(at_s),
+                queue_depth=len(p.queue),
+                running_requests=len(p.batch),
                 resident_blocks=p.pool.as_of(at_s),  # type: ignore[arg-type]
-                alive=p.alive)
+                alive=p.alive,
+            )
         d = self.decodes[instance_id]
         return InstanceState(
-            instance_id=instance_id, role=Role.DECODE, wait_s=d.wait_s(at_s),
+            instance_id=instance_id,
+            role=Role.DECODE,
+            wait_s=d.wait_s(at_s),
             queue_depth=len(d.waiting) + len(d.memory_queue),
-            running_requests=len(d.batch), free_kv_tokens=max(0, d.free_kv_tokens),
+            running_requests=len(d.batch),
+            free_kv_tokens=max(0, d.free_kv_tokens),
             # A decode cache changes only with its instance, so its contents now are its
             # contents at `at_s`; a frozenset keeps placement's per-block scans in C.
-            resident_blocks=d.cache.snapshot(), alive=d.alive)
+            resident_blocks=d.cache.snapshot(),
+            alive=d.alive,
+        )
 
     def _busy(self, instance_id: str, at_s: float) -> bool:
         """Its W(x) shrinks as time passes (work in progress), so old states are stale."""
@@ -182,8 +198,11 @@ class Telemetry:
                 state = captured[1]
                 stale_next.add(instance_id)
                 recheck.add(instance_id)
-            elif (instance_id not in changed and instance_id in previous
-                  and not self._busy(instance_id, at_s)):
+            elif (
+                instance_id not in changed
+                and instance_id in previous
+                and not self._busy(instance_id, at_s)
+            ):
                 state = previous[instance_id]
             else:
                 state = self._state(instance_id, at_s)
@@ -232,7 +251,8 @@ class Telemetry:
         view = self._views.get(network_view)
         if view is None:
             view = self._views[network_view] = ClusterView(
-                instances=self._view.instances, now_s=self._view.now_s)
+                instances=self._view.instances, now_s=self._view.now_s
+            )
         return view
 
     def network(self, kind: str) -> NetworkModel:
@@ -243,11 +263,15 @@ class Telemetry:
         if model is None:
             topology = self.topology if kind == "topology" else self._measured
             model = self._models[kind] = NetworkModel(
-                topology, StalenessPolicy(self.spec.stale_after_s))
+                topology, StalenessPolicy(self.spec.stale_after_s)
+            )
             if kind == "telemetry":
                 model.set_flows(self._flow_sample)
-        if kind != "topology" and self.spec.link_period_s == 0 \
-                and self._link_sampled_s < self.loop.now_s:
+        if (
+            kind != "topology"
+            and self.spec.link_period_s == 0
+            and self._link_sampled_s < self.loop.now_s
+        ):
             self._sample_links()
         if kind == "live" and self._live_version != self.flows.counts_version:
             self._live_version = self.flows.counts_version

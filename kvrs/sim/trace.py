@@ -24,11 +24,17 @@ MOONCAKE_BLOCK_TOKENS = 512
 class TraceRequest:
     """One request of a workload; `hash_ids` are its prompt's prefix blocks, in order."""
 
-    __slots__ = ("index", "arrival_s", "input_tokens", "output_tokens", "hash_ids",
-                 "deadline_s")
+    __slots__ = ("index", "arrival_s", "input_tokens", "output_tokens", "hash_ids", "deadline_s")
 
-    def __init__(self, index: int, arrival_s: float, input_tokens: int, output_tokens: int,
-                 hash_ids: tuple[int, ...] = (), deadline_s: float | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        arrival_s: float,
+        input_tokens: int,
+        output_tokens: int,
+        hash_ids: tuple[int, ...] = (),
+        deadline_s: float | None = None,
+    ) -> None:
         self.index = index
         self.arrival_s = arrival_s
         self.input_tokens = input_tokens
@@ -37,14 +43,20 @@ class TraceRequest:
         self.deadline_s = deadline_s
 
     def __repr__(self) -> str:
-        return (f"TraceRequest({self.index}, arrival_s={self.arrival_s:.3f}, "
-                f"input_tokens={self.input_tokens}, output_tokens={self.output_tokens}, "
-                f"blocks={len(self.hash_ids)})")
+        return (
+            f"TraceRequest({self.index}, arrival_s={self.arrival_s:.3f}, "
+            f"input_tokens={self.input_tokens}, output_tokens={self.output_tokens}, "
+            f"blocks={len(self.hash_ids)})"
+        )
 
     def to_mooncake(self) -> dict:
         """The request as a Mooncake trace line (timestamp rounded to whole ms)."""
-        return {"timestamp": int(round(self.arrival_s * 1000)), "input_length": self.input_tokens,
-                "output_length": self.output_tokens, "hash_ids": list(self.hash_ids)}
+        return {
+            "timestamp": int(round(self.arrival_s * 1000)),
+            "input_length": self.input_tokens,
+            "output_length": self.output_tokens,
+            "hash_ids": list(self.hash_ids),
+        }
 
 
 def load_mooncake(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -69,8 +81,15 @@ def load_mooncake(path: str | Path, limit: int | None = None) -> list[TraceReque
                 raise InvalidArgument("trace", f"{path}:{line_no}: lengths must be >= 1")
             if origin_ms is None:
                 origin_ms = timestamp_ms
-            requests.append(TraceRequest(len(requests), (timestamp_ms - origin_ms) / 1000.0,
-                                         input_tokens, output_tokens, hash_ids))
+            requests.append(
+                TraceRequest(
+                    len(requests),
+                    (timestamp_ms - origin_ms) / 1000.0,
+                    input_tokens,
+                    output_tokens,
+                    hash_ids,
+                )
+            )
     return requests
 
 
@@ -85,12 +104,22 @@ def scale_arrivals(requests: Iterable[TraceRequest], rate_scale: float) -> list[
     """Replay `rate_scale` times faster (2.0 halves every inter-arrival gap)."""
     if rate_scale <= 0:
         raise InvalidArgument("rate_scale", "must be > 0")
-    return [TraceRequest(r.index, r.arrival_s / rate_scale, r.input_tokens, r.output_tokens,
-                         r.hash_ids, r.deadline_s) for r in requests]
+    return [
+        TraceRequest(
+            r.index,
+            r.arrival_s / rate_scale,
+            r.input_tokens,
+            r.output_tokens,
+            r.hash_ids,
+            r.deadline_s,
+        )
+        for r in requests
+    ]
 
 
-def cap_context(requests: Iterable[TraceRequest], max_input_tokens: int | None,
-                mode: str = "truncate") -> list[TraceRequest]:
+def cap_context(
+    requests: Iterable[TraceRequest], max_input_tokens: int | None, mode: str = "truncate"
+) -> list[TraceRequest]:
     """Limit prompt length: `truncate` cuts long prompts, `filter` drops them.
 
     Indices are renumbered so a capped trace is a trace in its own right.
@@ -105,9 +134,10 @@ def cap_context(requests: Iterable[TraceRequest], max_input_tokens: int | None,
             continue
         else:
             tokens = max_input_tokens
-            blocks = r.hash_ids[:math.ceil(max_input_tokens / MOONCAKE_BLOCK_TOKENS)]
-        kept.append(TraceRequest(len(kept), r.arrival_s, tokens, r.output_tokens, blocks,
-                                 r.deadline_s))
+            blocks = r.hash_ids[: math.ceil(max_input_tokens / MOONCAKE_BLOCK_TOKENS)]
+        kept.append(
+            TraceRequest(len(kept), r.arrival_s, tokens, r.output_tokens, blocks, r.deadline_s)
+        )
     return kept
 
 
@@ -122,7 +152,7 @@ class TraceStats:
     p99_input_tokens: float
     duration_s: float
     rate_per_s: float
-    cache_ratio: float   # share of prefix blocks seen earlier in the trace (infinite cache)
+    cache_ratio: float  # share of prefix blocks seen earlier in the trace (infinite cache)
 
     @classmethod
     def of(cls, requests: list[TraceRequest]) -> TraceStats:
@@ -171,9 +201,9 @@ class SyntheticWorkload:
     output_median_tokens: float = 70.0
     output_sigma: float = 1.25
     max_output_tokens: int = 2048
-    continue_prob: float = 0.62          # share of requests that continue a session
-    active_sessions: int = 64            # recent sessions a continuation may pick from
-    system_prompts: int = 8              # shared system prompts new sessions may start with
+    continue_prob: float = 0.62  # share of requests that continue a session
+    active_sessions: int = 64  # recent sessions a continuation may pick from
+    system_prompts: int = 8  # shared system prompts new sessions may start with
     system_prompt_tokens: int = 2048
     system_prompt_prob: float = 0.3
     seed: int = 0
@@ -187,7 +217,7 @@ class SyntheticWorkload:
             count = max(1, self.system_prompt_tokens // block)
             system_blocks.append(tuple(range(next_block, next_block + count)))
             next_block += count
-        sessions: list[tuple[tuple[int, ...], int]] = []   # (full-block prefix, tokens)
+        sessions: list[tuple[tuple[int, ...], int]] = []  # (full-block prefix, tokens)
         arrival_s = 0.0
         chunk = 4096
         for start in range(0, self.requests, chunk):
@@ -204,9 +234,12 @@ class SyntheticWorkload:
                 if sessions and kinds[i] < self.continue_prob:
                     slot = int(picks[i] * len(sessions))
                     prefix, prefix_tokens = sessions[slot]
-                    new_tokens = max(1, new_tokens // 4)   # a follow-up turn is shorter
-                elif kinds[i] < self.continue_prob + self.system_prompt_prob * (
-                        1 - self.continue_prob) and system_blocks:
+                    new_tokens = max(1, new_tokens // 4)  # a follow-up turn is shorter
+                elif (
+                    kinds[i]
+                    < self.continue_prob + self.system_prompt_prob * (1 - self.continue_prob)
+                    and system_blocks
+                ):
                     slot = -1
                     prefix = system_blocks[int(picks[i] * len(system_blocks))]
                     prefix_tokens = len(prefix) * block

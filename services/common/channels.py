@@ -66,6 +66,4 @@ def open_channel(
     credentials = channel_credentials(settings)
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(
-        address, credentials, options=options, interceptors=interceptors
-    )
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)

@@ -26,53 +26,84 @@ class Metrics:
     def __post_init__(self) -> None:
         r = self.registry
         self.decisions = Counter(
-            "kvrs_decisions", "Decisions made, by kind and action.", ["decision", "action"],
+            "kvrs_decisions",
+            "Decisions made, by kind and action.",
+            ["decision", "action"],
             registry=r,
         )
         self.decision_latency_s = Histogram(
-            "kvrs_decision_latency_seconds", "Time to make one decision in-process.",
-            ["decision"], buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+            "kvrs_decision_latency_seconds",
+            "Time to make one decision in-process.",
+            ["decision"],
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
             registry=r,
         )
         self.recovery_predicted_s = Histogram(
-            "kvrs_recovery_predicted_seconds", "Predicted recovery time, by action.",
-            ["action"], buckets=_SECONDS_BUCKETS, registry=r,
+            "kvrs_recovery_predicted_seconds",
+            "Predicted recovery time, by action.",
+            ["action"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
         )
         self.recovery_actual_s = Histogram(
-            "kvrs_recovery_actual_seconds", "Measured recovery time, by action.",
-            ["action"], buckets=_SECONDS_BUCKETS, registry=r,
+            "kvrs_recovery_actual_seconds",
+            "Measured recovery time, by action.",
+            ["action"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
         )
         self.telemetry_age_s = Gauge(
-            "kvrs_telemetry_age_seconds", "Age of the cluster view a decision used.",
+            "kvrs_telemetry_age_seconds",
+            "Age of the cluster view a decision used.",
             registry=r,
         )
         self.slots_in_use = Gauge(
-            "kvrs_slots_in_use", "Migration slots currently leased.", registry=r,
+            "kvrs_slots_in_use",
+            "Migration slots currently leased.",
+            registry=r,
         )
         self.slot_requests = Counter(
-            "kvrs_slot_requests", "Slot reservations, by outcome.", ["outcome"], registry=r,
+            "kvrs_slot_requests",
+            "Slot reservations, by outcome.",
+            ["outcome"],
+            registry=r,
         )
         self.transfer_bytes = Counter(
-            "kvrs_transfer_bytes", "KV bytes moved, by direction.", ["direction"], registry=r,
+            "kvrs_transfer_bytes",
+            "KV bytes moved, by direction.",
+            ["direction"],
+            registry=r,
         )
         self.transfer_rate_bps = Histogram(
-            "kvrs_transfer_rate_bps", "Achieved KV transfer rate in bits per second.",
-            buckets=(1e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e11), registry=r,
+            "kvrs_transfer_rate_bps",
+            "Achieved KV transfer rate in bits per second.",
+            buckets=(1e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e11),
+            registry=r,
         )
         self.requests = Counter(
-            "kvrs_requests", "Requests served end to end, by outcome.", ["outcome"], registry=r,
+            "kvrs_requests",
+            "Requests served end to end, by outcome.",
+            ["outcome"],
+            registry=r,
         )
         self.instances_alive = Gauge(
-            "kvrs_instances_alive", "Alive instances by role, as gossip last listed them.",
-            ["role"], registry=r,
+            "kvrs_instances_alive",
+            "Alive instances by role, as gossip last listed them.",
+            ["role"],
+            registry=r,
         )
         self.membership_events = Counter(
-            "kvrs_membership_events", "Instances this gossip replica declared failed or saw "
-            "leave, by type.", ["type"], registry=r,
+            "kvrs_membership_events",
+            "Instances this gossip replica declared failed or saw leave, by type.",
+            ["type"],
+            registry=r,
         )
         self.heartbeats = Counter(
-            "kvrs_heartbeats", "Heartbeats received, by outcome (ok; unknown or not_alive: "
-            "the instance must register again).", ["outcome"], registry=r,
+            "kvrs_heartbeats",
+            "Heartbeats received, by outcome (ok; unknown or not_alive: "
+            "the instance must register again).",
+            ["outcome"],
+            registry=r,
         )
 
 

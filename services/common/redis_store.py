@@ -19,7 +19,6 @@ DEFAULT_KEY_PREFIX = "{kvrs}:"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-
 @dataclass(frozen=True)
 class RedisTls:
     """Client TLS material for a `rediss://` Redis, read from `KVRS_REDIS_TLS_*`.
@@ -43,26 +42,32 @@ class RedisTls:
             cert_file=env_str("KVRS_REDIS_TLS_CERT_FILE", "", env),
             key_file=env_str("KVRS_REDIS_TLS_KEY_FILE", "", env),
         )
-        for name, path in (("KVRS_REDIS_TLS_CA_FILE", tls.ca_file),
-                           ("KVRS_REDIS_TLS_CERT_FILE", tls.cert_file),
-                           ("KVRS_REDIS_TLS_KEY_FILE", tls.key_file)):
+        for name, path in (
+            ("KVRS_REDIS_TLS_CA_FILE", tls.ca_file),
+            ("KVRS_REDIS_TLS_CERT_FILE", tls.cert_file),
+            ("KVRS_REDIS_TLS_KEY_FILE", tls.key_file),
+        ):
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name} names a missing file: {path}")
         if bool(tls.cert_file) != bool(tls.key_file):
             raise ConfigError(
-                "KVRS_REDIS_TLS_CERT_FILE and KVRS_REDIS_TLS_KEY_FILE must be set together")
+                "KVRS_REDIS_TLS_CERT_FILE and KVRS_REDIS_TLS_KEY_FILE must be set together"
+            )
         if (tls.ca_file or tls.cert_file) and not redis_url.startswith("rediss://"):
-            raise ConfigError("KVRS_REDIS_TLS_* need a rediss:// REDIS_URL, got "
-                              f"{redis_url.partition(':')[0]}://")
+            raise ConfigError(
+                f"KVRS_REDIS_TLS_* need a rediss:// REDIS_URL, got {redis_url.partition(':')[0]}://"
+            )
         return tls
+
 
 def redis_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str, RedisTls]:
     """(REDIS_URL, KVRS_REDIS_PREFIX, KVRS_REDIS_TLS_*) of a Redis-backed service, checked."""
     url = env_str("REDIS_URL", DEFAULT_REDIS_URL, env)
     prefix = env_str("KVRS_REDIS_PREFIX", DEFAULT_KEY_PREFIX, env)
     if "{" not in prefix or "}" not in prefix:
-        raise ConfigError(f"KVRS_REDIS_PREFIX must contain a hash tag like '{{kvrs}}:', "
-                          f"got {prefix!r}")
+        raise ConfigError(
+            f"KVRS_REDIS_PREFIX must contain a hash tag like '{{kvrs}}:', got {prefix!r}"
+        )
     return url, prefix, RedisTls.from_env(url, env)
 
 

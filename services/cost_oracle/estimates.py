@@ -50,9 +50,7 @@ class CostOracle:
         state = self.view.state
         return self._static_cost if state is None else state.cost
 
-    def transfer(
-        self, src_id: str, dst_id: str, kv_bytes: int, tokens: int
-    ) -> TransferEstimate:
+    def transfer(self, src_id: str, dst_id: str, kv_bytes: int, tokens: int) -> TransferEstimate:
         self._require_known("src_instance_id", src_id)
         self._require_known("dst_instance_id", dst_id)
         size = self._kv_bytes(kv_bytes, tokens)
@@ -71,9 +69,7 @@ class CostOracle:
         decode = self._ids("decode_instance_ids", decode_ids, Role.DECODE)
         network = self.cost_model().network
         now_s = self._clock()
-        rows = tuple(
-            tuple(network.transfer(p, d, size, now_s) for d in decode) for p in prefill
-        )
+        rows = tuple(tuple(network.transfer(p, d, size, now_s) for d in decode) for p in prefill)
         return CostMatrix(prefill_ids=prefill, decode_ids=decode, rows=rows)
 
     def compute(self, cached_tokens: int, new_tokens: int) -> ComputeEstimate:
@@ -110,14 +106,19 @@ class CostOracle:
             return tuple(given)
         state = self.view.state
         if state is not None:
-            alive = state.cluster.prefill_instances() if role is Role.PREFILL \
+            alive = (
+                state.cluster.prefill_instances()
+                if role is Role.PREFILL
                 else state.cluster.decode_instances()
+            )
             return tuple(instance.instance_id for instance in alive)
-        return tuple(sorted(
-            spec.instance_id
-            for spec in self.view.inputs.topology.instances.values()
-            if spec.role is role
-        ))
+        return tuple(
+            sorted(
+                spec.instance_id
+                for spec in self.view.inputs.topology.instances.values()
+                if spec.role is role
+            )
+        )
 
     def _require_known(self, field: str, instance_id: str) -> None:
         if not instance_id:

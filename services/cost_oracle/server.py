@@ -42,20 +42,17 @@ async def build_server(
     source = GossipSource(
         lambda: GossipClient(config.gossip_addr, config.grpc, timeout_s=config.peer_timeout_s)
     )
-    view = ViewCache(
-        inputs, source, config.refresh_s, stale_after_s=inputs.staleness.stale_after_s
-    )
+    view = ViewCache(inputs, source, config.refresh_s, stale_after_s=inputs.staleness.stale_after_s)
     if not await view.refresh():
-        log.warning("gossip at %s did not answer; pricing from the topology file alone",
-                    config.gossip_addr)
+        log.warning(
+            "gossip at %s did not answer; pricing from the topology file alone", config.gossip_addr
+        )
     oracle = CostOracle(view)
     if metrics is not None:
         metrics.telemetry_age_s.set_function(lambda: _view_age_s(view))
 
     def register(server: grpc.aio.Server) -> None:
-        oracle_pb2_grpc.add_CostOracleServiceServicer_to_server(
-            CostOracleServicer(oracle), server
-        )
+        oracle_pb2_grpc.add_CostOracleServiceServicer_to_server(CostOracleServicer(oracle), server)
 
     base = await start_server(register, [SERVICE_NAME], config.listen_addr, config.grpc, provider)
     handle = CostOracleServerHandle(

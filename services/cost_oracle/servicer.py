@@ -20,12 +20,14 @@ class CostOracleServicer(oracle_pb2_grpc.CostOracleServiceServicer):
         estimate = self.oracle.transfer(
             request.src_instance_id, request.dst_instance_id, request.kv_bytes, request.tokens
         )
-        trace.get_current_span().set_attributes({
-            "kvrs.transfer_s": estimate.transfer_s,
-            "kvrs.transfer.bandwidth_bps": estimate.bottleneck_bps,
-            "kvrs.transfer.telemetry_age_s": estimate.telemetry_age_s,
-            "kvrs.transfer.telemetry_stale": estimate.telemetry_stale,
-        })
+        trace.get_current_span().set_attributes(
+            {
+                "kvrs.transfer_s": estimate.transfer_s,
+                "kvrs.transfer.bandwidth_bps": estimate.bottleneck_bps,
+                "kvrs.transfer.telemetry_age_s": estimate.telemetry_age_s,
+                "kvrs.transfer.telemetry_stale": estimate.telemetry_stale,
+            }
+        )
         return oracle_pb2.EstimateTransferResponse(estimate=transfer_to_pb(estimate))
 
     async def GetCostMatrix(

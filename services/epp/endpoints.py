@@ -129,8 +129,11 @@ class EndpointDirectory:
         except (KvrsError, OSError) as exc:
             if self._current is None:
                 raise Unavailable(f"no endpoint list from gossip yet: {exc}") from exc
-            log.warning("gossip did not answer (%s); routing with the map from %.1f s ago",
-                        exc, self._clock() - self._current.fetched_at_s)
+            log.warning(
+                "gossip did not answer (%s); routing with the map from %.1f s ago",
+                exc,
+                self._clock() - self._current.fetched_at_s,
+            )
 
     async def _build(self, nodes: Sequence[gossip_pb2.NodeInfo]) -> Endpoints:
         alive = [node for node in nodes if node.state == gossip_pb2.NODE_STATE_ALIVE]
@@ -143,14 +146,16 @@ class EndpointDirectory:
             try:
                 host, port = split_address(address)
             except ValueError:
-                log.warning("decode instance %s has an unusable address %r",
-                            node.instance_id, address)
+                log.warning(
+                    "decode instance %s has an unusable address %r", node.instance_id, address
+                )
                 continue
             if not self.endpoints:
                 port = self.target_port or port
             hosts.append((node.instance_id, host, port))
-        ips = await asyncio.gather(*(_resolve(host) for _, host, _ in hosts),
-                                   return_exceptions=True)
+        ips = await asyncio.gather(
+            *(_resolve(host) for _, host, _ in hosts), return_exceptions=True
+        )
         by_endpoint: dict[str, str] = {}
         by_instance: dict[str, str] = {}
         for (instance_id, host, port), ip in zip(hosts, ips, strict=True):
@@ -159,8 +164,13 @@ class EndpointDirectory:
                 continue
             endpoint = format_endpoint(ip, port)
             if endpoint in by_endpoint:
-                log.warning("decode instances %s and %s are both reached at %s; routing to %s",
-                            by_endpoint[endpoint], instance_id, endpoint, by_endpoint[endpoint])
+                log.warning(
+                    "decode instances %s and %s are both reached at %s; routing to %s",
+                    by_endpoint[endpoint],
+                    instance_id,
+                    endpoint,
+                    by_endpoint[endpoint],
+                )
                 continue
             by_endpoint[endpoint] = instance_id
             by_instance[instance_id] = endpoint

@@ -76,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epp-addr", required=True, help="host:port of the endpoint picker")
     parser.add_argument("--listen-port", type=int, default=8081, help="HTTP port (8081)")
     parser.add_argument("--admin-port", type=int, default=9901, help="admin port (9901)")
-    parser.add_argument("--body-mode", choices=BODY_MODES, default="BUFFERED",
-                        help="ext_proc request body mode (BUFFERED)")
+    parser.add_argument(
+        "--body-mode",
+        choices=BODY_MODES,
+        default="BUFFERED",
+        help="ext_proc request body mode (BUFFERED)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="file to write (stdout)")
     args = parser.parse_args(argv)
     try:

@@ -154,12 +154,14 @@ class Picker:
         gateway answers instead (see the module doc). `context` parents the span."""
         started_s = time.perf_counter()
         with self.tracer.start_as_current_span("kvrs.epp.pick", context=context) as span:
-            span.set_attributes({
-                "kvrs.request_id": request.request_id,
-                "kvrs.prompt_tokens": request.prompt.prompt_tokens,
-                "kvrs.prefix_blocks": len(request.prompt.prefix_hashes),
-                "kvrs.epp.subset_size": -1 if request.subset is None else len(request.subset),
-            })
+            span.set_attributes(
+                {
+                    "kvrs.request_id": request.request_id,
+                    "kvrs.prompt_tokens": request.prompt.prompt_tokens,
+                    "kvrs.prefix_blocks": len(request.prompt.prefix_hashes),
+                    "kvrs.epp.subset_size": -1 if request.subset is None else len(request.subset),
+                }
+            )
             try:
                 pick = await self._pick(request, span)
             except KvrsError as exc:
@@ -178,10 +180,12 @@ class Picker:
             eligible = dict(known)
         else:
             eligible = {e: known[e] for e in (s.strip() for s in request.subset) if e in known}
-        span.set_attributes({
-            "kvrs.epp.endpoints_known": len(known),
-            "kvrs.epp.endpoints_eligible": len(eligible),
-        })
+        span.set_attributes(
+            {
+                "kvrs.epp.endpoints_known": len(known),
+                "kvrs.epp.endpoints_eligible": len(eligible),
+            }
+        )
         if not eligible:
             if request.subset is None:
                 raise NoEligibleEndpoint("no decode instance is registered in gossip")
@@ -191,14 +195,19 @@ class Picker:
                 f" is an alive decode instance ({len(known)} known)"
             )
         prefill_id = self.prefill_instance_id or endpoints.least_loaded_prefill()
-        span.set_attributes({
-            "kvrs.prefill_instance_id": prefill_id,
-            "kvrs.epp.prefill_source": "configured" if self.prefill_instance_id
-            else "least_loaded",
-        })
+        span.set_attributes(
+            {
+                "kvrs.prefill_instance_id": prefill_id,
+                "kvrs.epp.prefill_source": "configured"
+                if self.prefill_instance_id
+                else "least_loaded",
+            }
+        )
         if not prefill_id:
-            raise Unavailable("no alive prefill instance to score placements from "
-                              "(set EPP_PREFILL_INSTANCE or start one)")
+            raise Unavailable(
+                "no alive prefill instance to score placements from "
+                "(set EPP_PREFILL_INSTANCE or start one)"
+            )
         try:
             reply = await self.scheduler.select_decode(
                 prefill_id,
@@ -213,22 +222,27 @@ class Picker:
             # client, nothing can serve the request right now.
             raise Unavailable(f"scheduler: {exc}") from exc
         except InvalidArgument as exc:
-            raise KvrsError(f"scheduler rejected the placement request ({exc}); "
-                            "check EPP_POLICY and EPP_PREFILL_INSTANCE") from exc
+            raise KvrsError(
+                f"scheduler rejected the placement request ({exc}); "
+                "check EPP_POLICY and EPP_PREFILL_INSTANCE"
+            ) from exc
         endpoint = endpoints.endpoint_by_instance.get(reply.decode_instance_id, "")
-        span.set_attributes({
-            "kvrs.chosen_instance_id": reply.decode_instance_id,
-            "kvrs.epp.endpoint": endpoint,
-            "kvrs.policy": reply.policy,
-            "kvrs.predicted_ttft_s": reply.predicted_ttft_s,
-            "kvrs.prefix_hit_tokens": reply.prefix_hit_tokens,
-            "kvrs.runner_up.instance_id": reply.runner_up_instance_id,
-            "kvrs.view_stale": reply.view_stale,
-            "kvrs.view_age_s": reply.view_age_s,
-        })
+        span.set_attributes(
+            {
+                "kvrs.chosen_instance_id": reply.decode_instance_id,
+                "kvrs.epp.endpoint": endpoint,
+                "kvrs.policy": reply.policy,
+                "kvrs.predicted_ttft_s": reply.predicted_ttft_s,
+                "kvrs.prefix_hit_tokens": reply.prefix_hit_tokens,
+                "kvrs.runner_up.instance_id": reply.runner_up_instance_id,
+                "kvrs.view_stale": reply.view_stale,
+                "kvrs.view_age_s": reply.view_age_s,
+            }
+        )
         if endpoint not in eligible:
-            raise Unavailable(f"scheduler chose {reply.decode_instance_id!r}, which is not an "
-                              "eligible endpoint")
+            raise Unavailable(
+                f"scheduler chose {reply.decode_instance_id!r}, which is not an eligible endpoint"
+            )
         return Pick(
             endpoint=endpoint,
             instance_id=reply.decode_instance_id,

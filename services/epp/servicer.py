@@ -65,8 +65,11 @@ def subset_hint(metadata: base_pb2.Metadata) -> tuple[str, ...] | None:
     value = namespace.fields[SUBSET_KEY]
     kind = value.WhichOneof("kind")
     if kind == "list_value":
-        items = [item.string_value for item in value.list_value.values
-                 if item.WhichOneof("kind") == "string_value"]
+        items = [
+            item.string_value
+            for item in value.list_value.values
+            if item.WhichOneof("kind") == "string_value"
+        ]
     elif kind == "string_value":
         items = value.string_value.split(",")
     else:
@@ -75,18 +78,19 @@ def subset_hint(metadata: base_pb2.Metadata) -> tuple[str, ...] | None:
 
 
 def _header_value(header: base_pb2.HeaderValue) -> str:
-    return header.raw_value.decode("utf-8", errors="replace") if header.raw_value \
-        else header.value
+    return header.raw_value.decode("utf-8", errors="replace") if header.raw_value else header.value
 
 
 def destination(endpoint: str) -> tuple[ext_proc_pb2.CommonResponse, struct_pb2.Struct]:
     """The header mutation and dynamic metadata that send the request to `endpoint`."""
-    mutation = ext_proc_pb2.HeaderMutation(set_headers=[
-        base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoint.encode()),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-        )
-    ])
+    mutation = ext_proc_pb2.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoint.encode()),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ]
+    )
     metadata = struct_pb2.Struct()
     metadata.update({DESTINATION_NAMESPACE: {DESTINATION_HEADER: endpoint}})
     return ext_proc_pb2.CommonResponse(header_mutation=mutation), metadata
@@ -97,13 +101,16 @@ def immediate(status: int, body: dict, details: str) -> ext_proc_pb2.ProcessingR
     return ext_proc_pb2.ProcessingResponse(
         immediate_response=ext_proc_pb2.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=ext_proc_pb2.HeaderMutation(set_headers=[
-                base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(key="content-type",
-                                                raw_value=b"application/json"),
-                    append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-                )
-            ]),
+            headers=ext_proc_pb2.HeaderMutation(
+                set_headers=[
+                    base_pb2.HeaderValueOption(
+                        header=base_pb2.HeaderValue(
+                            key="content-type", raw_value=b"application/json"
+                        ),
+                        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                    )
+                ]
+            ),
             body=json_bytes(body),
             details=details,
         )
@@ -114,9 +121,7 @@ def streamed_body(chunk: bytes, end_of_stream: bool) -> ext_proc_pb2.BodyRespons
     """A FULL_DUPLEX_STREAMED body answer: `chunk` goes on unchanged."""
     streamed = ext_proc_pb2.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
     mutation = ext_proc_pb2.BodyMutation(streamed_response=streamed)
-    return ext_proc_pb2.BodyResponse(
-        response=ext_proc_pb2.CommonResponse(body_mutation=mutation)
-    )
+    return ext_proc_pb2.BodyResponse(response=ext_proc_pb2.CommonResponse(body_mutation=mutation))
 
 
 class _Exchange:
@@ -155,13 +160,15 @@ class _Exchange:
         if kind == "request_trailers":
             return await self._request_trailers()
         if kind == "response_headers":
-            return [ext_proc_pb2.ProcessingResponse(
-                response_headers=ext_proc_pb2.HeadersResponse())]
+            return [
+                ext_proc_pb2.ProcessingResponse(response_headers=ext_proc_pb2.HeadersResponse())
+            ]
         if kind == "response_body":
             return self._response_body(message.response_body)
         if kind == "response_trailers":
-            return [ext_proc_pb2.ProcessingResponse(
-                response_trailers=ext_proc_pb2.TrailersResponse())]
+            return [
+                ext_proc_pb2.ProcessingResponse(response_trailers=ext_proc_pb2.TrailersResponse())
+            ]
         return []
 
     async def _request_headers(
@@ -195,23 +202,29 @@ class _Exchange:
             responses = await self._decide(in_body=False)
             if responses and responses[0].HasField("immediate_response"):
                 return responses
-        responses.append(ext_proc_pb2.ProcessingResponse(
-            request_trailers=ext_proc_pb2.TrailersResponse()))
+        responses.append(
+            ext_proc_pb2.ProcessingResponse(request_trailers=ext_proc_pb2.TrailersResponse())
+        )
         return responses
 
     def _response_body(self, body: ext_proc_pb2.HttpBody) -> list[ext_proc_pb2.ProcessingResponse]:
         if self.response_body_mode == BodyMode.FULL_DUPLEX_STREAMED:
-            return [ext_proc_pb2.ProcessingResponse(
-                response_body=streamed_body(body.body, body.end_of_stream))]
+            return [
+                ext_proc_pb2.ProcessingResponse(
+                    response_body=streamed_body(body.body, body.end_of_stream)
+                )
+            ]
         return [ext_proc_pb2.ProcessingResponse(response_body=ext_proc_pb2.BodyResponse())]
 
     def _streamed(self, data: bytes, end_of_stream: bool) -> list[ext_proc_pb2.ProcessingResponse]:
-        chunks = [data[i:i + STREAMED_CHUNK_BYTES]
-                  for i in range(0, len(data), STREAMED_CHUNK_BYTES)] or [b""]
+        chunks = [
+            data[i : i + STREAMED_CHUNK_BYTES] for i in range(0, len(data), STREAMED_CHUNK_BYTES)
+        ] or [b""]
         last = len(chunks) - 1
         return [
             ext_proc_pb2.ProcessingResponse(
-                request_body=streamed_body(chunk, end_of_stream and index == last))
+                request_body=streamed_body(chunk, end_of_stream and index == last)
+            )
             for index, chunk in enumerate(chunks)
         ]
 
@@ -236,14 +249,18 @@ class _Exchange:
             return [immediate(status, body, f"kvrs_epp_{exc.code.lower()}")]
         common, metadata = destination(pick.endpoint)
         if in_body:
-            return [ext_proc_pb2.ProcessingResponse(
-                request_body=ext_proc_pb2.BodyResponse(response=common),
+            return [
+                ext_proc_pb2.ProcessingResponse(
+                    request_body=ext_proc_pb2.BodyResponse(response=common),
+                    dynamic_metadata=metadata,
+                )
+            ]
+        responses = [
+            ext_proc_pb2.ProcessingResponse(
+                request_headers=ext_proc_pb2.HeadersResponse(response=common),
                 dynamic_metadata=metadata,
-            )]
-        responses = [ext_proc_pb2.ProcessingResponse(
-            request_headers=ext_proc_pb2.HeadersResponse(response=common),
-            dynamic_metadata=metadata,
-        )]
+            )
+        ]
         if self.full_duplex and self.body:
             responses += self._streamed(bytes(self.body), end_of_stream=not self.trailers_seen)
         return responses
@@ -267,12 +284,22 @@ class ExternalProcessorServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
         exchange = _Exchange(self.picker, self.block_tokens)
         async for message in request_iterator:
             try:
-                responses: Sequence[ext_proc_pb2.ProcessingResponse] = \
-                    await exchange.handle(message)
+                responses: Sequence[ext_proc_pb2.ProcessingResponse] = await exchange.handle(
+                    message
+                )
             except Exception:  # noqa: BLE001 - the gateway gets a 500, the log the traceback
                 log.exception("ext_proc stream failed")
-                responses = [immediate(500, error_body(
-                    "internal error in the endpoint picker; see its log", "server_error",
-                    None, "internal"), "kvrs_epp_internal")]
+                responses = [
+                    immediate(
+                        500,
+                        error_body(
+                            "internal error in the endpoint picker; see its log",
+                            "server_error",
+                            None,
+                            "internal",
+                        ),
+                        "kvrs_epp_internal",
+                    )
+                ]
             for response in responses:
                 yield response

@@ -37,7 +37,7 @@ EVENT_FROM_PB = {value: name for name, value in EVENT_TO_PB.items()}
 
 
 def role_from_pb(role: int) -> str:
-    """"" for ROLE_UNSPECIFIED, which validation rejects where a role is required."""
+    """ "" for ROLE_UNSPECIFIED, which validation rejects where a role is required."""
     return ROLE_FROM_PB.get(role, "")
 
 

@@ -160,8 +160,7 @@ def validate_load(load: NodeLoad) -> None:
     if len(load.resident_prefix_hashes) > MAX_PREFIX_HASHES:
         raise InvalidArgument(
             "resident_prefix_hashes",
-            f"must hold at most {MAX_PREFIX_HASHES} hashes, got "
-            f"{len(load.resident_prefix_hashes)}",
+            f"must hold at most {MAX_PREFIX_HASHES} hashes, got {len(load.resident_prefix_hashes)}",
         )
 
 

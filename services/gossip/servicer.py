@@ -37,8 +37,9 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
     async def Heartbeat(self, request, context: grpc.aio.ServicerContext):
         outcome = "ok"
         try:
-            expires_ms = await self._store.heartbeat(request.instance_id,
-                                                     convert.load_from_pb(request))
+            expires_ms = await self._store.heartbeat(
+                request.instance_id, convert.load_from_pb(request)
+            )
         except NotFound:
             outcome = "unknown"
             raise
@@ -65,8 +66,9 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
             # Every scheduler and router lists everything several times a second: the
             # gauge stays fresh without a listing of its own.
             for each in ROLES:
-                self._metrics.instances_alive.labels(role=each).set(sum(
-                    1 for r in records if r.state == ALIVE and r.registration.role == each))
+                self._metrics.instances_alive.labels(role=each).set(
+                    sum(1 for r in records if r.state == ALIVE and r.registration.role == each)
+                )
         return gossip_pb2.ListNodesResponse(
             nodes=[convert.node_to_pb(record) for record in records], server_unix_ms=now_ms
         )

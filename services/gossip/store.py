@@ -93,7 +93,9 @@ end
 """
 
 # KEYS: live, events, nodes. ARGV: common, id, ttl_ms, field/value pairs...
-_REGISTER = _LUA_COMMON + """
+_REGISTER = (
+    _LUA_COMMON
+    + """
 local id, ttl_ms = ARGV[4], tonumber(ARGV[5])
 local node = ARGV[1] .. id
 local now = now_ms()
@@ -121,10 +123,13 @@ if state ~= 'alive' then
 end
 return redis.call('HGETALL', node)
 """
+)
 
 # KEYS: live, events. ARGV: common, id, load field/value pairs...
 # Returns {expiry} or {-1} (unknown) or {-2, state} (not alive: re-register).
-_HEARTBEAT = _LUA_COMMON + """
+_HEARTBEAT = (
+    _LUA_COMMON
+    + """
 local id = ARGV[4]
 local node = ARGV[1] .. id
 local now = now_ms()
@@ -146,9 +151,12 @@ local expiry = now + tonumber(redis.call('HGET', node, 'ttl_ms'))
 redis.call('ZADD', KEYS[1], expiry, id)
 return {expiry}
 """
+)
 
 # KEYS: live, events. ARGV: common, id, reason. Returns 0 for an unknown instance.
-_DEREGISTER = _LUA_COMMON + """
+_DEREGISTER = (
+    _LUA_COMMON
+    + """
 local id = ARGV[4]
 local node = ARGV[1] .. id
 local now = now_ms()
@@ -163,9 +171,12 @@ end
 go_down(node, 'left', now)
 return 1
 """
+)
 
 # KEYS: live, events. ARGV: common, limit. Returns the ids this call declared failed.
-_SWEEP = _LUA_COMMON + """
+_SWEEP = (
+    _LUA_COMMON
+    + """
 local now = now_ms()
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[4]))
 local failed = {}
@@ -174,6 +185,7 @@ for _, id in ipairs(ids) do
 end
 return failed
 """
+)
 
 # KEYS: links. ARGV: field, sample json.
 _REPORT_LINK = """
@@ -319,8 +331,11 @@ class GossipStore:
                 overdue = int(await self._resume(keys=[self._live], args=[self._node_prefix]))
                 self._resume_pending = False
                 if overdue:
-                    log.warning("registry reachable again: %d instances past their TTL get "
-                                "one TTL to heartbeat before they are declared failed", overdue)
+                    log.warning(
+                        "registry reachable again: %d instances past their TTL get "
+                        "one TTL to heartbeat before they are declared failed",
+                        overdue,
+                    )
             yield
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             self._resume_pending = True
@@ -426,9 +441,7 @@ class GossipStore:
         link = json.dumps([sample.src_instance_id, sample.dst_instance_id])
         async with self._redis_call(trusts_expiries=False):
             return int(
-                await self._report_link(
-                    keys=[self._links], args=[link, json.dumps(asdict(sample))]
-                )
+                await self._report_link(keys=[self._links], args=[link, json.dumps(asdict(sample))])
             )
 
     async def list_links(self) -> tuple[list[LinkRecord], int]:
@@ -459,8 +472,8 @@ class GossipStore:
             return _text(newest[0][0]) if newest else "0-0"
         if not _EVENT_ID.match(after_event_id):
             raise InvalidArgument(
-                "after_event_id", f"must be '', '0' or a stream id like '1700000000000-0', "
-                f"got {after_event_id!r}"
+                "after_event_id",
+                f"must be '', '0' or a stream id like '1700000000000-0', got {after_event_id!r}",
             )
         return after_event_id
 
@@ -478,8 +491,9 @@ class GossipStore:
         return [_event(event_id, raw) for event_id, raw in reply[0][1]]
 
 
-async def sweep_forever(store: GossipStore, interval_s: float, stop: asyncio.Event,
-                        metrics: Metrics) -> None:
+async def sweep_forever(
+    store: GossipStore, interval_s: float, stop: asyncio.Event, metrics: Metrics
+) -> None:
     """Runs `store.sweep()` every `interval_s` until `stop` is set; Redis outages are logged.
 
     Every gossip replica runs one: the sweep script is atomic, so they never

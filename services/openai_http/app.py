@@ -57,17 +57,35 @@ class Dialect:
     usage_chunk_body: Callable[..., dict[str, Any]]
 
 
-def _text_chunk(request_id: str, model: str, index: int, text: str, finish_reason: str | None,
-                created_unix_s: int, first: bool) -> dict[str, Any]:
+def _text_chunk(
+    request_id: str,
+    model: str,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    created_unix_s: int,
+    first: bool,
+) -> dict[str, Any]:
     # Text chunks look the same from the first to the last.
     return protocol.chunk_body(request_id, model, index, text, finish_reason, created_unix_s)
 
 
-COMPLETIONS = Dialect("completions", "cmpl-", protocol.parse_completion_request,
-                      protocol.completion_body, _text_chunk, protocol.usage_chunk_body)
-CHAT = Dialect("chat_completions", "chatcmpl-", chat.parse_chat_request, chat.completion_body,
-               chat.chunk_body, functools.partial(protocol.usage_chunk_body,
-                                                  object_name="chat.completion.chunk"))
+COMPLETIONS = Dialect(
+    "completions",
+    "cmpl-",
+    protocol.parse_completion_request,
+    protocol.completion_body,
+    _text_chunk,
+    protocol.usage_chunk_body,
+)
+CHAT = Dialect(
+    "chat_completions",
+    "chatcmpl-",
+    chat.parse_chat_request,
+    chat.completion_body,
+    chat.chunk_body,
+    functools.partial(protocol.usage_chunk_body, object_name="chat.completion.chunk"),
+)
 
 
 async def _merged(generator: Generator, calls: Sequence[GenerateCall]) -> AsyncIterator[Event]:
@@ -152,12 +170,14 @@ class CompletionsApi:
                 )
             except KvrsError as exc:
                 return self._error(exc, span)
-            span.set_attributes({
-                "kvrs.prompt_tokens": sum(len(p) for p in parsed.prompts),
-                "kvrs.openai.prompts": len(parsed.prompts),
-                "kvrs.openai.stream": parsed.stream,
-                "kvrs.openai.max_tokens": parsed.max_tokens,
-            })
+            span.set_attributes(
+                {
+                    "kvrs.prompt_tokens": sum(len(p) for p in parsed.prompts),
+                    "kvrs.openai.prompts": len(parsed.prompts),
+                    "kvrs.openai.stream": parsed.stream,
+                    "kvrs.openai.max_tokens": parsed.max_tokens,
+                }
+            )
             calls = [
                 GenerateCall(
                     request_id=base_id if len(parsed.prompts) == 1 else f"{base_id}-{index}",
@@ -187,8 +207,9 @@ class CompletionsApi:
 
     def _error(self, exc: KvrsError, span: Span) -> web.Response:
         status, body = protocol.http_error(exc)
-        span.set_attributes({"kvrs.openai.status": status,
-                             "kvrs.openai.error_code": body["error"]["code"]})
+        span.set_attributes(
+            {"kvrs.openai.status": status, "kvrs.openai.error_code": body["error"]["code"]}
+        )
         if status >= 500:
             log.warning("completion failed (%d): %s", status, exc)
         self._count("client_error" if status < 500 else "server_error")
@@ -217,12 +238,20 @@ class CompletionsApi:
             return self._error(exc, span)
         served_by.discard("")
         usage = protocol.Usage(sum(len(p) for p in parsed.prompts), sum(map(len, tokens)))
-        span.set_attributes({"kvrs.generated_tokens": usage.completion_tokens,
-                             "kvrs.openai.status": 200})
+        span.set_attributes(
+            {"kvrs.generated_tokens": usage.completion_tokens, "kvrs.openai.status": 200}
+        )
         self._count("ok")
-        return web.json_response(dialect.completion_body(
-            completion_id, parsed.model, [decode(t) for t in tokens], reasons, usage,
-        ), headers={DECODE_INSTANCE_HEADER: ",".join(sorted(served_by))} if served_by else None)
+        return web.json_response(
+            dialect.completion_body(
+                completion_id,
+                parsed.model,
+                [decode(t) for t in tokens],
+                reasons,
+                usage,
+            ),
+            headers={DECODE_INSTANCE_HEADER: ",".join(sorted(served_by))} if served_by else None,
+        )
 
     async def _stream(
         self,
@@ -241,10 +270,12 @@ class CompletionsApi:
                 event: Event | None = await anext(events)
             except KvrsError as exc:
                 return self._error(exc, span)
-            response = web.StreamResponse(headers={
-                "content-type": "text/event-stream; charset=utf-8",
-                "cache-control": "no-cache",
-            })
+            response = web.StreamResponse(
+                headers={
+                    "content-type": "text/event-stream; charset=utf-8",
+                    "cache-control": "no-cache",
+                }
+            )
             await response.prepare(request)
             span.set_attribute("kvrs.openai.status", 200)
 
@@ -255,8 +286,17 @@ class CompletionsApi:
 
             async def send_chunk(index: int, text: str, finish_reason: str | None) -> None:
                 first, opened[index] = not opened[index], True
-                await send(dialect.chunk_body(completion_id, parsed.model, index, text,
-                                              finish_reason, created_unix_s, first))
+                await send(
+                    dialect.chunk_body(
+                        completion_id,
+                        parsed.model,
+                        index,
+                        text,
+                        finish_reason,
+                        created_unix_s,
+                        first,
+                    )
+                )
 
             try:
                 while event is not None:
@@ -271,8 +311,9 @@ class CompletionsApi:
                     event = await anext(events, None)
                 if parsed.include_usage:
                     usage = protocol.Usage(sum(len(p) for p in parsed.prompts), generated)
-                    await send(dialect.usage_chunk_body(
-                        completion_id, parsed.model, usage, created_unix_s))
+                    await send(
+                        dialect.usage_chunk_body(completion_id, parsed.model, usage, created_unix_s)
+                    )
                 await response.write(b"data: [DONE]\n\n")
                 self._count("ok")
             except KvrsError as exc:

@@ -43,11 +43,24 @@ _UNSUPPORTED_IF_SET: dict[str, str] = {
     "function_call": "function calls are not supported",
     "response_format": "structured output is not supported",
 }
-_KNOWN_FIELDS = frozenset({
-    "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-    "temperature", "top_p", "n", "seed", "user", "presence_penalty", "frequency_penalty",
-    *_UNSUPPORTED_IF_SET,
-})
+_KNOWN_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "n",
+        "seed",
+        "user",
+        "presence_penalty",
+        "frequency_penalty",
+        *_UNSUPPORTED_IF_SET,
+    }
+)
 
 
 def render(messages: Any, field: str = "messages") -> str:
@@ -61,8 +74,9 @@ def render(messages: Any, field: str = "messages") -> str:
             raise InvalidArgument(where, "must be an object with role and content")
         role = message.get("role")
         if role not in ROLES:
-            raise InvalidArgument(f"{where}.role", f"must be one of {', '.join(ROLES)}, "
-                                  f"got {role!r}")
+            raise InvalidArgument(
+                f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}"
+            )
         parts.append(f"<|{role}|>\n{_text(message.get('content'), f'{where}.content')}\n")
     parts.append("<|assistant|>\n")
     return "".join(parts)
@@ -74,17 +88,18 @@ def _text(content: Any, field: str) -> str:
     if isinstance(content, list) and content:
         texts = []
         for index, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, Mapping)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise InvalidArgument(f"{field}[{index}]", "only text parts are supported")
             texts.append(part["text"])
         return "".join(texts)
     raise InvalidArgument(field, "must be a string or a non-empty list of text parts")
 
 
-def parse_chat_request(body: Any, served_model: str, max_tokens_limit: int) -> (
-    CompletionRequest
-):
+def parse_chat_request(body: Any, served_model: str, max_tokens_limit: int) -> CompletionRequest:
     """The request in `body` (decoded JSON) as one prompt, or InvalidArgument / NotFound
     naming the field."""
     model = check_model_and_fields(body, served_model, _KNOWN_FIELDS, ENDPOINT)
@@ -94,14 +109,26 @@ def parse_chat_request(body: Any, served_model: str, max_tokens_limit: int) -> (
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = body.get(field)
     return CompletionRequest(
-        model, (tuple(prompt),),
-        *generation_options(body, field, max_tokens_limit if max_tokens is None else max_tokens,
-                            max_tokens_limit, _UNSUPPORTED_IF_SET),
+        model,
+        (tuple(prompt),),
+        *generation_options(
+            body,
+            field,
+            max_tokens_limit if max_tokens is None else max_tokens,
+            max_tokens_limit,
+            _UNSUPPORTED_IF_SET,
+        ),
     )
 
 
-def completion_body(request_id: str, model: str, texts: list[str], finish_reasons: list[str],
-                    usage: Usage, created_unix_s: int | None = None) -> dict[str, Any]:
+def completion_body(
+    request_id: str,
+    model: str,
+    texts: list[str],
+    finish_reasons: list[str],
+    usage: Usage,
+    created_unix_s: int | None = None,
+) -> dict[str, Any]:
     """The JSON of a non-streamed chat completion (one choice)."""
     return {
         "id": request_id,
@@ -109,16 +136,27 @@ def completion_body(request_id: str, model: str, texts: list[str], finish_reason
         "created": int(time.time()) if created_unix_s is None else created_unix_s,
         "model": model,
         "choices": [
-            {"index": index, "message": {"role": "assistant", "content": text},
-             "logprobs": None, "finish_reason": reason}
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
             for index, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True))
         ],
         "usage": usage.as_dict(),
     }
 
 
-def chunk_body(request_id: str, model: str, index: int, text: str, finish_reason: str | None,
-               created_unix_s: int, first: bool = False) -> dict[str, Any]:
+def chunk_body(
+    request_id: str,
+    model: str,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    created_unix_s: int,
+    first: bool = False,
+) -> dict[str, Any]:
     """One streamed chunk; the first of a choice also names the assistant role."""
     delta: dict[str, str] = {"role": "assistant"} if first else {}
     if text or not finish_reason:
@@ -128,7 +166,7 @@ def chunk_body(request_id: str, model: str, index: int, text: str, finish_reason
         "object": "chat.completion.chunk",
         "created": created_unix_s,
         "model": model,
-        "choices": [{"index": index, "delta": delta, "logprobs": None,
-                     "finish_reason": finish_reason}],
+        "choices": [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        ],
     }
-

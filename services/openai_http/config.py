@@ -62,5 +62,6 @@ class Config:
             raise ConfigError(f"OPENAI_HTTP_TTFT_SLO_S must be >= 0, got {self.ttft_slo_s}")
         host, sep, port = self.listen_addr.rpartition(":")
         if not sep or not port.isdigit():
-            raise ConfigError(f"OPENAI_HTTP_LISTEN_ADDR must be host:port, got "
-                              f"{self.listen_addr!r}")
+            raise ConfigError(
+                f"OPENAI_HTTP_LISTEN_ADDR must be host:port, got {self.listen_addr!r}"
+            )

@@ -92,8 +92,10 @@ class RouterGenerator:
                 # without a token of its own (then generated_tokens == tokens received).
                 if summary is None or received < summary.generated_tokens:
                     if message.index != received:
-                        raise KvrsError(f"router sent token #{message.index} after "
-                                        f"{received} tokens (from {self.address})")
+                        raise KvrsError(
+                            f"router sent token #{message.index} after "
+                            f"{received} tokens (from {self.address})"
+                        )
                     received += 1
                     yield Token(message.index, message.token_id)
                 if summary is None:
@@ -101,8 +103,12 @@ class RouterGenerator:
                 if summary.finish_reason == FINISH_ABORT:
                     aborted = summary
                     continue
-                yield Finished("length", summary.prompt_tokens, summary.generated_tokens,
-                               summary.final_decode_instance_id)
+                yield Finished(
+                    "length",
+                    summary.prompt_tokens,
+                    summary.generated_tokens,
+                    summary.final_decode_instance_id,
+                )
                 return
         except grpc.aio.AioRpcError as exc:
             if aborted is not None:
@@ -112,8 +118,9 @@ class RouterGenerator:
             stream.cancel()
         if aborted is not None:
             raise _aborted(aborted)
-        raise KvrsError(f"router ended request {call.request_id} without a summary "
-                        f"(from {self.address})")
+        raise KvrsError(
+            f"router ended request {call.request_id} without a summary (from {self.address})"
+        )
 
 
 def _aborted(summary: router_pb2.GenerateSummary) -> RequestAborted:

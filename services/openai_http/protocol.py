@@ -64,10 +64,23 @@ _UNSUPPORTED_IF_SET: dict[str, str] = {
     "logit_bias": "logit bias is not supported",
 }
 _ZERO_OR_ABSENT = ("presence_penalty", "frequency_penalty")
-_KNOWN_FIELDS = frozenset({
-    "model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "top_p", "n",
-    "best_of", "seed", "user", *_UNSUPPORTED_IF_SET, *_ZERO_OR_ABSENT,
-})
+_KNOWN_FIELDS = frozenset(
+    {
+        "model",
+        "prompt",
+        "max_tokens",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "n",
+        "best_of",
+        "seed",
+        "user",
+        *_UNSUPPORTED_IF_SET,
+        *_ZERO_OR_ABSENT,
+    }
+)
 
 
 class RequestAborted(Unavailable):
@@ -132,9 +145,9 @@ def prompt_token_ids(prompt: Any, field: str = "prompt") -> list[list[int]]:
     return prompts
 
 
-def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int) -> (
-    CompletionRequest
-):
+def parse_completion_request(
+    body: Any, served_model: str, max_tokens_limit: int
+) -> CompletionRequest:
     """The request in `body` (decoded JSON), or InvalidArgument / NotFound naming the field."""
     model = check_model_and_fields(body, served_model, _KNOWN_FIELDS, "/v1/completions")
     if "prompt" not in body:
@@ -144,14 +157,21 @@ def parse_completion_request(body: Any, served_model: str, max_tokens_limit: int
         raise InvalidArgument("prompt", "must not be empty")
     max_tokens = body.get("max_tokens")
     return CompletionRequest(
-        model, tuple(tuple(prompt) for prompt in prompts),
-        *generation_options(body, "max_tokens", DEFAULT_MAX_TOKENS if max_tokens is None
-                            else max_tokens, max_tokens_limit, _UNSUPPORTED_IF_SET),
+        model,
+        tuple(tuple(prompt) for prompt in prompts),
+        *generation_options(
+            body,
+            "max_tokens",
+            DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            max_tokens_limit,
+            _UNSUPPORTED_IF_SET,
+        ),
     )
 
 
-def check_model_and_fields(body: Any, served_model: str, known: frozenset[str],
-                           endpoint: str) -> str:
+def check_model_and_fields(
+    body: Any, served_model: str, known: frozenset[str], endpoint: str
+) -> str:
     """The served model `body` names; InvalidArgument for an unknown field, NotFound for
     another model."""
     if not isinstance(body, Mapping):
@@ -163,20 +183,26 @@ def check_model_and_fields(body: Any, served_model: str, known: frozenset[str],
     if not isinstance(model, str) or not model:
         raise InvalidArgument("model", "is required (see GET /v1/models)")
     if model != served_model:
-        raise NotFound(f"model {model!r} is not served here; this server serves "
-                       f"{served_model!r}", field="model")
+        raise NotFound(
+            f"model {model!r} is not served here; this server serves {served_model!r}",
+            field="model",
+        )
     return model
 
 
-def generation_options(body: Mapping[str, Any], max_tokens_field: str, max_tokens: Any,
-                       max_tokens_limit: int, unsupported: Mapping[str, str]) -> (
-    tuple[int, bool, bool]
-):
+def generation_options(
+    body: Mapping[str, Any],
+    max_tokens_field: str,
+    max_tokens: Any,
+    max_tokens_limit: int,
+    unsupported: Mapping[str, str],
+) -> tuple[int, bool, bool]:
     """(max tokens, stream, include usage) of a request, after refusing every option
     greedy decoding cannot honour (`unsupported`: parameter -> why, when set)."""
     if not _is_int(max_tokens) or not 1 <= max_tokens <= max_tokens_limit:
-        raise InvalidArgument(max_tokens_field, f"must be an integer in [1, {max_tokens_limit}],"
-                              f" got {max_tokens!r}")
+        raise InvalidArgument(
+            max_tokens_field, f"must be an integer in [1, {max_tokens_limit}], got {max_tokens!r}"
+        )
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidArgument("stream", f"must be a boolean, got {stream!r}")
@@ -268,7 +294,10 @@ def chunk_body(
 
 
 def usage_chunk_body(
-    request_id: str, model: str, usage: Usage, created_unix_s: int,
+    request_id: str,
+    model: str,
+    usage: Usage,
+    created_unix_s: int,
     object_name: str = "text_completion",
 ) -> dict[str, Any]:
     """The last chunk of a stream with `include_usage`: no choices, the usage."""
@@ -289,9 +318,9 @@ def models_body(model: str, created_unix_s: int) -> dict[str, Any]:
     }
 
 
-def error_body(message: str, error_type: str, param: str | None, code: str | None) -> (
-    dict[str, Any]
-):
+def error_body(
+    message: str, error_type: str, param: str | None, code: str | None
+) -> dict[str, Any]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 

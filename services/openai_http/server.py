@@ -44,7 +44,9 @@ async def build_server(
     """Serves the OpenAI API on `config.listen_addr` with completions from `generator`."""
     api = CompletionsApi(config, generator, provider.get_tracer("kvrs.openai_http"), metrics)
     runner = web.AppRunner(
-        api.app(), handle_signals=False, access_log=None,
+        api.app(),
+        handle_signals=False,
+        access_log=None,
         shutdown_timeout=config.grpc.shutdown_grace_s,
     )
     await runner.setup()
@@ -52,8 +54,12 @@ async def build_server(
     site = web.TCPSite(runner, host or "0.0.0.0", int(port))
     await site.start()
     bound = runner.addresses[0][1]
-    log.info("serving the OpenAI API for model %s on port %d (router %s)",
-             config.model, bound, config.router_addr)
+    log.info(
+        "serving the OpenAI API for model %s on port %d (router %s)",
+        config.model,
+        bound,
+        config.router_addr,
+    )
     return HttpServerHandle(runner=runner, port=bound)
 
 

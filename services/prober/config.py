@@ -78,7 +78,8 @@ class Config:
             raise ConfigError(f"PROBER_PAIRS must be one of {PAIR_MODES}, got {self.pairs!r}")
         if not 0 < self.budget_fraction <= 1:
             raise ConfigError(
-                f"PROBER_BUDGET_FRACTION must be in (0, 1], got {self.budget_fraction}")
+                f"PROBER_BUDGET_FRACTION must be in (0, 1], got {self.budget_fraction}"
+            )
         if not 0 < self.ewma_alpha <= 1:
             raise ConfigError(f"PROBER_EWMA_ALPHA must be in (0, 1], got {self.ewma_alpha}")
         require_positive(

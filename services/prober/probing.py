@@ -57,13 +57,13 @@ transfer over it is priced out of any decision."""
 
 
 class Transport(Protocol):
-    async def place_payload(self, src: Endpoint, kv_id: str, tokens: int, lease_s: float
-                            ) -> int:
+    async def place_payload(self, src: Endpoint, kv_id: str, tokens: int, lease_s: float) -> int:
         """Makes `src` hold a synthetic KV of `tokens` under `kv_id`; returns its bytes."""
         ...
 
-    async def pull(self, dst: Endpoint, src: Endpoint, kv_id: str, tokens: int,
-                   pacing_bps: float) -> Pulled: ...
+    async def pull(
+        self, dst: Endpoint, src: Endpoint, kv_id: str, tokens: int, pacing_bps: float
+    ) -> Pulled: ...
 
     async def drop(self, at: Endpoint, kv_id: str) -> None: ...
 
@@ -202,8 +202,12 @@ class LinkProber:
             if isinstance(exc, Unavailable) or state.src.instance_id not in self._payload_bytes:
                 raise
             # The payload may have been evicted or the source restarted: place it again.
-            log.info("probe %s -> %s failed (%s); placing the payload again",
-                     state.src.instance_id, state.dst.instance_id, exc)
+            log.info(
+                "probe %s -> %s failed (%s); placing the payload again",
+                state.src.instance_id,
+                state.dst.instance_id,
+                exc,
+            )
             del self._payload_bytes[state.src.instance_id]
             await self._measure_once(state, probe_bytes)
 
@@ -214,11 +218,13 @@ class LinkProber:
         payload_bytes = self._payload_bytes.get(src.instance_id)
         if payload_bytes is None:
             payload_bytes = await self.transport.place_payload(
-                src, kv_id, settings.payload_tokens, settings.payload_lease_s)
+                src, kv_id, settings.payload_tokens, settings.payload_lease_s
+            )
             self._payload_bytes[src.instance_id] = payload_bytes
         bytes_per_token = payload_bytes / settings.payload_tokens
-        ref_tokens = max(1, min(settings.payload_tokens // 4,
-                                math.ceil(REFERENCE_BYTES / bytes_per_token)))
+        ref_tokens = max(
+            1, min(settings.payload_tokens // 4, math.ceil(REFERENCE_BYTES / bytes_per_token))
+        )
         warmup = []
         if state.estimate is None:
             # The first transfers of a pair build its process group and fault in the
@@ -227,26 +233,30 @@ class LinkProber:
         refs = [await self._pull(dst, src, kv_id, ref_tokens) for _ in range(REFERENCE_PULLS)]
         ref = sorted(refs, key=lambda pulled: pulled.transfer_s)[len(refs) // 2]
         estimate = state.estimate
-        rate_bps = estimate.bandwidth_bps if estimate is not None else \
-            8.0 * ref.kv_bytes / max(ref.transfer_s, 1e-9)
+        rate_bps = (
+            estimate.bandwidth_bps
+            if estimate is not None
+            else 8.0 * ref.kv_bytes / max(ref.transfer_s, 1e-9)
+        )
         pulls: list[tuple[int, float]] = []
         wire_s = 0.0
         moved = 0
         total_bytes = sum(pulled.kv_bytes for pulled in (*warmup, *refs))
         while len(pulls) < settings.max_pulls and (
-                moved < probe_bytes if probe_bytes else wire_s < settings.target_probe_s):
+            moved < probe_bytes if probe_bytes else wire_s < settings.target_probe_s
+        ):
             if probe_bytes:
                 tokens = math.ceil((probe_bytes - moved) / bytes_per_token) + ref_tokens
             else:
-                tokens = ref_tokens + self._size(rate_bps, settings.target_probe_s - wire_s,
-                                                 bytes_per_token)
+                tokens = ref_tokens + self._size(
+                    rate_bps, settings.target_probe_s - wire_s, bytes_per_token
+                )
             tokens = max(2 * ref_tokens, min(settings.payload_tokens, tokens))
             pulled = await self._pull(dst, src, kv_id, tokens)
             # Against the reference pull: the fixed cost (and a shaper's burst credit,
             # which every pull starting from an idle link gets) cancels out.
             extra_bytes = pulled.kv_bytes - ref.kv_bytes
-            extra_s = max(pulled.transfer_s - ref.transfer_s,
-                          MIN_WIRE_FRACTION * pulled.transfer_s)
+            extra_s = max(pulled.transfer_s - ref.transfer_s, MIN_WIRE_FRACTION * pulled.transfer_s)
             pulls.append((extra_bytes, extra_s))
             wire_s += extra_s
             moved += extra_bytes
@@ -302,8 +312,12 @@ class LinkProber:
         try:
             await self.publisher.report_link_sample(sample)
         except KvrsError as exc:
-            log.warning("reporting link %s -> %s to gossip failed: %s",
-                        state.src.instance_id, state.dst.instance_id, exc)
+            log.warning(
+                "reporting link %s -> %s to gossip failed: %s",
+                state.src.instance_id,
+                state.dst.instance_id,
+                exc,
+            )
 
     def forget_source(self, src_id: str) -> None:
         """A source restarted or left: its payload must be placed again."""
@@ -314,14 +328,17 @@ class LinkProber:
         while True:
             now_s = self._clock()
             current = [self.link(src, dst) for src, dst in links()]
-            due = sorted((s for s in current if s.next_due_s <= now_s),
-                         key=lambda s: s.next_due_s)
+            due = sorted((s for s in current if s.next_due_s <= now_s), key=lambda s: s.next_due_s)
             for state in due:
                 try:
                     await self.probe(state.src, state.dst)
                 except KvrsError as exc:
-                    log.warning("probe %s -> %s failed: %s", state.src.instance_id,
-                                state.dst.instance_id, exc)
+                    log.warning(
+                        "probe %s -> %s failed: %s",
+                        state.src.instance_id,
+                        state.dst.instance_id,
+                        exc,
+                    )
             upcoming = [s.next_due_s for s in current if s.next_due_s > self._clock()]
             wait_s = min(upcoming) - self._clock() if upcoming else self.settings.interval_s
             await asyncio.sleep(max(0.05, min(wait_s, self.settings.interval_s)))

@@ -42,7 +42,9 @@ def probe_pairs(membership: Membership, mode: str) -> list[tuple[Endpoint, Endpo
     targets = decode if mode == "prefill-decode" else prefill + decode
     return [
         (Endpoint(s.instance_id, s.address), Endpoint(d.instance_id, d.address))
-        for s in sources for d in targets if s.instance_id != d.instance_id
+        for s in sources
+        for d in targets
+        if s.instance_id != d.instance_id
     ]
 
 
@@ -84,8 +86,11 @@ async def build_server(
     )
     tasks = []
     if probe_forever:
-        tasks.append(asyncio.create_task(
-            prober.run(lambda: probe_pairs(membership, config.pairs)), name="prober-loop"))
+        tasks.append(
+            asyncio.create_task(
+                prober.run(lambda: probe_pairs(membership, config.pairs)), name="prober-loop"
+            )
+        )
 
     async def stop() -> None:
         for task in tasks:

@@ -23,10 +23,10 @@ class WorkerTransport:
         prefilled = await self.workers.prefill(src, kv_id, prompt, lease_s=lease_s)
         return prefilled.kv_bytes
 
-    async def pull(self, dst: Endpoint, src: Endpoint, kv_id: str, tokens: int,
-                   pacing_bps: float) -> Pulled:
-        return await self.workers.pull_kv(dst, kv_id, src, 0, tokens, tokens,
-                                          pacing_bps=pacing_bps)
+    async def pull(
+        self, dst: Endpoint, src: Endpoint, kv_id: str, tokens: int, pacing_bps: float
+    ) -> Pulled:
+        return await self.workers.pull_kv(dst, kv_id, src, 0, tokens, tokens, pacing_bps=pacing_bps)
 
     async def drop(self, at: Endpoint, kv_id: str) -> None:
         await self.workers.release_kv(at, kv_id)

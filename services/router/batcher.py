@@ -89,13 +89,9 @@ class RecoveryBatcher:
         self.calls += 1
         try:
             if len(items) == 1:
-                decisions = [
-                    await self._planner.recover(items[0], group.failed_id, group.policy)
-                ]
+                decisions = [await self._planner.recover(items[0], group.failed_id, group.policy)]
             else:
-                decisions = await self._planner.recover_batch(
-                    items, group.failed_id, group.policy
-                )
+                decisions = await self._planner.recover_batch(items, group.failed_id, group.policy)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting request
             for _, future in group.items:
                 if not future.done():

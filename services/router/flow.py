@@ -70,8 +70,13 @@ RELEASE_TIMEOUT_S = 1.0
 
 class Control(Protocol):
     async def select_decode(
-        self, request_id: str, prefill_id: str, prompt_tokens: int,
-        prefix_hashes: Sequence[int], policy: str, candidate_ids: Sequence[str] = (),
+        self,
+        request_id: str,
+        prefill_id: str,
+        prompt_tokens: int,
+        prefix_hashes: Sequence[int],
+        policy: str,
+        candidate_ids: Sequence[str] = (),
     ) -> Placement: ...
 
     async def recover(
@@ -148,12 +153,14 @@ class Router:
         )
         outcome = "failed"
         with self.tracer.start_as_current_span("router.generate") as span:
-            span.set_attributes({
-                "kvrs.request_id": request.request_id,
-                "kvrs.prompt_tokens": len(request.prompt),
-                "kvrs.max_new_tokens": request.max_new_tokens,
-                "kvrs.deadline_unix_ms": request.deadline_unix_ms,
-            })
+            span.set_attributes(
+                {
+                    "kvrs.request_id": request.request_id,
+                    "kvrs.prompt_tokens": len(request.prompt),
+                    "kvrs.max_new_tokens": request.max_new_tokens,
+                    "kvrs.deadline_unix_ms": request.deadline_unix_ms,
+                }
+            )
             run.summary.trace_id = format(span.get_span_context().trace_id, "032x")
             try:
                 first = await self._prefill(run)
@@ -195,11 +202,13 @@ class Router:
         summary.final_decode_instance_id = (
             run.decode.instance_id if run.decode is not None else summary.decode_instance_id
         )
-        span.set_attributes({
-            "kvrs.generated_tokens": summary.generated_tokens,
-            "kvrs.recoveries": len(summary.recoveries),
-            "kvrs.ttft_s": summary.ttft_s,
-        })
+        span.set_attributes(
+            {
+                "kvrs.generated_tokens": summary.generated_tokens,
+                "kvrs.recoveries": len(summary.recoveries),
+                "kvrs.ttft_s": summary.ttft_s,
+            }
+        )
 
     # -- prefill and placement ------------------------------------------------------
 
@@ -216,16 +225,20 @@ class Router:
             run.hold(at, request.request_id)
             try:
                 with self.tracer.start_as_current_span("router.prefill") as span:
-                    span.set_attributes({"kvrs.request_id": request.request_id,
-                                         "kvrs.instance_id": at.instance_id,
-                                         "kvrs.prompt_tokens": len(request.prompt)})
-                    prefilled = await self.workers.prefill(at, request.request_id,
-                                                           request.prompt)
+                    span.set_attributes(
+                        {
+                            "kvrs.request_id": request.request_id,
+                            "kvrs.instance_id": at.instance_id,
+                            "kvrs.prompt_tokens": len(request.prompt),
+                        }
+                    )
+                    prefilled = await self.workers.prefill(at, request.request_id, request.prompt)
             except (InvalidArgument, FailedPrecondition):
                 raise
             except KvrsError as exc:
-                log.warning("prefill of %s on %s failed: %s", request.request_id,
-                            at.instance_id, exc)
+                log.warning(
+                    "prefill of %s on %s failed: %s", request.request_id, at.instance_id, exc
+                )
                 last_error = exc
                 continue
             finally:
@@ -242,18 +255,26 @@ class Router:
         if request.prefill_instance_id:
             known = self.membership.instance(request.prefill_instance_id)
             if known is None:
-                raise NotFound(f"unknown instance {request.prefill_instance_id!r}",
-                               field="prefill_instance_id")
+                raise NotFound(
+                    f"unknown instance {request.prefill_instance_id!r}", field="prefill_instance_id"
+                )
             if request.prefill_instance_id in tried:
                 raise Unavailable(f"prefill instance {request.prefill_instance_id} failed")
             return Endpoint(known.instance_id, known.address), self.profile.prefill_s(
-                len(request.prompt))
+                len(request.prompt)
+            )
         candidates = [i for i in self.membership.alive("prefill") if i.instance_id not in tried]
         if not candidates:
-            raise Unavailable("no alive prefill instance" + (
-                f" besides {', '.join(sorted(tried))}" if tried else ""))
+            raise Unavailable(
+                "no alive prefill instance"
+                + (f" besides {', '.join(sorted(tried))}" if tried else "")
+            )
         chosen, estimate_s = choose_prefill(
-            candidates, len(request.prompt), hashes, self.settings.block_tokens, self.profile,
+            candidates,
+            len(request.prompt),
+            hashes,
+            self.settings.block_tokens,
+            self.profile,
             self._prefill_inflight_s,
         )
         return Endpoint(chosen.instance_id, chosen.address), estimate_s
@@ -283,7 +304,12 @@ class Router:
         self._attach(run, placement.decode, asyncio.Queue())
         try:
             pulled = await self.executor.pull(
-                run, placement.decode, run.prefill_kv_id, run.prefill, 0, prompt_tokens,
+                run,
+                placement.decode,
+                run.prefill_kv_id,
+                run.prefill,
+                0,
+                prompt_tokens,
                 prompt_tokens,
             )
         except StepFailed as failed:
@@ -309,9 +335,12 @@ class Router:
                     break
             attempts += 1
             if attempts > MAX_RECOVERIES:
-                raise Aborted(Unavailable(
-                    f"request {run.request.request_id} failed {MAX_RECOVERIES} recoveries in "
-                    f"a row; last lost {lost.instance_id}: {lost.reason}"))
+                raise Aborted(
+                    Unavailable(
+                        f"request {run.request.request_id} failed {MAX_RECOVERIES} recoveries in "
+                        f"a row; last lost {lost.instance_id}: {lost.reason}"
+                    )
+                )
             lost = await self._recover(run, lost, batchable=attempts == 1)
         self._detach(run)
 
@@ -333,21 +362,28 @@ class Router:
                     async with asyncio.timeout(idle_s):
                         item = await inbox.get()
                 except TimeoutError:
-                    item = Lost(at.instance_id, DETECTED_BY_STREAM,
-                                f"decode stream silent for {idle_s:.1f} s")
+                    item = Lost(
+                        at.instance_id,
+                        DETECTED_BY_STREAM,
+                        f"decode stream silent for {idle_s:.1f} s",
+                    )
                 if isinstance(item, tuple):
                     index, token_id = item
                     if index != len(run.generated):
-                        raise KvrsError(f"{at.instance_id} streamed index {index} where "
-                                        f"{len(run.generated)} was next")
+                        raise KvrsError(
+                            f"{at.instance_id} streamed index {index} where "
+                            f"{len(run.generated)} was next"
+                        )
                     run.generated.append(token_id)
                     yield Token(index, token_id)
                 elif isinstance(item, _End):
                     if run.remaining_tokens > 0:
                         run.pending_loss = Lost(
-                            at.instance_id, DETECTED_BY_STREAM,
+                            at.instance_id,
+                            DETECTED_BY_STREAM,
                             f"decode stream ended after {len(run.generated)} tokens",
-                            unreachable=False)
+                            unreachable=False,
+                        )
                     break
                 elif isinstance(item, Lost):
                     run.pending_loss = item
@@ -375,8 +411,12 @@ class Router:
             inbox.put_nowait(exc)
         except KvrsError as exc:
             unreachable = isinstance(exc, Unavailable)
-            lost = Lost(at.instance_id, DETECTED_BY_STREAM, f"decode stream broke: {exc}",
-                        unreachable=unreachable)
+            lost = Lost(
+                at.instance_id,
+                DETECTED_BY_STREAM,
+                f"decode stream broke: {exc}",
+                unreachable=unreachable,
+            )
             if unreachable:
                 # The instance itself is unreachable: its other requests are lost too.
                 self._instance_lost(lost)
@@ -407,8 +447,11 @@ class Router:
 
     def decoding_on(self, instance_id: str, policy: str | None = None) -> int:
         """Requests decoding on `instance_id` now (with recovery policy `policy`)."""
-        return sum(1 for run in self._decoding.get(instance_id, ())
-                   if policy is None or run.policy == policy)
+        return sum(
+            1
+            for run in self._decoding.get(instance_id, ())
+            if policy is None or run.policy == policy
+        )
 
     async def _recover(self, run: Run, lost: Lost, batchable: bool) -> Lost | None:
         """One decision and its steps; None once run.decode can decode, else what failed."""
@@ -419,19 +462,24 @@ class Router:
             run.prefill_kv_lost = True
         if self.membership.is_down(run.prefill.instance_id):
             run.prefill_kv_lost = True
-        record = RecoveryRecord(failed_instance_id=lost.instance_id,
-                                detected_by=lost.detected_by,
-                                generated_tokens=len(run.generated), policy=run.policy)
+        record = RecoveryRecord(
+            failed_instance_id=lost.instance_id,
+            detected_by=lost.detected_by,
+            generated_tokens=len(run.generated),
+            policy=run.policy,
+        )
         run.summary.recoveries.append(record)
         with self.tracer.start_as_current_span("router.recover") as span:
-            span.set_attributes({
-                "kvrs.request_id": request.request_id,
-                "kvrs.failed_instance_id": lost.instance_id,
-                "kvrs.detected_by": lost.detected_by,
-                "kvrs.lost_reason": lost.reason,
-                "kvrs.generated_tokens": len(run.generated),
-                "kvrs.source_kv_lost": run.prefill_kv_lost,
-            })
+            span.set_attributes(
+                {
+                    "kvrs.request_id": request.request_id,
+                    "kvrs.failed_instance_id": lost.instance_id,
+                    "kvrs.detected_by": lost.detected_by,
+                    "kvrs.lost_reason": lost.reason,
+                    "kvrs.generated_tokens": len(run.generated),
+                    "kvrs.source_kv_lost": run.prefill_kv_lost,
+                }
+            )
             decision = await self._decide(run, lost, batchable, record)
             _annotate_decision(span, decision)
             if decision.action is Action.ABORT:
@@ -451,7 +499,8 @@ class Router:
             span.set_attribute("kvrs.recovery.measured_s", record.measured_s)
             action = decision.action.value
             self.metrics.recovery_predicted_s.labels(action=action).observe(
-                decision.predicted_cost_s)
+                decision.predicted_cost_s
+            )
             self.metrics.recovery_actual_s.labels(action=action).observe(record.measured_s)
             return None
 
@@ -475,17 +524,22 @@ class Router:
                 if batchable and not exclude:
                     expected = self.decoding_on(lost.instance_id, run.policy)
                     decision = await self.batcher.decide(
-                        item, lost.instance_id, run.policy, expected)
+                        item, lost.instance_id, run.policy, expected
+                    )
                 else:
                     decision = await self.control.recover(
-                        item, lost.instance_id, run.policy, exclude)
+                        item, lost.instance_id, run.policy, exclude
+                    )
         except InvalidArgument:
             raise
         except KvrsError as exc:
             record.error = f"no recovery plan: {exc}"
-            raise Aborted(Unavailable(
-                f"request {request.request_id} cannot continue after losing "
-                f"{lost.instance_id}: {exc}")) from exc
+            raise Aborted(
+                Unavailable(
+                    f"request {request.request_id} cannot continue after losing "
+                    f"{lost.instance_id}: {exc}"
+                )
+            ) from exc
         finally:
             record.decision_s = time.monotonic() - started
             self._detach(run)
@@ -495,7 +549,8 @@ class Router:
     async def _release_all(self, run: Run) -> None:
         """ReleaseKv of every KV the request created, except where nothing answers."""
         targets = [
-            (at, kv_id) for (instance_id, kv_id), at in run.held.items()
+            (at, kv_id)
+            for (instance_id, kv_id), at in run.held.items()
             if instance_id not in run.unreachable
         ]
         run.held.clear()
@@ -505,27 +560,35 @@ class Router:
         )
         for (at, kv_id), result in zip(targets, results, strict=True):
             if isinstance(result, BaseException):
-                log.info("releasing %s on %s failed (its lease expires it): %s", kv_id,
-                         at.instance_id, result)
+                log.info(
+                    "releasing %s on %s failed (its lease expires it): %s",
+                    kv_id,
+                    at.instance_id,
+                    result,
+                )
 
 
 def _abort_error(run: Run, decision: Decision) -> KvrsError:
     why = f"request {run.request.request_id} aborted on recovery: {decision.reason}"
     if math.isfinite(decision.slo_slack_s) and decision.slo_slack_s < 0:
-        return DeadlineExceeded(f"{why} (predicted {decision.predicted_cost_s:.3f} s, "
-                                f"slack {decision.slo_slack_s:.3f} s)")
+        return DeadlineExceeded(
+            f"{why} (predicted {decision.predicted_cost_s:.3f} s, "
+            f"slack {decision.slo_slack_s:.3f} s)"
+        )
     return Unavailable(why)
 
 
 def _annotate_decision(span: Span, decision: Decision) -> None:
-    span.set_attributes({
-        "kvrs.action": decision.action.value,
-        "kvrs.target_instance_id": decision.target.instance_id,
-        "kvrs.source_instance_id": decision.source.instance_id,
-        "kvrs.cost_s": decision.predicted_cost_s,
-        "kvrs.split_tokens": decision.split_tokens,
-        "kvrs.reason": decision.reason,
-        "kvrs.batch.size": decision.batch_size,
-    })
+    span.set_attributes(
+        {
+            "kvrs.action": decision.action.value,
+            "kvrs.target_instance_id": decision.target.instance_id,
+            "kvrs.source_instance_id": decision.source.instance_id,
+            "kvrs.cost_s": decision.predicted_cost_s,
+            "kvrs.split_tokens": decision.split_tokens,
+            "kvrs.reason": decision.reason,
+            "kvrs.batch.size": decision.batch_size,
+        }
+    )
     if math.isfinite(decision.slo_slack_s):
         span.set_attribute("kvrs.slo_slack_s", decision.slo_slack_s)

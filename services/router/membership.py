@@ -158,10 +158,11 @@ class Membership:
                 async for event in self._gossip.watch_events(after_event_id):
                     after_event_id = event.event_id
                     if event.type in (FAILED, LEFT):
-                        log.info("gossip: %s %s (%s)", event.instance_id, event.type,
-                                 event.reason)
-                        self.mark_down(event.instance_id, f"gossip: {event.type} "
-                                       f"({event.reason or 'no reason given'})")
+                        log.info("gossip: %s %s (%s)", event.instance_id, event.type, event.reason)
+                        self.mark_down(
+                            event.instance_id,
+                            f"gossip: {event.type} ({event.reason or 'no reason given'})",
+                        )
                     else:
                         self._down.discard(event.instance_id)
                         await self.refresh()

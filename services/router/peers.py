@@ -107,7 +107,8 @@ class WorkerPool:
         self._stubs.pop(address, None)
         if channel is not None:
             task = asyncio.get_running_loop().create_task(
-                channel.close(grace=DROPPED_CHANNEL_GRACE_S))
+                channel.close(grace=DROPPED_CHANNEL_GRACE_S)
+            )
             self._closing[task] = channel
             task.add_done_callback(lambda done: self._closing.pop(done, None))
 

@@ -48,18 +48,19 @@ class GenerateInput:
         if self.max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         if not math.isfinite(self.ttft_slo_s) or self.ttft_slo_s < 0:
-            raise InvalidArgument("ttft_slo_s", f"must be a finite number >= 0, got "
-                                  f"{self.ttft_slo_s}")
+            raise InvalidArgument(
+                "ttft_slo_s", f"must be a finite number >= 0, got {self.ttft_slo_s}"
+            )
         if self.deadline_unix_ms < 0:
-            raise InvalidArgument("deadline_unix_ms", f"must be >= 0, got "
-                                  f"{self.deadline_unix_ms}")
+            raise InvalidArgument("deadline_unix_ms", f"must be >= 0, got {self.deadline_unix_ms}")
         for field_name, value, known in (
             ("placement_policy", self.placement_policy, PLACEMENT_POLICY_NAMES),
             ("recovery_policy", self.recovery_policy, RECOVERY_POLICY_NAMES),
         ):
             if value and value not in known:
-                raise InvalidArgument(field_name, f"unknown policy {value!r} (known: "
-                                      f"{', '.join(known)})")
+                raise InvalidArgument(
+                    field_name, f"unknown policy {value!r} (known: {', '.join(known)})"
+                )
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,23 @@ class Workers(Protocol):
     async def extend(self, at: Endpoint, kv_id: str, tokens: Sequence[int]) -> int: ...
 
     async def pull_kv(
-        self, at: Endpoint, kv_id: str, source: Endpoint, token_start: int, token_end: int,
-        prompt_tokens: int, prefix_token_ids: Sequence[int] = (), pacing_bps: float = 0.0,
+        self,
+        at: Endpoint,
+        kv_id: str,
+        source: Endpoint,
+        token_start: int,
+        token_end: int,
+        prompt_tokens: int,
+        prefix_token_ids: Sequence[int] = (),
+        pacing_bps: float = 0.0,
     ) -> Pulled: ...
 
     def decode(
-        self, at: Endpoint, kv_id: str, generated: Sequence[int], max_new_tokens: int,
+        self,
+        at: Endpoint,
+        kv_id: str,
+        generated: Sequence[int],
+        max_new_tokens: int,
         release_when_done: bool,
     ) -> AsyncIterator[tuple[int, int]]: ...
 
@@ -96,8 +107,15 @@ class RecoveryExecutor:
                 raise InvalidArgument("action", f"{decision.action.value} has no steps")
 
     async def pull(
-        self, run: Run, target: Endpoint, kv_id: str, source: Endpoint, token_start: int,
-        token_end: int, prompt_tokens: int, prefix: Sequence[int] = (),
+        self,
+        run: Run,
+        target: Endpoint,
+        kv_id: str,
+        source: Endpoint,
+        token_start: int,
+        token_end: int,
+        prompt_tokens: int,
+        prefix: Sequence[int] = (),
     ) -> Pulled:
         """One PullKv into `target`; a failure is pinned on whichever side died."""
         if (target.instance_id, kv_id) in run.held:
@@ -106,14 +124,16 @@ class RecoveryExecutor:
                 await self.workers.release_kv(target, kv_id)
         run.hold(target, kv_id)
         with self.tracer.start_as_current_span("router.pull_kv") as span:
-            span.set_attributes({
-                "kvrs.request_id": run.request.request_id,
-                "kvrs.transfer.src_instance_id": source.instance_id,
-                "kvrs.transfer.dst_instance_id": target.instance_id,
-                "kvrs.token_start": token_start,
-                "kvrs.token_end": token_end,
-                "kvrs.recomputed_tokens": len(prefix),
-            })
+            span.set_attributes(
+                {
+                    "kvrs.request_id": run.request.request_id,
+                    "kvrs.transfer.src_instance_id": source.instance_id,
+                    "kvrs.transfer.dst_instance_id": target.instance_id,
+                    "kvrs.token_start": token_start,
+                    "kvrs.token_end": token_end,
+                    "kvrs.recomputed_tokens": len(prefix),
+                }
+            )
             try:
                 pulled = await self.workers.pull_kv(
                     target, kv_id, source, token_start, token_end, prompt_tokens, prefix
@@ -122,24 +142,30 @@ class RecoveryExecutor:
                 raise
             except KvrsError as exc:
                 raise StepFailed(await self._who_failed(run, target, source, exc)) from exc
-            span.set_attributes({
-                "kvrs.transfer.kv_bytes": pulled.kv_bytes,
-                "kvrs.transfer.measured_s": pulled.transfer_s,
-            })
+            span.set_attributes(
+                {
+                    "kvrs.transfer.kv_bytes": pulled.kv_bytes,
+                    "kvrs.transfer.measured_s": pulled.transfer_s,
+                }
+            )
             return pulled
 
     async def _migrate(self, run: Run, decision: Decision) -> None:
         prompt = run.request.prompt
         assert run.prefill is not None
-        source = run.prefill if decision.source.instance_id == run.prefill.instance_id \
+        source = (
+            run.prefill
+            if decision.source.instance_id == run.prefill.instance_id
             else decision.source
+        )
         split = 0
         if decision.action is Action.HYBRID:
             # PullKv needs at least one token to move; k = L would be a full recompute.
             split = max(0, min(decision.split_tokens, len(prompt) - 1))
         kv_id = run.prefill_kv_id
-        await self.pull(run, decision.target, kv_id, source, split, len(prompt), len(prompt),
-                        prompt[:split])
+        await self.pull(
+            run, decision.target, kv_id, source, split, len(prompt), len(prompt), prompt[:split]
+        )
         await self._extend(run, decision.target, kv_id, run.generated)
         run.decode, run.kv_id = decision.target, kv_id
 
@@ -150,9 +176,13 @@ class RecoveryExecutor:
         source = decision.source
         run.hold(source, kv_id)
         with self.tracer.start_as_current_span("router.prefill") as span:
-            span.set_attributes({"kvrs.request_id": run.request.request_id,
-                                 "kvrs.instance_id": source.instance_id,
-                                 "kvrs.prompt_tokens": len(context)})
+            span.set_attributes(
+                {
+                    "kvrs.request_id": run.request.request_id,
+                    "kvrs.instance_id": source.instance_id,
+                    "kvrs.prompt_tokens": len(context),
+                }
+            )
             try:
                 prefilled = await self.workers.prefill(source, kv_id, context)
             except InvalidArgument:
@@ -160,11 +190,16 @@ class RecoveryExecutor:
             except KvrsError as exc:
                 raise StepFailed(await self._lost_one(run, source, exc)) from exc
         if prefilled.first_token_id != run.generated[-1]:
-            log.warning("recompute of %s on %s predicts token %d where %d was generated",
-                        run.request.request_id, source.instance_id, prefilled.first_token_id,
-                        run.generated[-1])
-        await self.pull(run, decision.target, kv_id, source, 0, len(context),
-                        len(run.request.prompt))
+            log.warning(
+                "recompute of %s on %s predicts token %d where %d was generated",
+                run.request.request_id,
+                source.instance_id,
+                prefilled.first_token_id,
+                run.generated[-1],
+            )
+        await self.pull(
+            run, decision.target, kv_id, source, 0, len(context), len(run.request.prompt)
+        )
         await self._extend(run, decision.target, kv_id, run.generated[-1:])
         run.decode, run.kv_id = decision.target, kv_id
         # The recompute's KV holds the prompt too: later migrations pull from it.
@@ -172,9 +207,13 @@ class RecoveryExecutor:
 
     async def _extend(self, run: Run, at: Endpoint, kv_id: str, tokens: Sequence[int]) -> None:
         with self.tracer.start_as_current_span("router.extend") as span:
-            span.set_attributes({"kvrs.request_id": run.request.request_id,
-                                 "kvrs.instance_id": at.instance_id,
-                                 "kvrs.extend_tokens": len(tokens)})
+            span.set_attributes(
+                {
+                    "kvrs.request_id": run.request.request_id,
+                    "kvrs.instance_id": at.instance_id,
+                    "kvrs.extend_tokens": len(tokens),
+                }
+            )
             try:
                 await self.workers.extend(at, kv_id, tokens)
             except InvalidArgument:
@@ -192,16 +231,23 @@ class RecoveryExecutor:
         )
         if not target_alive:
             return Lost(target.instance_id, DETECTED_BY_TRANSFER, f"pull target lost: {exc}")
-        return Lost(source.instance_id, DETECTED_BY_TRANSFER,
-                    f"pull source {'lost' if not source_alive else 'failed'}: {exc}",
-                    source_lost=True, unreachable=not source_alive)
+        return Lost(
+            source.instance_id,
+            DETECTED_BY_TRANSFER,
+            f"pull source {'lost' if not source_alive else 'failed'}: {exc}",
+            source_lost=True,
+            unreachable=not source_alive,
+        )
 
     async def _lost_one(self, run: Run, at: Endpoint, exc: KvrsError) -> Lost:
         alive = await self.workers.is_alive(at, ALIVE_CHECK_TIMEOUT_S)
-        return Lost(at.instance_id, DETECTED_BY_TRANSFER, str(exc),
-                    source_lost=run.prefill is not None
-                    and at.instance_id == run.prefill.instance_id,
-                    unreachable=not alive)
+        return Lost(
+            at.instance_id,
+            DETECTED_BY_TRANSFER,
+            str(exc),
+            source_lost=run.prefill is not None and at.instance_id == run.prefill.instance_id,
+            unreachable=not alive,
+        )
 
     @contextlib.asynccontextmanager
     async def _slot(self, decision: Decision):
@@ -219,8 +265,9 @@ class RecoveryExecutor:
             try:
                 await self.slots.release_slot(decision.lease_id)
             except KvrsError as exc:
-                log.warning("releasing slot %s failed (it expires on its own): %s",
-                            decision.lease_id, exc)
+                log.warning(
+                    "releasing slot %s failed (it expires on its own): %s", decision.lease_id, exc
+                )
 
     async def _renew_forever(self, decision: Decision) -> None:
         expires_unix_ms = decision.lease_expires_unix_ms

@@ -97,11 +97,15 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         held = item
                     else:
                         await context.write(
-                            router_pb2.GenerateResponse(index=item.index, token_id=item.token_id))
+                            router_pb2.GenerateResponse(index=item.index, token_id=item.token_id)
+                        )
                     continue
                 summary = summary_to_pb(item)
                 if held is not None:
-                    await context.write(router_pb2.GenerateResponse(
-                        index=held.index, token_id=held.token_id, summary=summary))
+                    await context.write(
+                        router_pb2.GenerateResponse(
+                            index=held.index, token_id=held.token_id, summary=summary
+                        )
+                    )
                 else:
                     await context.write(router_pb2.GenerateResponse(index=-1, summary=summary))

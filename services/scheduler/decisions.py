@@ -224,11 +224,13 @@ class Scheduler:
         """
         if decision.action not in NEEDS_SLOT:
             slot_outcome = SlotOutcome.NOT_NEEDED
-            return self._outcome(core_request, decision, decision.reason, None, slot_outcome,
-                                 view, priced)
+            return self._outcome(
+                core_request, decision, decision.reason, None, slot_outcome, view, priced
+            )
         if skip_slot:
-            return self._outcome(core_request, decision, decision.reason, None,
-                                 SlotOutcome.SKIPPED, view, priced)
+            return self._outcome(
+                core_request, decision, decision.reason, None, SlotOutcome.SKIPPED, view, priced
+            )
         try:
             lease = await self.slots.reserve(
                 core_request.request_id, decision.source_id, decision.target_id
@@ -238,18 +240,25 @@ class Scheduler:
         except (Unavailable, DeadlineExceeded) as exc:
             slot_outcome, why = SlotOutcome.UNREACHABLE, f"slot broker unreachable ({exc})"
         except FailedPrecondition as exc:
-            log.warning("slot broker refused %s -> %s for %s: %s", decision.source_id,
-                        decision.target_id, core_request.request_id, exc)
+            log.warning(
+                "slot broker refused %s -> %s for %s: %s",
+                decision.source_id,
+                decision.target_id,
+                core_request.request_id,
+                exc,
+            )
             slot_outcome, why = SlotOutcome.REFUSED, f"slot broker refused the slot ({exc})"
         else:
-            return self._outcome(core_request, decision, decision.reason, lease,
-                                 SlotOutcome.GRANTED, view, priced)
+            return self._outcome(
+                core_request, decision, decision.reason, lease, SlotOutcome.GRANTED, view, priced
+            )
         view = self.view.current()  # the reservation awaited: decide again on the view of now
         fallback = policy.decide(
             core_request, view.cluster, view.cost, view.cluster.now_s, migration_slot_free=False
         )
-        return self._outcome(core_request, fallback, f"{why}; {fallback.reason}", None,
-                             slot_outcome, view, priced)
+        return self._outcome(
+            core_request, fallback, f"{why}; {fallback.reason}", None, slot_outcome, view, priced
+        )
 
     def _outcome(
         self,
@@ -306,7 +315,11 @@ class Scheduler:
     # -- RecoverBatch ---------------------------------------------------------------------
 
     async def recover_batch(
-        self, batch_id: str, failed_id: str, items: Sequence[RecoverInput], policy_name: str,
+        self,
+        batch_id: str,
+        failed_id: str,
+        items: Sequence[RecoverInput],
+        policy_name: str,
         skip_slot: bool,
     ) -> BatchOutcome:
         with self.tracer.start_as_current_span("kvrs.recover_batch") as span:
@@ -317,14 +330,19 @@ class Scheduler:
                 "kvrs.skip_slot": skip_slot,
             }
             try:
-                return await self._recover_batch(failed_id, items, policy_name, skip_slot,
-                                                 attributes)
+                return await self._recover_batch(
+                    failed_id, items, policy_name, skip_slot, attributes
+                )
             finally:
                 span.set_attributes(attributes)
 
     async def _recover_batch(
-        self, failed_id: str, items: Sequence[RecoverInput], policy_name: str,
-        skip_slot: bool, attributes: dict[str, AttributeValue],
+        self,
+        failed_id: str,
+        items: Sequence[RecoverInput],
+        policy_name: str,
+        skip_slot: bool,
+        attributes: dict[str, AttributeValue],
     ) -> BatchOutcome:
         started = time.perf_counter()
         _require_id("failed_instance_id", failed_id)
@@ -355,10 +373,12 @@ class Scheduler:
             core_requests, view.cluster, view.cost, view.cluster.now_s, policy, slots_free
         )
         by_id = {r.request_id: r for r in core_requests}
-        outcomes = await asyncio.gather(*(
-            self._batch_outcome(by_id[d.request_id], d, policy, view, skip_slot, broker_note)
-            for d in plan.decisions
-        ))
+        outcomes = await asyncio.gather(
+            *(
+                self._batch_outcome(by_id[d.request_id], d, policy, view, skip_slot, broker_note)
+                for d in plan.decisions
+            )
+        )
         attributes.update(spans.batch_attributes(outcomes, plan.makespan_s))
         self._record("recover_batch", outcomes, started)
         return BatchOutcome(
@@ -375,8 +395,14 @@ class Scheduler:
         broker_note: str,
     ) -> RecoveryOutcome:
         if broker_note and decision.action not in NEEDS_SLOT:
-            return self._outcome(core_request, decision, broker_note + decision.reason, None,
-                                 SlotOutcome.UNREACHABLE, view)
+            return self._outcome(
+                core_request,
+                decision,
+                broker_note + decision.reason,
+                None,
+                SlotOutcome.UNREACHABLE,
+                view,
+            )
         return await self._hold_slot(core_request, decision, policy, view, skip_slot)
 
     def _record(self, kind: str, outcomes: Sequence[RecoveryOutcome], started: float) -> None:

@@ -51,9 +51,7 @@ class InputsConfig:
             telemetry_stale_after_s=env_float(
                 "KVRS_TELEMETRY_STALE_AFTER_S", DEFAULT_TELEMETRY_STALE_AFTER_S, env
             ),
-            max_context_tokens=env_int(
-                "KVRS_MAX_CONTEXT_TOKENS", DEFAULT_MAX_CONTEXT_TOKENS, env
-            ),
+            max_context_tokens=env_int("KVRS_MAX_CONTEXT_TOKENS", DEFAULT_MAX_CONTEXT_TOKENS, env),
         )
         if config.telemetry_stale_after_s <= 0:
             raise ConfigError("KVRS_TELEMETRY_STALE_AFTER_S must be > 0")

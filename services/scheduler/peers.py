@@ -34,7 +34,6 @@ from services.scheduler.view import GossipSnapshot, ViewCache
 log = logging.getLogger(__name__)
 
 
-
 _REFUSALS = (
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.FAILED_PRECONDITION,
@@ -151,7 +150,9 @@ class GossipSource:
             if not flows.done():
                 await asyncio.wait([flows])
         return GossipSnapshot(
-            nodes=tuple(nodes), links=tuple(links), fetched_at_s=fetched_at_s,
+            nodes=tuple(nodes),
+            links=tuple(links),
+            fetched_at_s=fetched_at_s,
             flows=flows.result(),
         )
 
@@ -173,8 +174,7 @@ class GossipSource:
                 async for event in self.client.watch_events(after_event_id):
                     after_event_id = event.event_id
                     if event.type in (FAILED, LEFT):
-                        log.info("instance %s %s: %s", event.instance_id, event.type,
-                                 event.reason)
+                        log.info("instance %s %s: %s", event.instance_id, event.type, event.reason)
                         view.mark_down(event.instance_id)
                     elif event.type == JOINED:
                         view.request_refresh()
@@ -196,9 +196,7 @@ class GossipSource:
 class SlotBrokerClient:
     """Migration slot leases at the slot broker, held in the scheduler's name."""
 
-    def __init__(
-        self, broker: PeerChannel, holder_id: str, ttl_s: float, timeout_s: float
-    ) -> None:
+    def __init__(self, broker: PeerChannel, holder_id: str, ttl_s: float, timeout_s: float) -> None:
         self.broker = broker
         self.holder_id = holder_id
         self.ttl_s = ttl_s
@@ -233,8 +231,7 @@ class SlotBrokerClient:
     async def _stats(self) -> slots_pb2.GetSlotStatsResponse:
         stub = slots_pb2_grpc.SlotBrokerServiceStub(self.broker.channel)
         try:
-            return await stub.GetSlotStats(slots_pb2.GetSlotStatsRequest(),
-                                           timeout=self.timeout_s)
+            return await stub.GetSlotStats(slots_pb2.GetSlotStatsRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             self.broker.reopen_if_failing()
             raise peer_error(exc, "slot broker") or exc from None

@@ -20,9 +20,7 @@ class RecentRecoveries:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._clock = clock
-        self._entries: OrderedDict[str, tuple[RecoverInput, float, asyncio.Future]] = (
-            OrderedDict()
-        )
+        self._entries: OrderedDict[str, tuple[RecoverInput, float, asyncio.Future]] = OrderedDict()
 
     def get(self, request: RecoverInput) -> asyncio.Future | None:
         self._expire()

@@ -217,9 +217,12 @@ class ViewCache:
                 carried.append(record)
         newly = vanished_at_s.keys() - self._vanished_at_s.keys()
         if newly:
-            log.warning("%d alive instances vanished from gossip without a failure (the "
-                        "registry lost them?); kept, stale, for one heartbeat TTL: %s",
-                        len(newly), ", ".join(sorted(newly)))
+            log.warning(
+                "%d alive instances vanished from gossip without a failure (the "
+                "registry lost them?); kept, stale, for one heartbeat TTL: %s",
+                len(newly),
+                ", ".join(sorted(newly)),
+            )
         self._vanished_at_s = vanished_at_s
         self._alive = {
             node.registration.instance_id: node
@@ -238,15 +241,21 @@ class ViewCache:
                 topology.add_instance(_instance_spec(registration))
             instances[registration.instance_id] = self._instance_state(node)
         links = tuple(
-            link for link in snapshot.links
+            link
+            for link in snapshot.links
             if self._in_topology(link.sample.src_instance_id)
             and self._in_topology(link.sample.dst_instance_id)
         )
         key = (
             tuple(
-                (link.sample.src_instance_id, link.sample.dst_instance_id,
-                 link.sample.bandwidth_bps, link.sample.rtt_s, link.sample.samples,
-                 link.measured_unix_ms)
+                (
+                    link.sample.src_instance_id,
+                    link.sample.dst_instance_id,
+                    link.sample.bandwidth_bps,
+                    link.sample.rtt_s,
+                    link.sample.samples,
+                    link.measured_unix_ms,
+                )
                 for link in links
             ),
             tuple(sorted(snapshot.flows.items())),

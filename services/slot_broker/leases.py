@@ -76,7 +76,9 @@ end
 
 # ARGV: prefix, request_id, holder_id, src, dst, link, ttl_ms, cluster_cap, link_cap, lease_id
 # Returns {granted|existing, lease fields..., in_use} or {denied, cap name, in use, cap}.
-_RESERVE = _LUA_COMMON + """
+_RESERVE = (
+    _LUA_COMMON
+    + """
 local request_id, holder_id, src, dst, link = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local ttl_ms, cluster_cap, link_cap = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local now = now_ms()
@@ -116,9 +118,12 @@ redis.call('SET', request, lease_id)
 redis.call('HINCRBY', KEYS[3], 'granted', 1)
 return lease_reply('granted', lease_id, in_use + 1)
 """
+)
 
 # ARGV: prefix, lease_id, ttl_ms. Returns {renewed, lease fields...} or {missing}.
-_RENEW = _LUA_COMMON + """
+_RENEW = (
+    _LUA_COMMON
+    + """
 local lease_id = ARGV[2]
 local now = now_ms()
 purge(now)
@@ -130,19 +135,26 @@ redis.call('ZADD', KEYS[1], expires, lease_id)
 redis.call('HSET', ARGV[1] .. 'lease:' .. lease_id, 'expires_unix_ms', expires)
 return lease_reply('renewed', lease_id, redis.call('ZCARD', KEYS[1]))
 """
+)
 
 # ARGV: prefix, lease_id. Returns 1 when this call released it.
-_RELEASE = _LUA_COMMON + """
+_RELEASE = (
+    _LUA_COMMON
+    + """
 purge(now_ms())
 return drop(ARGV[2]) and 1 or 0
 """
+)
 
 # ARGV: prefix. Returns {in_use, links hash flat, totals hash flat, expired now}.
-_STATS = _LUA_COMMON + """
+_STATS = (
+    _LUA_COMMON
+    + """
 local purged = purge(now_ms())
 return {redis.call('ZCARD', KEYS[1]), redis.call('HGETALL', KEYS[2]),
   redis.call('HGETALL', KEYS[3]), purged}
 """
+)
 
 
 @dataclass(frozen=True)
@@ -252,7 +264,11 @@ class SlotStore:
         return max(1, round((ttl_s or self.default_ttl_s) * 1000))
 
     async def reserve(
-        self, request_id: str, holder_id: str, src_instance_id: str, dst_instance_id: str,
+        self,
+        request_id: str,
+        holder_id: str,
+        src_instance_id: str,
+        dst_instance_id: str,
         ttl_s: float = 0.0,
     ) -> Grant:
         """Takes a slot for migrating `request_id` over src -> dst (ttl 0 = the default).
@@ -273,8 +289,16 @@ class SlotStore:
         reply = await self._reserve(
             keys=self._keys,
             args=[
-                self._prefix, request_id, holder_id, src_instance_id, dst_instance_id, link,
-                ttl_ms, self.cluster_cap, self.link_cap, uuid.uuid4().hex,
+                self._prefix,
+                request_id,
+                holder_id,
+                src_instance_id,
+                dst_instance_id,
+                link,
+                ttl_ms,
+                self.cluster_cap,
+                self.link_cap,
+                uuid.uuid4().hex,
             ],
         )
         status = _text(reply[0])

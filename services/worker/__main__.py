@@ -21,8 +21,9 @@ _FLAG_ENV = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.worker",
-                                     description="a kvrs prefill/decode worker")
+    parser = argparse.ArgumentParser(
+        prog="python -m services.worker", description="a kvrs prefill/decode worker"
+    )
     parser.add_argument("--role", choices=ROLES, help="overrides WORKER_ROLE")
     parser.add_argument("--instance-id", help="overrides WORKER_INSTANCE_ID")
     parser.add_argument("--listen-addr", help="overrides WORKER_LISTEN_ADDR")

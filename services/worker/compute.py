@@ -35,8 +35,9 @@ class Estimates:
     """Predicted seconds of each kind of pass, from a calibrated or preset profile."""
 
     def __init__(self, model: str, profile_path: str = "") -> None:
-        self.compute: ComputeProfile = (ComputeProfile.load(profile_path) if profile_path
-                                        else _preset(compute_profile, model))
+        self.compute: ComputeProfile = (
+            ComputeProfile.load(profile_path) if profile_path else _preset(compute_profile, model)
+        )
         self.decode: DecodeProfile | None = _preset(decode_profile, model, required=False)
 
     def prefill_s(self, tokens: int) -> float:
@@ -99,8 +100,7 @@ class ComputeQueue:
         context = contextvars.copy_context()
         try:
             loop = asyncio.get_running_loop()
-            value, started, finished = await loop.run_in_executor(self._executor, context.run,
-                                                                  work)
+            value, started, finished = await loop.run_in_executor(self._executor, context.run, work)
         finally:
             self._pending.pop(job, None)
         return Timed(value, started - submitted, finished - started)

@@ -127,10 +127,20 @@ def _argmax(logits: torch.Tensor) -> int:
 class WorkerEngine:
     """One worker's requests, model, KV memory and transfer agent."""
 
-    def __init__(self, instance_id: str, model_name: str, model: Transformer, store: KvStore,
-                 compute: ComputeQueue, estimates: Estimates, agent: TransferAgent,
-                 send_kv: SendKvCall, lease_s: float, send_kv_deadline_s: float,
-                 pacing_bps: float = 0.0) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        model_name: str,
+        model: Transformer,
+        store: KvStore,
+        compute: ComputeQueue,
+        estimates: Estimates,
+        agent: TransferAgent,
+        send_kv: SendKvCall,
+        lease_s: float,
+        send_kv_deadline_s: float,
+        pacing_bps: float = 0.0,
+    ) -> None:
         self.instance_id = instance_id
         self.model_name = model_name
         self.model = model
@@ -162,16 +172,18 @@ class WorkerEngine:
 
     def _check_positions(self, tokens: int, field: str) -> None:
         if tokens > self.model.config.max_positions:
-            raise InvalidArgument(field, f"{tokens} positions exceed the model's "
-                                  f"{self.model.config.max_positions}")
+            raise InvalidArgument(
+                field, f"{tokens} positions exceed the model's {self.model.config.max_positions}"
+            )
 
     @contextlib.asynccontextmanager
     async def _using(self, entry: Resident):
         """Hold `entry` (serialised per request, pinned against eviction)."""
         async with entry.lock:
             if self.store.find(entry.request_id) is not entry:
-                raise NotFound(f"request {entry.request_id!r} was released while waiting",
-                               field="request_id")
+                raise NotFound(
+                    f"request {entry.request_id!r} was released while waiting", field="request_id"
+                )
             self.store.pin(entry)
             try:
                 yield entry
@@ -183,16 +195,19 @@ class WorkerEngine:
         cached = entry.resident_tokens
         self._check_positions(cached + len(token_ids), "token_ids")
         self.store.grow(entry, cached + len(token_ids))
-        timed = await self.compute.run(lambda: self.model.extend(entry.cache, token_ids)[1],
-                                       self.estimates.extend_s(cached, len(token_ids)))
+        timed = await self.compute.run(
+            lambda: self.model.extend(entry.cache, token_ids)[1],
+            self.estimates.extend_s(cached, len(token_ids)),
+        )
         entry.token_ids.extend(token_ids)
         entry.next_token_id = _argmax(timed.value)
         return entry.next_token_id, timed.compute_s
 
     # -- prefill, decode, extend ----------------------------------------------------
 
-    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int],
-                      lease_s: float = 0.0) -> PrefillResult:
+    async def prefill(
+        self, request_id: str, prompt_token_ids: Sequence[int], lease_s: float = 0.0
+    ) -> PrefillResult:
         """KV of the prompt (kept resident) and the first generated token."""
         _check_request_id(request_id)
         prompt = self._tokens(prompt_token_ids, "prompt_token_ids")
@@ -201,18 +216,30 @@ class WorkerEngine:
         existing = self.store.find(request_id)
         if existing is not None:
             async with self._using(existing):
-                if existing.first_token_id is None or existing.token_ids[:len(prompt)] != prompt \
-                        or existing.prompt_tokens != len(prompt):
-                    raise FailedPrecondition(f"request {request_id!r} is already resident here "
-                                             "with other tokens; ReleaseKv it first",
-                                             field="request_id")
+                if (
+                    existing.first_token_id is None
+                    or existing.token_ids[: len(prompt)] != prompt
+                    or existing.prompt_tokens != len(prompt)
+                ):
+                    raise FailedPrecondition(
+                        f"request {request_id!r} is already resident here "
+                        "with other tokens; ReleaseKv it first",
+                        field="request_id",
+                    )
                 return self._prefill_result(existing, 0.0, 0.0)
-        entry = self.store.add(request_id, self.model.new_cache(len(prompt)), len(prompt),
-                               lease, prompt_tokens=len(prompt))
+        entry = self.store.add(
+            request_id,
+            self.model.new_cache(len(prompt)),
+            len(prompt),
+            lease,
+            prompt_tokens=len(prompt),
+        )
         try:
             async with entry.lock:
-                timed = await self.compute.run(lambda: self.model.prefill(prompt, entry.cache)[1],
-                                               self.estimates.prefill_s(len(prompt)))
+                timed = await self.compute.run(
+                    lambda: self.model.prefill(prompt, entry.cache)[1],
+                    self.estimates.prefill_s(len(prompt)),
+                )
                 entry.token_ids = prompt
                 entry.first_token_id = entry.next_token_id = _argmax(timed.value)
         except BaseException:
@@ -220,19 +247,30 @@ class WorkerEngine:
             raise
         finally:
             self.store.unpin(entry)
-        trace.get_current_span().set_attributes({"kvrs.request_id": request_id,
-                                                 "kvrs.prompt_tokens": len(prompt)})
+        trace.get_current_span().set_attributes(
+            {"kvrs.request_id": request_id, "kvrs.prompt_tokens": len(prompt)}
+        )
         return self._prefill_result(entry, timed.compute_s, timed.queued_s)
 
     def _prefill_result(self, entry: Resident, prefill_s: float, queued_s: float) -> PrefillResult:
         expires_unix_ms = int((time.time() + entry.lease_s) * 1000)
-        return PrefillResult(first_token_id=entry.first_token_id, prompt_tokens=entry.prompt_tokens,
-                             kv_bytes=entry.cache.resident_bytes(), prefill_s=prefill_s,
-                             queued_s=queued_s, lease_expires_unix_ms=expires_unix_ms)
+        return PrefillResult(
+            first_token_id=entry.first_token_id,
+            prompt_tokens=entry.prompt_tokens,
+            kv_bytes=entry.cache.resident_bytes(),
+            prefill_s=prefill_s,
+            queued_s=queued_s,
+            lease_expires_unix_ms=expires_unix_ms,
+        )
 
-    async def decode(self, request_id: str, generated_token_ids: Sequence[int],
-                     max_new_tokens: int, stop_token_id: int | None = None,
-                     release_when_done: bool = False) -> AsyncIterator[DecodedToken]:
+    async def decode(
+        self,
+        request_id: str,
+        generated_token_ids: Sequence[int],
+        max_new_tokens: int,
+        stop_token_id: int | None = None,
+        release_when_done: bool = False,
+    ) -> AsyncIterator[DecodedToken]:
         """Greedy tokens after `generated_token_ids` (see DecodeRequest in worker.proto)."""
         _check_request_id(request_id)
         generated = self._tokens(generated_token_ids, "generated_token_ids", allow_empty=True)
@@ -247,8 +285,9 @@ class WorkerEngine:
                 index = len(generated)
                 for produced in range(max_new_tokens):
                     last = produced == max_new_tokens - 1 or token == stop_token_id
-                    yield DecodedToken(token_id=token, index=index + produced, step_s=step_s,
-                                       last=last)
+                    yield DecodedToken(
+                        token_id=token, index=index + produced, step_s=step_s, last=last
+                    )
                     if last:
                         break
                     token, step_s = await self._step(entry, token)
@@ -262,32 +301,43 @@ class WorkerEngine:
         """Feed generated tokens whose KV is not resident; the next token to emit."""
         resident_generated = entry.resident_tokens - entry.prompt_tokens
         if resident_generated < 0:
-            raise FailedPrecondition(f"only {entry.resident_tokens} of the {entry.prompt_tokens} "
-                                     "prompt tokens are resident", field="request_id")
+            raise FailedPrecondition(
+                f"only {entry.resident_tokens} of the {entry.prompt_tokens} "
+                "prompt tokens are resident",
+                field="request_id",
+            )
         if resident_generated > len(generated):
-            raise FailedPrecondition(f"{resident_generated} generated tokens are resident but "
-                                     f"only {len(generated)} were given",
-                                     field="generated_token_ids")
-        known = entry.token_ids[entry.prompt_tokens:entry.resident_tokens]
+            raise FailedPrecondition(
+                f"{resident_generated} generated tokens are resident but "
+                f"only {len(generated)} were given",
+                field="generated_token_ids",
+            )
+        known = entry.token_ids[entry.prompt_tokens : entry.resident_tokens]
         if len(known) == resident_generated and known != generated[:resident_generated]:
-            first = next(i for i, (a, b) in enumerate(zip(known, generated, strict=False))
-                         if a != b)
-            raise FailedPrecondition(f"generated token {first} differs from the resident KV's",
-                                     field="generated_token_ids")
+            first = next(
+                i for i, (a, b) in enumerate(zip(known, generated, strict=False)) if a != b
+            )
+            raise FailedPrecondition(
+                f"generated token {first} differs from the resident KV's",
+                field="generated_token_ids",
+            )
         missing = generated[resident_generated:]
         if missing:
             return await self._extend(entry, missing)
         if entry.next_token_id is None:
-            raise FailedPrecondition("the KV came from another worker: pass at least the first "
-                                     "generated token", field="generated_token_ids")
+            raise FailedPrecondition(
+                "the KV came from another worker: pass at least the first generated token",
+                field="generated_token_ids",
+            )
         return entry.next_token_id, 0.0
 
     async def _step(self, entry: Resident, token: int) -> tuple[int, float]:
         context = entry.resident_tokens
         self._check_positions(context + 1, "max_new_tokens")
         self.store.grow(entry, context + 1)
-        timed = await self.compute.run(lambda: self.model.decode_step(entry.cache, token),
-                                       self.estimates.step_s(context))
+        timed = await self.compute.run(
+            lambda: self.model.decode_step(entry.cache, token), self.estimates.step_s(context)
+        )
         entry.token_ids.append(token)
         entry.next_token_id = _argmax(timed.value)
         self.store.touch(entry)
@@ -300,83 +350,137 @@ class WorkerEngine:
         entry = self.store.get(request_id)
         async with self._using(entry):
             next_token, extend_s = await self._extend(entry, tokens)
-            return ExtendResult(next_token_id=next_token, resident_tokens=entry.resident_tokens,
-                                extend_s=extend_s, kv_bytes=entry.cache.resident_bytes())
+            return ExtendResult(
+                next_token_id=next_token,
+                resident_tokens=entry.resident_tokens,
+                extend_s=extend_s,
+                kv_bytes=entry.cache.resident_bytes(),
+            )
 
     # -- moving KV --------------------------------------------------------------------
 
-    async def pull_kv(self, request_id: str, source_instance_id: str, source_address: str,
-                      token_start: int, token_end: int, prompt_tokens: int = 0,
-                      prefix_token_ids: Sequence[int] = (), lease_s: float = 0.0,
-                      pacing_bps: float = 0.0, traceparent: str = "",
-                      deadline_s: float | None = None) -> PullResult:
+    async def pull_kv(
+        self,
+        request_id: str,
+        source_instance_id: str,
+        source_address: str,
+        token_start: int,
+        token_end: int,
+        prompt_tokens: int = 0,
+        prefix_token_ids: Sequence[int] = (),
+        lease_s: float = 0.0,
+        pacing_bps: float = 0.0,
+        traceparent: str = "",
+        deadline_s: float | None = None,
+    ) -> PullResult:
         """Receive [token_start, token_end) of a request's KV from `source_instance_id`."""
         _check_request_id(request_id)
         if not source_instance_id:
             raise InvalidArgument("source_instance_id", "must not be empty")
         if len(source_instance_id) > _MAX_INSTANCE_ID_CHARS:
             # It names the transfer pair's keys, which the rendezvous store caps in size.
-            raise InvalidArgument("source_instance_id",
-                                  f"longer than {_MAX_INSTANCE_ID_CHARS} characters")
+            raise InvalidArgument(
+                "source_instance_id", f"longer than {_MAX_INSTANCE_ID_CHARS} characters"
+            )
         if source_instance_id == self.instance_id:
             raise InvalidArgument("source_instance_id", "is this worker itself")
         if not source_address:
             raise InvalidArgument("source_address", "must not be empty")
-        if (len(source_address) > _MAX_ADDRESS_CHARS or not source_address.isascii()
-                or not source_address.isprintable() or " " in source_address):
+        if (
+            len(source_address) > _MAX_ADDRESS_CHARS
+            or not source_address.isascii()
+            or not source_address.isprintable()
+            or " " in source_address
+        ):
             # gRPC cannot even build a channel to such a target.
-            raise InvalidArgument("source_address", f"must be host:port, got "
-                                  f"{source_address[:64]!r}")
+            raise InvalidArgument(
+                "source_address", f"must be host:port, got {source_address[:64]!r}"
+            )
         if token_start < 0:
             raise InvalidArgument("token_start", f"must be >= 0, got {token_start}")
         if token_end <= token_start:
-            raise InvalidArgument("token_end", f"must be > token_start ({token_start}), got "
-                                  f"{token_end}")
+            raise InvalidArgument(
+                "token_end", f"must be > token_start ({token_start}), got {token_end}"
+            )
         self._check_positions(token_end, "token_end")
         if not 0 <= prompt_tokens <= token_end:
-            raise InvalidArgument("prompt_tokens", f"must be in [0, token_end], got "
-                                  f"{prompt_tokens}")
+            raise InvalidArgument(
+                "prompt_tokens", f"must be in [0, token_end], got {prompt_tokens}"
+            )
         _require_pacing(pacing_bps)
         prefix = self._tokens(prefix_token_ids, "prefix_token_ids", allow_empty=True)
         if prefix and len(prefix) != token_start:
-            raise InvalidArgument("prefix_token_ids", f"must hold token_start ({token_start}) "
-                                  f"tokens, got {len(prefix)}")
+            raise InvalidArgument(
+                "prefix_token_ids",
+                f"must hold token_start ({token_start}) tokens, got {len(prefix)}",
+            )
         lease = self._lease(lease_s)
         started = time.monotonic()
         entry = self.store.find(request_id)
         if entry is not None:
             async with self._using(entry):
                 if entry.resident_tokens >= token_end:
-                    return PullResult(entry.resident_tokens, 0, 0.0, 0.0, 0, 0.0,
-                                      time.monotonic() - started, "")
+                    return PullResult(
+                        entry.resident_tokens, 0, 0.0, 0.0, 0, 0.0, time.monotonic() - started, ""
+                    )
                 if prefix or entry.resident_tokens != token_start:
                     raise FailedPrecondition(
                         f"request {request_id!r} has {entry.resident_tokens} tokens resident "
                         f"here; a pull must start there (token_start) without a prefix",
-                        field="token_start")
-                return await self._pull_into(entry, source_instance_id, source_address, (),
-                                             token_end, prompt_tokens, pacing_bps, traceparent,
-                                             deadline_s, started)
+                        field="token_start",
+                    )
+                return await self._pull_into(
+                    entry,
+                    source_instance_id,
+                    source_address,
+                    (),
+                    token_end,
+                    prompt_tokens,
+                    pacing_bps,
+                    traceparent,
+                    deadline_s,
+                    started,
+                )
         if token_start > 0 and not prefix:
-            raise FailedPrecondition(f"request {request_id!r} has no KV here: start at 0, or "
-                                     "give prefix_token_ids to recompute [0, token_start)",
-                                     field="token_start")
+            raise FailedPrecondition(
+                f"request {request_id!r} has no KV here: start at 0, or "
+                "give prefix_token_ids to recompute [0, token_start)",
+                field="token_start",
+            )
         entry = self.store.add(request_id, self.model.new_cache(token_end), token_end, lease)
         try:
             async with entry.lock:
-                return await self._pull_into(entry, source_instance_id, source_address, prefix,
-                                             token_end, prompt_tokens, pacing_bps, traceparent,
-                                             deadline_s, started)
+                return await self._pull_into(
+                    entry,
+                    source_instance_id,
+                    source_address,
+                    prefix,
+                    token_end,
+                    prompt_tokens,
+                    pacing_bps,
+                    traceparent,
+                    deadline_s,
+                    started,
+                )
         except BaseException:
             self.store.discard(entry)
             raise
         finally:
             self.store.unpin(entry)
 
-    async def _pull_into(self, entry: Resident, source_id: str, source_address: str,
-                         prefix: list[int], token_end: int, prompt_tokens: int,
-                         pacing_bps: float, traceparent: str, deadline_s: float | None,
-                         started: float) -> PullResult:
+    async def _pull_into(
+        self,
+        entry: Resident,
+        source_id: str,
+        source_address: str,
+        prefix: list[int],
+        token_end: int,
+        prompt_tokens: int,
+        pacing_bps: float,
+        traceparent: str,
+        deadline_s: float | None,
+        started: float,
+    ) -> PullResult:
         start = entry.resident_tokens + len(prefix)
         self.store.grow(entry, token_end)
         entry.cache.reserve(token_end)
@@ -384,12 +488,23 @@ class WorkerEngine:
         if prefix:
             # HYBRID: the prefix is computed into [0, start) while the rest is received
             # into [start, token_end) of the same buffers.
-            recompute = asyncio.ensure_future(self.compute.run(
-                lambda: self.model.prefill(prefix, entry.cache), self.estimates.prefill_s(
-                    len(prefix))))
+            recompute = asyncio.ensure_future(
+                self.compute.run(
+                    lambda: self.model.prefill(prefix, entry.cache),
+                    self.estimates.prefill_s(len(prefix)),
+                )
+            )
         try:
-            sent, stats = await self._receive(entry, source_id, source_address, start, token_end,
-                                              pacing_bps, traceparent, deadline_s)
+            sent, stats = await self._receive(
+                entry,
+                source_id,
+                source_address,
+                start,
+                token_end,
+                pacing_bps,
+                traceparent,
+                deadline_s,
+            )
         except BaseException:
             if recompute is not None:
                 # The recompute writes into the same buffers: let it finish first.
@@ -400,47 +515,90 @@ class WorkerEngine:
         if recompute is not None:
             recompute_s = (await recompute).compute_s
         if len(sent.token_ids) != token_end - start:
-            raise FailedPrecondition(f"source sent {len(sent.token_ids)} token ids for "
-                                     f"{token_end - start} positions", field="token_end")
+            raise FailedPrecondition(
+                f"source sent {len(sent.token_ids)} token ids for {token_end - start} positions",
+                field="token_end",
+            )
         entry.cache.commit(token_end)
         entry.token_ids = [*entry.token_ids, *prefix, *sent.token_ids]
         entry.prompt_tokens = prompt_tokens or token_end
         entry.next_token_id = None
         self.store.touch(entry)
-        trace.get_current_span().set_attributes({
-            "kvrs.request_id": entry.request_id, "kvrs.kv_bytes": stats.kv_bytes,
-            "kvrs.source_instance_id": source_id, "kvrs.recomputed_tokens": len(prefix)})
-        return PullResult(resident_tokens=entry.resident_tokens,
-                          transferred_kv_bytes=stats.kv_bytes, transfer_s=stats.seconds,
-                          transfer_bps=stats.throughput_bps, recomputed_tokens=len(prefix),
-                          recompute_s=recompute_s, total_s=time.monotonic() - started,
-                          transfer_id=stats.transfer_id)
+        trace.get_current_span().set_attributes(
+            {
+                "kvrs.request_id": entry.request_id,
+                "kvrs.kv_bytes": stats.kv_bytes,
+                "kvrs.source_instance_id": source_id,
+                "kvrs.recomputed_tokens": len(prefix),
+            }
+        )
+        return PullResult(
+            resident_tokens=entry.resident_tokens,
+            transferred_kv_bytes=stats.kv_bytes,
+            transfer_s=stats.seconds,
+            transfer_bps=stats.throughput_bps,
+            recomputed_tokens=len(prefix),
+            recompute_s=recompute_s,
+            total_s=time.monotonic() - started,
+            transfer_id=stats.transfer_id,
+        )
 
-    async def _receive(self, entry: Resident, source_id: str, source_address: str, start: int,
-                       end: int, pacing_bps: float, traceparent: str,
-                       deadline_s: float | None):
+    async def _receive(
+        self,
+        entry: Resident,
+        source_id: str,
+        source_address: str,
+        start: int,
+        end: int,
+        pacing_bps: float,
+        traceparent: str,
+        deadline_s: float | None,
+    ):
         """One pull attempt, retried once when the pair with the source was stale."""
         for attempt in (1, 2):
             try:
-                return await self._receive_once(entry, source_id, source_address, start, end,
-                                                pacing_bps, traceparent, deadline_s)
+                return await self._receive_once(
+                    entry,
+                    source_id,
+                    source_address,
+                    start,
+                    end,
+                    pacing_bps,
+                    traceparent,
+                    deadline_s,
+                )
             except PeerLost as exc:
                 # A source that restarted answers the old pair's ticket with PeerLost; the
                 # failed attempt closed that pair, so a second ticket gets a fresh one.
                 if attempt == 2:
                     raise
-                log.info("pull of %s from %s: %s; retrying on a new pair", entry.request_id,
-                         source_id, exc)
+                log.info(
+                    "pull of %s from %s: %s; retrying on a new pair",
+                    entry.request_id,
+                    source_id,
+                    exc,
+                )
         raise AssertionError("unreachable")
 
-    async def _receive_once(self, entry: Resident, source_id: str, source_address: str,
-                            start: int, end: int, pacing_bps: float, traceparent: str,
-                            deadline_s: float | None):
+    async def _receive_once(
+        self,
+        entry: Resident,
+        source_id: str,
+        source_address: str,
+        start: int,
+        end: int,
+        pacing_bps: float,
+        traceparent: str,
+        deadline_s: float | None,
+    ):
         ticket = self.agent.prepare(source_id, entry.request_id, start, end, traceparent)
         out = entry.cache.views(start, end)
         received = asyncio.ensure_future(self.agent.recv_async(ticket, self.layout, out))
-        deadline = self._send_kv_deadline_s if deadline_s is None else min(
-            deadline_s, self._send_kv_deadline_s)
+        deadline = (
+            self._send_kv_deadline_s
+            if deadline_s is None
+            else min(deadline_s, self._send_kv_deadline_s)
+        )
         try:
             sent = await self._send_kv(source_address, ticket, pacing_bps, deadline)
         except KvrsError as send_error:
@@ -453,8 +611,9 @@ class WorkerEngine:
             raise
         return sent, (await received).stats
 
-    async def _pull_failure(self, ticket: TransferTicket, received: asyncio.Future,
-                            send_error: KvrsError) -> KvrsError:
+    async def _pull_failure(
+        self, ticket: TransferTicket, received: asyncio.Future, send_error: KvrsError
+    ) -> KvrsError:
         """The error a failed SendKv stands for, once the pending receive is settled."""
         if send_error.code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
             # The source's handler ran: it sent its refusal over the pair as well.
@@ -479,24 +638,29 @@ class WorkerEngine:
         _require_pacing(pacing_bps)
         if ticket.sender_id != self.instance_id:
             # The receiver waits on a pair named after the worker it meant: unreachable.
-            raise InvalidArgument("ticket.sender_instance_id", f"names {ticket.sender_id!r}, "
-                                  f"this is {self.instance_id!r}")
+            raise InvalidArgument(
+                "ticket.sender_instance_id",
+                f"names {ticket.sender_id!r}, this is {self.instance_id!r}",
+            )
         try:
             if ticket.protocol_version != PROTOCOL_VERSION:
                 raise ProtocolVersionMismatch(PROTOCOL_VERSION, ticket.protocol_version, "ticket")
             _check_request_id(ticket.request_id)
             entry = self.store.get(ticket.request_id)
             if ticket.token_end > entry.resident_tokens:
-                raise InvalidArgument("token_end", f"{ticket.token_end} is beyond the "
-                                      f"{entry.resident_tokens} tokens resident on "
-                                      f"{self.instance_id}")
+                raise InvalidArgument(
+                    "token_end",
+                    f"{ticket.token_end} is beyond the "
+                    f"{entry.resident_tokens} tokens resident on "
+                    f"{self.instance_id}",
+                )
         except KvrsError as exc:
             await self.agent.reject_async(ticket, exc)
             raise
         self.store.pin(entry)
         try:
             kv = entry.cache.layers_kv(ticket.token_start, ticket.token_end)
-            token_ids = entry.token_ids[ticket.token_start:ticket.token_end]
+            token_ids = entry.token_ids[ticket.token_start : ticket.token_end]
             stats = await self.agent.send_async(ticket, kv, pacing_bps or self._pacing_bps or None)
         finally:
             self.store.unpin(entry)
@@ -513,13 +677,19 @@ class WorkerEngine:
     def stats(self) -> WorkerStats:
         store = self.store
         return WorkerStats(
-            resident_requests=len(store), block_tokens=store.block_tokens,
-            kv_capacity_blocks=store.capacity_blocks, free_kv_blocks=store.free_blocks,
+            resident_requests=len(store),
+            block_tokens=store.block_tokens,
+            kv_capacity_blocks=store.capacity_blocks,
+            free_kv_blocks=store.free_blocks,
             used_kv_bytes=store.used_bytes,
             kv_capacity_bytes=store.capacity_blocks * store.block_tokens * store.bytes_per_token,
-            queued_work_s=self.compute.queued_work_s, queue_depth=self.compute.depth,
-            running_requests=self._running_decodes, evicted_requests=store.evicted,
-            expired_requests=store.expired, resident_prefix_hashes=store.prefix_hashes())
+            queued_work_s=self.compute.queued_work_s,
+            queue_depth=self.compute.depth,
+            running_requests=self._running_decodes,
+            evicted_requests=store.evicted,
+            expired_requests=store.expired,
+            resident_prefix_hashes=store.prefix_hashes(),
+        )
 
     async def canary(self) -> None:
         """A one-token forward pass: health means the model really runs."""

@@ -51,7 +51,8 @@ class Resident:
         full_blocks = min(len(self.token_ids), self.resident_tokens) // block_tokens
         if len(self._block_hashes) != full_blocks:
             self._block_hashes = prefix_block_hashes(
-                self.token_ids[:full_blocks * block_tokens], block_tokens)
+                self.token_ids[: full_blocks * block_tokens], block_tokens
+            )
         return self._block_hashes
 
     @property
@@ -62,8 +63,13 @@ class Resident:
 class KvStore:
     """The resident requests and the block budget they share."""
 
-    def __init__(self, capacity_bytes: int, bytes_per_token: int, block_tokens: int,
-                 clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        bytes_per_token: int,
+        block_tokens: int,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.block_tokens = block_tokens
         self.bytes_per_token = bytes_per_token
         self.capacity_blocks = capacity_bytes // (block_tokens * bytes_per_token)
@@ -100,19 +106,35 @@ class KvStore:
         """The resident request; NotFound (naming request_id) when it is not here."""
         entry = self._entries.get(request_id)
         if entry is None:
-            raise NotFound(f"request {request_id!r} has no KV on this worker (never "
-                           "computed here, released, expired or evicted)", field="request_id")
+            raise NotFound(
+                f"request {request_id!r} has no KV on this worker (never "
+                "computed here, released, expired or evicted)",
+                field="request_id",
+            )
         return entry
 
-    def add(self, request_id: str, cache: KvCache, reserved_tokens: int, lease_s: float,
-            prompt_tokens: int = 0) -> Resident:
+    def add(
+        self,
+        request_id: str,
+        cache: KvCache,
+        reserved_tokens: int,
+        lease_s: float,
+        prompt_tokens: int = 0,
+    ) -> Resident:
         """A new, pinned entry holding `reserved_tokens` of the budget (evicting for it)."""
         self._make_room(self.blocks(reserved_tokens), exclude=None)
         now = self._clock()
-        entry = Resident(request_id=request_id, cache=cache, token_ids=[],
-                         prompt_tokens=prompt_tokens, lease_s=lease_s,
-                         expires_at_s=now + lease_s, last_used_s=now,
-                         reserved_tokens=reserved_tokens, pins=1)
+        entry = Resident(
+            request_id=request_id,
+            cache=cache,
+            token_ids=[],
+            prompt_tokens=prompt_tokens,
+            lease_s=lease_s,
+            expires_at_s=now + lease_s,
+            last_used_s=now,
+            reserved_tokens=reserved_tokens,
+            pins=1,
+        )
         self._entries[request_id] = entry
         return entry
 
@@ -169,15 +191,19 @@ class KvStore:
         if blocks <= self.free_blocks:
             return
         self.expire()
-        candidates = sorted((e for e in self._entries.values() if not e.pins and e is not exclude),
-                            key=lambda e: e.last_used_s)
+        candidates = sorted(
+            (e for e in self._entries.values() if not e.pins and e is not exclude),
+            key=lambda e: e.last_used_s,
+        )
         while blocks > self.free_blocks and candidates:
             self._remove(candidates.pop(0))
             self.evicted += 1
         if blocks > self.free_blocks:
-            raise ResourceExhausted(f"needs {blocks} KV blocks of {self.block_tokens} tokens, "
-                                    f"{self.free_blocks} of {self.capacity_blocks} free and the "
-                                    "rest in use")
+            raise ResourceExhausted(
+                f"needs {blocks} KV blocks of {self.block_tokens} tokens, "
+                f"{self.free_blocks} of {self.capacity_blocks} free and the "
+                "rest in use"
+            )
 
     def _remove(self, entry: Resident) -> None:
         self._entries.pop(entry.request_id, None)

@@ -67,10 +67,12 @@ MODEL_CONFIGS: dict[str, TransformerConfig] = {
     config.name: config
     for config in (
         # The byte-level vocabulary (kvrs.tokenizer): any text is a prompt.
-        TransformerConfig("tiny", layers=2, heads=2, head_dim=16, vocab_size=VOCAB_SIZE,
-                          max_positions=8192),
-        TransformerConfig("opt-125m", layers=12, heads=12, head_dim=64, vocab_size=50272,
-                          max_positions=2048),
+        TransformerConfig(
+            "tiny", layers=2, heads=2, head_dim=16, vocab_size=VOCAB_SIZE, max_positions=8192
+        ),
+        TransformerConfig(
+            "opt-125m", layers=12, heads=12, head_dim=64, vocab_size=50272, max_positions=2048
+        ),
     )
 }
 
@@ -87,8 +89,9 @@ def resolve_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise InvalidArgument("dtype", f"unknown dtype {name!r} (known: {', '.join(DTYPES)})") \
-            from None
+        raise InvalidArgument(
+            "dtype", f"unknown dtype {name!r} (known: {', '.join(DTYPES)})"
+        ) from None
 
 
 class KvCache:
@@ -98,8 +101,15 @@ class KvCache:
     hands out slices of the buffers that a transfer can receive into directly.
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", capacity_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        capacity_tokens: int = 0,
+    ) -> None:
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
@@ -129,8 +139,9 @@ class KvCache:
         capacity = max(tokens, 2 * self.capacity_tokens, 16)
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
-                new = torch.empty((capacity, self.kv_heads, self.head_dim), dtype=self.dtype,
-                                  device=self.device)
+                new = torch.empty(
+                    (capacity, self.kv_heads, self.head_dim), dtype=self.dtype, device=self.device
+                )
                 new[: self.length] = old[: self.length]
                 buffers[i] = new
 
@@ -138,13 +149,13 @@ class KvCache:
         """Key and value of layer `index` over the resident positions `[0, length)`."""
         return self.keys[index][: self.length], self.values[index][: self.length]
 
-    def layers_kv(self, start: int = 0, end: int | None = None) -> list[tuple[torch.Tensor,
-                                                                              torch.Tensor]]:
+    def layers_kv(
+        self, start: int = 0, end: int | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (key, value) views of positions `[start, end)` (default: all resident)."""
         end = self.length if end is None else end
         if not 0 <= start <= end <= self.length:
-            raise InvalidArgument("token_range", f"[{start}, {end}) is outside [0, "
-                                  f"{self.length})")
+            raise InvalidArgument("token_range", f"[{start}, {end}) is outside [0, {self.length})")
         return [(k[start:end], v[start:end]) for k, v in zip(self.keys, self.values, strict=True)]
 
     def views(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -154,8 +165,10 @@ class KvCache:
         computed or received elsewhere without a copy.
         """
         if not 0 <= start <= end <= self.capacity_tokens:
-            raise InvalidArgument("token_range", f"[{start}, {end}) is outside the reserved "
-                                  f"[0, {self.capacity_tokens})")
+            raise InvalidArgument(
+                "token_range",
+                f"[{start}, {end}) is outside the reserved [0, {self.capacity_tokens})",
+            )
         return [(k[start:end], v[start:end]) for k, v in zip(self.keys, self.values, strict=True)]
 
     def commit(self, length: int) -> None:
@@ -179,8 +192,10 @@ class _Layer:
 
     def __init__(self, hidden: int, mlp: int, draw) -> None:
         self.ln1_weight, self.ln1_bias = 1.0 + 0.1 * draw(hidden), 0.1 * draw(hidden)
-        self.qkv_weight, self.qkv_bias = draw(3 * hidden, hidden, fan_in=hidden), 0.02 * draw(
-            3 * hidden)
+        self.qkv_weight, self.qkv_bias = (
+            draw(3 * hidden, hidden, fan_in=hidden),
+            0.02 * draw(3 * hidden),
+        )
         self.out_weight, self.out_bias = draw(hidden, hidden, fan_in=hidden), 0.02 * draw(hidden)
         self.ln2_weight, self.ln2_bias = 1.0 + 0.1 * draw(hidden), 0.1 * draw(hidden)
         self.fc1_weight, self.fc1_bias = draw(mlp, hidden, fan_in=hidden), 0.02 * draw(mlp)
@@ -193,9 +208,14 @@ class Transformer:
     Not an nn.Module: inference only, weights are plain tensors, no autograd.
     """
 
-    def __init__(self, config: TransformerConfig, dtype: torch.dtype = torch.float32,
-                 seed: int = 0, device: torch.device | str = "cpu",
-                 exact: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        exact: bool | None = None,
+    ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -213,15 +233,22 @@ class Transformer:
 
         self.embed = draw(config.vocab_size, hidden)
         self.positions = 0.5 * draw(config.max_positions, hidden)
-        self.blocks = [_Layer(hidden, config.mlp_ratio * hidden, draw)
-                       for _ in range(config.layers)]
+        self.blocks = [
+            _Layer(hidden, config.mlp_ratio * hidden, draw) for _ in range(config.layers)
+        ]
         self.lnf_weight, self.lnf_bias = 1.0 + 0.1 * draw(hidden), 0.1 * draw(hidden)
         # Untied: a head tied to the embedding makes a random model copy its input token.
         self.head = draw(config.vocab_size, hidden, fan_in=hidden)
 
     @classmethod
-    def from_preset(cls, name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    device: torch.device | str = "cpu", exact: bool | None = None) -> Transformer:
+    def from_preset(
+        cls,
+        name: str,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        exact: bool | None = None,
+    ) -> Transformer:
         """The preset called `name` (`MODEL_CONFIGS`); InvalidArgument("model") otherwise."""
         try:
             config = MODEL_CONFIGS[name]
@@ -232,12 +259,19 @@ class Transformer:
 
     def new_cache(self, capacity_tokens: int = 0) -> KvCache:
         config = self.config
-        return KvCache(config.layers, config.kv_heads, config.head_dim, self.dtype, self.device,
-                       capacity_tokens)
+        return KvCache(
+            config.layers,
+            config.kv_heads,
+            config.head_dim,
+            self.dtype,
+            self.device,
+            capacity_tokens,
+        )
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int],
-                cache: KvCache | None = None) -> tuple[KvCache, torch.Tensor]:
+    def prefill(
+        self, token_ids: Sequence[int], cache: KvCache | None = None
+    ) -> tuple[KvCache, torch.Tensor]:
         """KV of every prompt position and the logits of the last one.
 
         `cache`, when given, must be empty; it may have capacity reserved beyond the
@@ -265,8 +299,13 @@ class Transformer:
         first = int(torch.argmax(logits))
         return [first, *self.greedy(cache, first, max_new_tokens - 1)]
 
-    def greedy(self, cache: KvCache, next_token_id: int, max_new_tokens: int,
-               stop_token_id: int | None = None) -> list[int]:
+    def greedy(
+        self,
+        cache: KvCache,
+        next_token_id: int,
+        max_new_tokens: int,
+        stop_token_id: int | None = None,
+    ) -> list[int]:
         """Greedy tokens after `next_token_id` (fed first); its KV and theirs are appended
         except for the last token returned, which is left pending like `next_token_id` was."""
         out: list[int] = []
@@ -284,8 +323,11 @@ class Transformer:
         validate_token_ids(token_ids, "token_ids", self.config.vocab_size)
         end = cache.length + len(token_ids)
         if end > self.config.max_positions:
-            raise InvalidArgument("token_ids", f"sequence of {end} tokens exceeds the model's "
-                                  f"{self.config.max_positions} positions")
+            raise InvalidArgument(
+                "token_ids",
+                f"sequence of {end} tokens exceeds the model's "
+                f"{self.config.max_positions} positions",
+            )
         cache.reserve(end)
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)
         if self.exact:
@@ -312,8 +354,9 @@ class Transformer:
             cache.values[index][start:end] = v
             keys = cache.keys[index][:end].transpose(0, 1)
             values = cache.values[index][:end].transpose(0, 1)
-            attended = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values,
-                                                      attn_mask=mask)
+            attended = F.scaled_dot_product_attention(
+                q.transpose(0, 1), keys, values, attn_mask=mask
+            )
             attended = attended.transpose(0, 1).reshape(count, config.hidden)
             hidden = hidden + F.linear(attended, block.out_weight, block.out_bias)
             normed = F.layer_norm(hidden, (config.hidden,), block.ln2_weight, block.ln2_bias)

@@ -63,10 +63,12 @@ class WorkerPeers:
             stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(channel)
         return stub
 
-    async def send_kv(self, address: str, ticket: TransferTicket, pacing_bps: float,
-                      deadline_s: float) -> SendResult:
-        request = worker_pb2.SendKvRequest(request_id=ticket.request_id,
-                                           ticket=ticket_to_pb(ticket), pacing_bps=pacing_bps)
+    async def send_kv(
+        self, address: str, ticket: TransferTicket, pacing_bps: float, deadline_s: float
+    ) -> SendResult:
+        request = worker_pb2.SendKvRequest(
+            request_id=ticket.request_id, ticket=ticket_to_pb(ticket), pacing_bps=pacing_bps
+        )
         try:
             reply = await self._stub(address).SendKv(request, timeout=deadline_s)
         except grpc.aio.AioRpcError as exc:
@@ -135,41 +137,64 @@ async def build_server(
     """Start a worker on `config.listen_addr`; SERVING once the canary passed."""
     torch.set_num_threads(config.torch_threads)
     dtype_name = _dtype_name(config)
-    model = await asyncio.to_thread(Transformer.from_preset, config.model,
-                                    resolve_dtype(dtype_name), config.seed)
+    model = await asyncio.to_thread(
+        Transformer.from_preset, config.model, resolve_dtype(dtype_name), config.seed
+    )
     spec = model_spec(config.model)
     compute = ComputeQueue()
     estimates = Estimates(config.model, config.profile_path)
-    store = KvStore(config.kv_capacity_bytes, model.new_cache().bytes_per_token,
-                    spec.block_tokens)
+    store = KvStore(config.kv_capacity_bytes, model.new_cache().bytes_per_token, spec.block_tokens)
     host = config.transfer_host or _advertise(config, 0).rpartition(":")[0]
-    agent = TransferAgent(AgentConfig(
-        instance_id=config.instance_id, host=host, port=config.transfer_port,
-        timeout_s=config.transfer_timeout_s,
-        pacing_bps=config.transfer_pacing_bps or None,
-        chunk_tokens=config.transfer_chunk_tokens, checksums=config.transfer_checksums),
-        provider)
+    agent = TransferAgent(
+        AgentConfig(
+            instance_id=config.instance_id,
+            host=host,
+            port=config.transfer_port,
+            timeout_s=config.transfer_timeout_s,
+            pacing_bps=config.transfer_pacing_bps or None,
+            chunk_tokens=config.transfer_chunk_tokens,
+            checksums=config.transfer_checksums,
+        ),
+        provider,
+    )
     peers = WorkerPeers(config.grpc, provider)
-    engine = WorkerEngine(config.instance_id, config.model, model, store, compute, estimates,
-                          agent, peers.send_kv, config.kv_lease_s, config.send_kv_deadline_s,
-                          config.transfer_pacing_bps)
-    location = common_pb2.Location(node=config.location.node, rack=config.location.rack,
-                                   pod=config.location.pod,
-                                   gpu_index=config.location.gpu_index)
+    engine = WorkerEngine(
+        config.instance_id,
+        config.model,
+        model,
+        store,
+        compute,
+        estimates,
+        agent,
+        peers.send_kv,
+        config.kv_lease_s,
+        config.send_kv_deadline_s,
+        config.transfer_pacing_bps,
+    )
+    location = common_pb2.Location(
+        node=config.location.node,
+        rack=config.location.rack,
+        pod=config.location.pod,
+        gpu_index=config.location.gpu_index,
+    )
     servicer = WorkerServicer(engine, config.role, dtype_name, location, metrics)
 
     def register(server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
 
     try:
-        base = await start_server(register, [SERVICE_NAME], config.listen_addr, config.grpc,
-                                  provider, serving=False)
+        base = await start_server(
+            register, [SERVICE_NAME], config.listen_addr, config.grpc, provider, serving=False
+        )
     except BaseException:
         agent.close()
         compute.close()
         raise
-    handle = WorkerServerHandle(**{f.name: getattr(base, f.name) for f in fields(base)},
-                                engine=engine, advertise_addr=_advertise(config, base.port))
+    handle = WorkerServerHandle(
+        **{f.name: getattr(base, f.name) for f in fields(base)},
+        engine=engine,
+        advertise_addr=_advertise(config, base.port),
+    )
 
     async def close_resources() -> None:
         await peers.close()
@@ -184,36 +209,55 @@ async def build_server(
         if config.gossip_addr:
             handle.heartbeat = await _join_gossip(config, handle, engine, provider)
         await handle.set_serving(True)
-        for task in (asyncio.create_task(_canary_forever(engine, handle,
-                                                         config.canary_interval_s)),
-                     asyncio.create_task(engine.expire_forever(_LEASE_SWEEP_S))):
+        for task in (
+            asyncio.create_task(_canary_forever(engine, handle, config.canary_interval_s)),
+            asyncio.create_task(engine.expire_forever(_LEASE_SWEEP_S)),
+        ):
             handle.cleanups.append(lambda t=task: _cancel(t))
     except BaseException:
         await handle.stop(0)
         raise
-    log.info("worker %s (%s, %s %s) serving on %s, transfers on %s", config.instance_id,
-             config.role, config.model, dtype_name, handle.advertise_addr, agent.address)
+    log.info(
+        "worker %s (%s, %s %s) serving on %s, transfers on %s",
+        config.instance_id,
+        config.role,
+        config.model,
+        dtype_name,
+        handle.advertise_addr,
+        agent.address,
+    )
     return handle
 
 
-async def _join_gossip(config: Config, handle: WorkerServerHandle, engine: WorkerEngine,
-                       provider: TracerProvider) -> HeartbeatLoop:
+async def _join_gossip(
+    config: Config, handle: WorkerServerHandle, engine: WorkerEngine, provider: TracerProvider
+) -> HeartbeatLoop:
     client = GossipClient(config.gossip_addr, config.grpc, provider)
     handle.cleanups.append(client.close)
     location = config.location
     registration = Registration(
-        instance_id=config.instance_id, role=config.role, address=handle.advertise_addr,
-        node=location.node, rack=location.rack, pod=location.pod,
-        gpu_index=location.gpu_index, model=config.model,
+        instance_id=config.instance_id,
+        role=config.role,
+        address=handle.advertise_addr,
+        node=location.node,
+        rack=location.rack,
+        pod=location.pod,
+        gpu_index=location.gpu_index,
+        model=config.model,
         kv_capacity_blocks=engine.store.capacity_blocks,
-        transfer_address=engine.agent.address, heartbeat_ttl_s=config.heartbeat_ttl_s)
+        transfer_address=engine.agent.address,
+        heartbeat_ttl_s=config.heartbeat_ttl_s,
+    )
 
     def load() -> NodeLoad:
         stats = engine.stats()
-        return NodeLoad(queue_depth=stats.queue_depth, queued_work_s=stats.queued_work_s,
-                        running_requests=stats.running_requests,
-                        free_kv_blocks=stats.free_kv_blocks,
-                        resident_prefix_hashes=tuple(stats.resident_prefix_hashes))
+        return NodeLoad(
+            queue_depth=stats.queue_depth,
+            queued_work_s=stats.queued_work_s,
+            running_requests=stats.running_requests,
+            free_kv_blocks=stats.free_kv_blocks,
+            resident_prefix_hashes=tuple(stats.resident_prefix_hashes),
+        )
 
     def forget_requests() -> None:
         # Gossip declared this worker failed, perhaps only because its heartbeats were late.
@@ -226,12 +270,17 @@ async def _join_gossip(config: Config, handle: WorkerServerHandle, engine: Worke
         request_ids = engine.store.request_ids()
         for request_id in request_ids:
             engine.store.release(request_id)
-        log.warning("re-registered after being declared failed; released %d requests",
-                    len(request_ids))
+        log.warning(
+            "re-registered after being declared failed; released %d requests", len(request_ids)
+        )
 
-    heartbeat = HeartbeatLoop(client, registration, load=load,
-                              interval_s=config.heartbeat_interval_s or None,
-                              on_reregistered=forget_requests)
+    heartbeat = HeartbeatLoop(
+        client,
+        registration,
+        load=load,
+        interval_s=config.heartbeat_interval_s or None,
+        on_reregistered=forget_requests,
+    )
     await heartbeat.start()
     return heartbeat
 

@@ -38,9 +38,13 @@ def make_kv(spec: KvSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(spec.seed)
     shape = (spec.tokens, spec.kv_heads, spec.head_dim)
     dtype = DTYPES[spec.dtype]
-    return [(torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype),
-             torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype))
-            for _ in range(spec.layers)]
+    return [
+        (
+            torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype),
+            torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype),
+        )
+        for _ in range(spec.layers)
+    ]
 
 
 def digest(layers) -> str:
@@ -90,8 +94,10 @@ def peer_main(conn, instance_id: str, config: dict, wire: str) -> None:
 
     def send(ticket: dict, spec: KvSpec, pacing_bps: float | None) -> dict:
         t = TransferTicket.from_dict(ticket)
-        kv = [(k[t.token_start:t.token_end], v[t.token_start:t.token_end])
-              for k, v in make_kv(spec)]
+        kv = [
+            (k[t.token_start : t.token_end], v[t.token_start : t.token_end])
+            for k, v in make_kv(spec)
+        ]
         stats = agent.send(t, kv, pacing_bps)
         return {"kv_bytes": stats.kv_bytes, "seconds": stats.seconds, "chunks": stats.chunks}
 
@@ -99,9 +105,13 @@ def peer_main(conn, instance_id: str, config: dict, wire: str) -> None:
         layout = KvLayout(spec.layers, spec.kv_heads, spec.head_dim, DTYPES[spec.dtype])
         started = time.monotonic()
         got = agent.recv(TransferTicket.from_dict(ticket), layout)
-        return {"digest": digest(got.layers), "seconds": time.monotonic() - started,
-                "kv_bytes": got.stats.kv_bytes, "chunks": got.stats.chunks,
-                "sender_id": got.sender_id}
+        return {
+            "digest": digest(got.layers),
+            "seconds": time.monotonic() - started,
+            "kv_bytes": got.stats.kv_bytes,
+            "chunks": got.stats.chunks,
+            "sender_id": got.sender_id,
+        }
 
     def reject(ticket: dict, message: str) -> dict:
         agent.reject(TransferTicket.from_dict(ticket), NotFound(message))
@@ -116,8 +126,9 @@ def peer_main(conn, instance_id: str, config: dict, wire: str) -> None:
             run(call_id, lambda a=args: agent.prepare(*a).to_dict())
         else:
             fn = {"send": send, "recv": recv, "reject": reject}[op]
-            threading.Thread(target=run, args=(call_id, lambda f=fn, a=args: f(*a)),
-                             daemon=True).start()
+            threading.Thread(
+                target=run, args=(call_id, lambda f=fn, a=args: f(*a)), daemon=True
+            ).start()
     agent.close()
     reply("stopped", 0, {})
 
@@ -130,8 +141,9 @@ class Peer:
         self.instance_id = instance_id
         self._conn, child = context.Pipe()
         config.setdefault("timeout_s", 10.0)
-        self.process = context.Process(target=peer_main, args=(child, instance_id, config, wire),
-                                       daemon=True)
+        self.process = context.Process(
+            target=peer_main, args=(child, instance_id, config, wire), daemon=True
+        )
         self.process.start()
         self._calls: dict[int, Future] = {0: Future()}
         self._next = 1
@@ -143,6 +155,7 @@ class Peer:
         """Wait until the peer's agent listens (peers start in parallel, then wait)."""
         self.info = self._ready.result(timeout=60)
         return self
+
     def _read(self) -> None:
         while True:
             try:
@@ -197,8 +210,15 @@ class PeerError(Exception):
         self.message = message
 
 
-def transfer(sender: Peer, receiver: Peer, spec: KvSpec, request_id: str, start: int = 0,
-             end: int | None = None, pacing_bps: float | None = None) -> tuple[Future, Future]:
+def transfer(
+    sender: Peer,
+    receiver: Peer,
+    spec: KvSpec,
+    request_id: str,
+    start: int = 0,
+    end: int | None = None,
+    pacing_bps: float | None = None,
+) -> tuple[Future, Future]:
     """Start one transfer; returns the (send, recv) futures."""
     end = spec.tokens if end is None else end
     ticket = receiver.prepare(sender, request_id, start, end)

@@ -10,8 +10,21 @@ from kvrs.profile import ComputeProfile
 
 def test_calibrate_writes_a_loadable_fitted_profile(tmp_path, capsys):
     output = tmp_path / "tiny.json"
-    status = main(["calibrate", "--model", "tiny", "--lengths", "8,16,32,64", "--repeats", "1",
-                   "--extend-new-tokens", "4", "--output", str(output)])
+    status = main(
+        [
+            "calibrate",
+            "--model",
+            "tiny",
+            "--lengths",
+            "8,16,32,64",
+            "--repeats",
+            "1",
+            "--extend-new-tokens",
+            "4",
+            "--output",
+            str(output),
+        ]
+    )
     assert status == 0
     report = json.loads(capsys.readouterr().out)
     profile = ComputeProfile.load(output)
@@ -23,13 +36,21 @@ def test_calibrate_writes_a_loadable_fitted_profile(tmp_path, capsys):
     assert profile.prefill_s(4096) > profile.prefill_s(64)
     assert report["profile"] == profile.to_json()
     assert [row["cached_tokens"] for row in report["extend_check"]] == [8, 32]
-    assert all(row["measured_s"] > 0 and row["predicted_s"] > 0
-               for row in report["extend_check"])
+    assert all(row["measured_s"] > 0 and row["predicted_s"] > 0 for row in report["extend_check"])
 
 
 def test_calibrate_names_the_bad_flag(tmp_path, capsys):
-    status = main(["calibrate", "--model", "tiny", "--lengths", "8,nine",
-                   "--output", str(tmp_path / "x.json")])
+    status = main(
+        [
+            "calibrate",
+            "--model",
+            "tiny",
+            "--lengths",
+            "8,nine",
+            "--output",
+            str(tmp_path / "x.json"),
+        ]
+    )
     assert status == 2
     assert "--lengths" in capsys.readouterr().err
     status = main(["calibrate", "--model", "gpt-9", "--output", str(tmp_path / "x.json")])

@@ -118,8 +118,10 @@ def test_peer_on_another_version_is_rejected_before_payload(peers):
         with pytest.raises(PeerError) as info:
             received.result(RESULT_TIMEOUT_S)
         assert info.value.kind == "ProtocolVersionMismatch"
-        assert f"peer speaks libkvxfer protocol 7, this process speaks {PROTOCOL_VERSION}" \
+        assert (
+            f"peer speaks libkvxfer protocol 7, this process speaks {PROTOCOL_VERSION}"
             in info.value.message
+        )
         # The receiver dropped the pair instead of decoding: the sender fails too, fast.
         with pytest.raises(PeerError) as info:
             sent.result(RESULT_TIMEOUT_S)

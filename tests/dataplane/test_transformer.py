@@ -48,8 +48,9 @@ def test_kv_split_from_two_computations_joins_exactly(tiny):
     k = 23
     prefix, _ = tiny.prefill(PROMPT[:k])
     joined = tiny.new_cache(len(PROMPT))
-    for (dk, dv), (pk, pv), (fk, fv) in zip(joined.views(0, len(PROMPT)), prefix.layers_kv(),
-                                              full.layers_kv(), strict=True):
+    for (dk, dv), (pk, pv), (fk, fv) in zip(
+        joined.views(0, len(PROMPT)), prefix.layers_kv(), full.layers_kv(), strict=True
+    ):
         dk[:k], dv[:k] = pk, pv
         dk[k:], dv[k:] = fk[k:], fv[k:]
     joined.commit(len(PROMPT))
@@ -96,7 +97,10 @@ def test_presets_have_the_cost_models_kv_shape(name):
     config = MODEL_CONFIGS[name]
     spec = model_spec(name)
     assert (config.layers, config.kv_heads, config.head_dim) == (
-        spec.layers, spec.kv_heads, spec.head_dim)
+        spec.layers,
+        spec.kv_heads,
+        spec.head_dim,
+    )
 
 
 def test_kv_layout_and_bytes_per_token(tiny):

@@ -23,21 +23,30 @@ def test_required_variables_are_named():
     with pytest.raises(ConfigError, match="WORKER_ROLE"):
         Config.from_env({"WORKER_INSTANCE_ID": "w"}, role="router")
     with pytest.raises(ConfigError, match="WORKER_TRANSFER_TIMEOUT_S"):
-        Config.from_env({"WORKER_INSTANCE_ID": "w", "WORKER_TRANSFER_TIMEOUT_S": "0"},
-                        role="decode")
+        Config.from_env(
+            {"WORKER_INSTANCE_ID": "w", "WORKER_TRANSFER_TIMEOUT_S": "0"}, role="decode"
+        )
 
 
 def test_location_comes_from_the_topology_file_unless_overridden(tmp_path):
     path = tmp_path / "topology.yaml"
     path.write_text(TOPOLOGY)
-    env = {"WORKER_INSTANCE_ID": "prefill-0", "KVRS_TOPOLOGY_FILE": str(path),
-           "KVRS_MODEL": "opt-125m"}
+    env = {
+        "WORKER_INSTANCE_ID": "prefill-0",
+        "KVRS_TOPOLOGY_FILE": str(path),
+        "KVRS_MODEL": "opt-125m",
+    }
     config = Config.from_env(env, role="prefill")
-    assert (config.location.node, config.location.rack, config.location.pod,
-            config.location.gpu_index) == ("node-a", "rack-0", "pod-0", 1)
+    assert (
+        config.location.node,
+        config.location.rack,
+        config.location.pod,
+        config.location.gpu_index,
+    ) == ("node-a", "rack-0", "pod-0", 1)
     assert config.model == "opt-125m"
-    overridden = Config.from_env({**env, "WORKER_RACK": "rack-9", "WORKER_MODEL": "tiny"},
-                                 role="prefill")
+    overridden = Config.from_env(
+        {**env, "WORKER_RACK": "rack-9", "WORKER_MODEL": "tiny"}, role="prefill"
+    )
     assert (overridden.location.rack, overridden.model) == ("rack-9", "tiny")
     unlisted = Config.from_env({**env, "WORKER_INSTANCE_ID": "decode-7"}, role="decode")
     assert unlisted.location.node == "decode-7"

@@ -24,19 +24,32 @@ from services.worker.server import build_server
 
 
 def worker_config(instance_id: str, role: str, **overrides) -> Config:
-    defaults = {"listen_addr": "127.0.0.1:0", "transfer_host": "127.0.0.1",
-                "transfer_timeout_s": 10.0, "canary_interval_s": 30.0}
+    defaults = {
+        "listen_addr": "127.0.0.1:0",
+        "transfer_host": "127.0.0.1",
+        "transfer_timeout_s": 10.0,
+        "canary_interval_s": 30.0,
+    }
     return Config(instance_id=instance_id, role=role, **{**defaults, **overrides})
 
 
 async def test_worker_registers_and_heartbeats_its_load(redis_url, redis_prefix):
     provider = setup_tracing("test", exporter=InMemorySpanExporter())
-    gossip = await build_gossip(GossipConfig(listen_addr="127.0.0.1:0", redis_url=redis_url,
-                                             redis_prefix=redis_prefix, heartbeat_ttl_s=2.0,
-                                             sweep_interval_s=0.05), provider)
+    gossip = await build_gossip(
+        GossipConfig(
+            listen_addr="127.0.0.1:0",
+            redis_url=redis_url,
+            redis_prefix=redis_prefix,
+            heartbeat_ttl_s=2.0,
+            sweep_interval_s=0.05,
+        ),
+        provider,
+    )
     gossip_addr = f"127.0.0.1:{gossip.port}"
-    worker = await build_server(worker_config("decode-g", "decode", gossip_addr=gossip_addr,
-                                              heartbeat_interval_s=0.05), provider)
+    worker = await build_server(
+        worker_config("decode-g", "decode", gossip_addr=gossip_addr, heartbeat_interval_s=0.05),
+        provider,
+    )
     client = GossipClient(gossip_addr, timeout_s=5)
     channel = open_channel(f"127.0.0.1:{worker.port}", GrpcSettings())
     try:
@@ -48,7 +61,8 @@ async def test_worker_registers_and_heartbeats_its_load(redis_url, redis_prefix)
         assert registration.kv_capacity_blocks == worker.engine.store.capacity_blocks
         prompt = [7] * 600
         await worker_pb2_grpc.WorkerServiceStub(channel).Prefill(
-            pb.PrefillRequest(request_id="r-gossip", prompt_token_ids=prompt))
+            pb.PrefillRequest(request_id="r-gossip", prompt_token_ids=prompt)
+        )
         expected_hash = prefix_block_hashes(prompt, 512)[0]
         for _ in range(100):
             (node,) = await client.list_nodes("decode")
@@ -73,17 +87,25 @@ async def test_one_trace_runs_from_the_caller_through_pull_send_and_transfer():
     provider = setup_tracing("test", exporter=exporter)
     source = await build_server(worker_config("prefill-t", "prefill"), provider)
     target = await build_server(worker_config("decode-t", "decode"), provider)
-    channels = [open_channel(f"127.0.0.1:{w.port}", GrpcSettings(), provider)
-                for w in (source, target)]
+    channels = [
+        open_channel(f"127.0.0.1:{w.port}", GrpcSettings(), provider) for w in (source, target)
+    ]
     try:
         prefill, decode = (worker_pb2_grpc.WorkerServiceStub(c) for c in channels)
         tracer = provider.get_tracer("test")
         with tracer.start_as_current_span("router.generate") as root:
-            await prefill.Prefill(pb.PrefillRequest(request_id="r-trace",
-                                                    prompt_token_ids=[1, 2, 3, 4]))
-            await decode.PullKv(pb.PullKvRequest(
-                request_id="r-trace", source_instance_id="prefill-t",
-                source_address=f"127.0.0.1:{source.port}", token_start=0, token_end=4))
+            await prefill.Prefill(
+                pb.PrefillRequest(request_id="r-trace", prompt_token_ids=[1, 2, 3, 4])
+            )
+            await decode.PullKv(
+                pb.PullKvRequest(
+                    request_id="r-trace",
+                    source_instance_id="prefill-t",
+                    source_address=f"127.0.0.1:{source.port}",
+                    token_start=0,
+                    token_end=4,
+                )
+            )
     finally:
         for channel in channels:
             await channel.close()
@@ -115,8 +137,12 @@ async def test_one_trace_runs_from_the_caller_through_pull_send_and_transfer():
 def test_kv_store_evicts_expired_first_then_least_recently_used():
     now = [0.0]
     bytes_per_token = 1024
-    store = KvStore(capacity_bytes=4 * 16 * bytes_per_token, bytes_per_token=bytes_per_token,
-                    block_tokens=16, clock=lambda: now[0])
+    store = KvStore(
+        capacity_bytes=4 * 16 * bytes_per_token,
+        bytes_per_token=bytes_per_token,
+        block_tokens=16,
+        clock=lambda: now[0],
+    )
     assert store.capacity_blocks == 4
 
     def add(request_id: str, tokens: int, lease_s: float):
@@ -150,4 +176,3 @@ def test_kv_store_evicts_expired_first_then_least_recently_used():
     with pytest.raises(NotFound) as info:
         store.get("busy")
     assert info.value.field == "request_id"
-

@@ -37,9 +37,12 @@ def metrics_addrs() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def workers(metrics_addrs):
     """prefill-a, decode-b, decode-c: started together (each start imports torch)."""
-    started = [WorkerProcess.start(name, "prefill" if name.startswith("prefill") else "decode",
-                                   KVRS_METRICS_ADDR=address)
-               for name, address in metrics_addrs.items()]
+    started = [
+        WorkerProcess.start(
+            name, "prefill" if name.startswith("prefill") else "decode", KVRS_METRICS_ADDR=address
+        )
+        for name, address in metrics_addrs.items()
+    ]
     try:
         yield {w.instance_id: w.ready() for w in started}
     finally:
@@ -66,15 +69,27 @@ def reference():
 
 
 async def decode(worker_stub, request_id, generated, max_new_tokens, **kwargs):
-    request = pb.DecodeRequest(request_id=request_id, generated_token_ids=generated,
-                               max_new_tokens=max_new_tokens, **kwargs)
+    request = pb.DecodeRequest(
+        request_id=request_id,
+        generated_token_ids=generated,
+        max_new_tokens=max_new_tokens,
+        **kwargs,
+    )
     return [m async for m in worker_stub.Decode(request, timeout=60)]
 
 
 async def pull(worker_stub, source, request_id, start, end, **kwargs):
-    return await worker_stub.PullKv(pb.PullKvRequest(
-        request_id=request_id, source_instance_id=source.instance_id,
-        source_address=source.address, token_start=start, token_end=end, **kwargs), timeout=60)
+    return await worker_stub.PullKv(
+        pb.PullKvRequest(
+            request_id=request_id,
+            source_instance_id=source.instance_id,
+            source_address=source.address,
+            token_start=start,
+            token_end=end,
+            **kwargs,
+        ),
+        timeout=60,
+    )
 
 
 async def test_handoff_decodes_exactly_what_one_process_would(workers, stubs, reference):
@@ -102,19 +117,24 @@ def scrape(address: str) -> dict[str, float]:
     """Every sample of a Prometheus endpoint, by its line's name and labels."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
         lines = reply.read().decode().splitlines()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in lines if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line and not line.startswith("#")
+    }
 
 
-async def test_metrics_count_transfer_bytes_rates_and_decode_outcomes(workers, stubs,
-                                                                      metrics_addrs):
-    sent, received = "kvrs_transfer_bytes_total{direction=\"sent\"}", \
-        "kvrs_transfer_bytes_total{direction=\"received\"}"
-    rates, completed = "kvrs_transfer_rate_bps_count", "kvrs_requests_total{outcome=\"completed\"}"
+async def test_metrics_count_transfer_bytes_rates_and_decode_outcomes(
+    workers, stubs, metrics_addrs
+):
+    sent, received = (
+        'kvrs_transfer_bytes_total{direction="sent"}',
+        'kvrs_transfer_bytes_total{direction="received"}',
+    )
+    rates, completed = "kvrs_transfer_rate_bps_count", 'kvrs_requests_total{outcome="completed"}'
     before = {name: scrape(address) for name, address in metrics_addrs.items()}
     a, b = stubs["prefill-a"], stubs["decode-b"]
-    prefill = await a.Prefill(pb.PrefillRequest(request_id="r-metrics",
-                                                prompt_token_ids=PROMPT))
+    prefill = await a.Prefill(pb.PrefillRequest(request_id="r-metrics", prompt_token_ids=PROMPT))
     await pull(b, workers["prefill-a"], "r-metrics", 0, L)
     tokens = await decode(b, "r-metrics", [prefill.first_token_id], 3, release_when_done=True)
     assert len(tokens) == 3
@@ -152,12 +172,17 @@ async def test_migration_after_a_decode_worker_dies_continues_exactly(workers, s
     victim = WorkerProcess.start("decode-victim", "decode").ready()
     channel, v = stub(victim.address)
     try:
-        first = (await a.Prefill(pb.PrefillRequest(request_id="r-migrate",
-                                                   prompt_token_ids=PROMPT))).first_token_id
+        first = (
+            await a.Prefill(pb.PrefillRequest(request_id="r-migrate", prompt_token_ids=PROMPT))
+        ).first_token_id
         await pull(v, workers["prefill-a"], "r-migrate", 0, L)
         received = [first]
-        stream = v.Decode(pb.DecodeRequest(request_id="r-migrate", generated_token_ids=[first],
-                                           max_new_tokens=100), timeout=60)
+        stream = v.Decode(
+            pb.DecodeRequest(
+                request_id="r-migrate", generated_token_ids=[first], max_new_tokens=100
+            ),
+            timeout=60,
+        )
         async for message in stream:
             received.append(message.token_id)
             if len(received) == 7:
@@ -193,8 +218,9 @@ async def test_extend_rebuilds_generated_tokens_after_a_pull(workers, stubs, ref
 async def test_hybrid_recomputes_a_prefix_while_the_rest_streams(workers, stubs, reference):
     _, expected = reference
     a, c = stubs["prefill-a"], stubs["decode-c"]
-    first = (await a.Prefill(pb.PrefillRequest(request_id="r-hybrid",
-                                               prompt_token_ids=PROMPT))).first_token_id
+    first = (
+        await a.Prefill(pb.PrefillRequest(request_id="r-hybrid", prompt_token_ids=PROMPT))
+    ).first_token_id
     k = 29
     pulled = await pull(c, workers["prefill-a"], "r-hybrid", k, L, prefix_token_ids=PROMPT[:k])
     assert pulled.recomputed_tokens == k
@@ -210,37 +236,66 @@ async def test_recompute_on_a_prefill_worker_then_pull(workers, stubs, reference
     a, b = stubs["prefill-a"], stubs["decode-b"]
     g = 5
     sequence = PROMPT + expected[:g]
-    recomputed = await a.Prefill(pb.PrefillRequest(request_id="r-recompute",
-                                                   prompt_token_ids=sequence))
+    recomputed = await a.Prefill(
+        pb.PrefillRequest(request_id="r-recompute", prompt_token_ids=sequence)
+    )
     assert recomputed.first_token_id == expected[g]
     await pull(b, workers["prefill-a"], "r-recompute", 0, L + g, prompt_tokens=L)
-    tokens = await decode(b, "r-recompute", expected[:g + 1], 4)
-    assert [t.token_id for t in tokens] == expected[g + 1:g + 5]
+    tokens = await decode(b, "r-recompute", expected[: g + 1], 4)
+    assert [t.token_id for t in tokens] == expected[g + 1 : g + 5]
 
 
 async def test_bad_input_is_invalid_argument_naming_the_field(workers, stubs):
     a, b = stubs["prefill-a"], stubs["decode-b"]
     cases = [
-        (a.Prefill(pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[])),
-         "prompt_token_ids"),
-        (a.Prefill(pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[1, 2, 100000])),
-         "prompt_token_ids[2]"),
+        (a.Prefill(pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[])), "prompt_token_ids"),
+        (
+            a.Prefill(pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[1, 2, 100000])),
+            "prompt_token_ids[2]",
+        ),
         (a.Prefill(pb.PrefillRequest(request_id="", prompt_token_ids=[1])), "request_id"),
-        (a.Prefill(pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[1], lease_s=-1)),
-         "lease_s"),
+        (
+            a.Prefill(pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[1], lease_s=-1)),
+            "lease_s",
+        ),
         (pull(b, workers["prefill-a"], "r-bad", 5, 5), "token_end"),
         (pull(b, workers["prefill-a"], "r-bad", 2, 5, prefix_token_ids=[1]), "prefix_token_ids"),
-        (b.PullKv(pb.PullKvRequest(request_id="r-bad", source_instance_id="prefill-a",
-                                   token_end=4)), "source_address"),
-        (b.PullKv(pb.PullKvRequest(request_id="r-bad", source_instance_id="prefill-a",
-                                   source_address="\x00", token_end=4)), "source_address"),
+        (
+            b.PullKv(
+                pb.PullKvRequest(request_id="r-bad", source_instance_id="prefill-a", token_end=4)
+            ),
+            "source_address",
+        ),
+        (
+            b.PullKv(
+                pb.PullKvRequest(
+                    request_id="r-bad",
+                    source_instance_id="prefill-a",
+                    source_address="\x00",
+                    token_end=4,
+                )
+            ),
+            "source_address",
+        ),
         # The pair's rendezvous keys carry the source's id: the store refuses huge keys
         # and drops the connection every later transfer needs.
-        (b.PullKv(pb.PullKvRequest(request_id="r-bad", source_instance_id="p" * 9000,
-                                   source_address="127.0.0.1:1", token_end=4)),
-         "source_instance_id"),
-        (a.Prefill(pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[1],
-                                     lease_s=float("nan"))), "lease_s"),
+        (
+            b.PullKv(
+                pb.PullKvRequest(
+                    request_id="r-bad",
+                    source_instance_id="p" * 9000,
+                    source_address="127.0.0.1:1",
+                    token_end=4,
+                )
+            ),
+            "source_instance_id",
+        ),
+        (
+            a.Prefill(
+                pb.PrefillRequest(request_id="r-bad", prompt_token_ids=[1], lease_s=float("nan"))
+            ),
+            "lease_s",
+        ),
         (pull(b, workers["prefill-a"], "r-bad", 0, 4, pacing_bps=1e-3), "pacing_bps"),
     ]
     for call, field in cases:
@@ -257,8 +312,10 @@ async def test_bad_input_is_invalid_argument_naming_the_field(workers, stubs):
 
 async def test_unknown_request_is_not_found(workers, stubs):
     a, b = stubs["prefill-a"], stubs["decode-b"]
-    for call in (decode(b, "r-nobody", [1], 3),
-                 b.Extend(pb.ExtendRequest(request_id="r-nobody", token_ids=[1]))):
+    for call in (
+        decode(b, "r-nobody", [1], 3),
+        b.Extend(pb.ExtendRequest(request_id="r-nobody", token_ids=[1])),
+    ):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
@@ -298,17 +355,27 @@ async def test_health_is_serving_and_stats_describe_the_worker(workers, stubs):
 async def test_sigterm_drains_a_running_decode_stream():
     """SIGTERM: health turns NOT_SERVING and new calls are refused, while the decode
     stream already running is served to its end; then the process exits 0."""
-    env = dict(os.environ, WORKER_INSTANCE_ID="drain-me", WORKER_LISTEN_ADDR="127.0.0.1:0",
-               KVRS_SHUTDOWN_GRACE_S="90", KVRS_LOG_LEVEL="INFO")
-    process = subprocess.Popen([sys.executable, "-m", "services.worker", "--role", "decode"],
-                               env=env, stderr=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ,
+        WORKER_INSTANCE_ID="drain-me",
+        WORKER_LISTEN_ADDR="127.0.0.1:0",
+        KVRS_SHUTDOWN_GRACE_S="90",
+        KVRS_LOG_LEVEL="INFO",
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.worker", "--role", "decode"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = await asyncio.wait_for(asyncio.to_thread(_serving_address, process), 90)
         channel, worker = stub(address)
         async with channel:
             await worker.Prefill(pb.PrefillRequest(request_id="r-drain", prompt_token_ids=PROMPT))
-            stream = worker.Decode(pb.DecodeRequest(request_id="r-drain", max_new_tokens=500),
-                                   timeout=120)
+            stream = worker.Decode(
+                pb.DecodeRequest(request_id="r-drain", max_new_tokens=500), timeout=120
+            )
             tokens = [await stream.read()]
             process.send_signal(signal.SIGTERM)
             health = health_pb2_grpc.HealthStub(channel)

@@ -22,8 +22,7 @@ def _serve(conn, env: dict[str, str], role: str) -> None:
         config = Config.from_env(env, role=role)
         metrics = Metrics()
         serve_metrics(metrics, config.metrics_addr)
-        handle = await build_server(config, setup_tracing(f"test-{config.instance_id}"),
-                                    metrics)
+        handle = await build_server(config, setup_tracing(f"test-{config.instance_id}"), metrics)
         conn.send((handle.port, handle.engine.agent.address))
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         await handle.stop(1.0)

@@ -50,7 +50,13 @@ from services.common.healthcheck import SERVING, check_health
 from services.gossip.client import GossipClient
 
 RECOVERY_SERVICES = (
-    "gossip", "slot-broker", "scheduler-1", "prefill-0", "prefill-1", "decode-0", "decode-1",
+    "gossip",
+    "slot-broker",
+    "scheduler-1",
+    "prefill-0",
+    "prefill-1",
+    "decode-0",
+    "decode-1",
     "router",
 )
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
@@ -132,18 +138,30 @@ class LocalCluster:
     def restart(self, *names: str) -> None:
         """Starts each named process again, with its original environment and port; returns
         once it reports SERVING and gossip lists it alive again."""
-        wiring = Wiring(addresses={r.name: r.address for r in self.state.processes},
-                        options=self.options)
+        wiring = Wiring(
+            addresses={r.name: r.address for r in self.state.processes}, options=self.options
+        )
         shared = common_env(wiring, None, self.state.redis_url, self.state.redis_prefix)
         for name in names:
             old = self.record(name)
             if is_running(old):
                 stop_processes([old], grace_s=2.0)
             spec = self.specs[name]
-            env = {**shared, spec.listen_env: old.address, "OTEL_SERVICE_NAME": f"kvrs-{name}",
-                   **spec.env(wiring)}
-            record = spawn(name, spec.kind, [sys.executable, "-m", spec.module, *spec.args],
-                           spec.module, old.address, env, self.run_dir)
+            env = {
+                **shared,
+                spec.listen_env: old.address,
+                "OTEL_SERVICE_NAME": f"kvrs-{name}",
+                **spec.env(wiring),
+            }
+            record = spawn(
+                name,
+                spec.kind,
+                [sys.executable, "-m", spec.module, *spec.args],
+                spec.module,
+                old.address,
+                env,
+                self.run_dir,
+            )
             index = self.state.processes.index(old)
             self.state.processes[index] = record
         self.state.save()
@@ -158,11 +176,11 @@ class LocalCluster:
     async def _wait_back(self, names: tuple[str, ...], timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         for name in names:
-            while await check_health(self.address(name), GrpcSettings(), timeout_s=0.5) \
-                    != SERVING:
+            while await check_health(self.address(name), GrpcSettings(), timeout_s=0.5) != SERVING:
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"{name} did not come back:\n"
-                                         f"{log_tail(self.record(name).log_file)}")
+                    raise AssertionError(
+                        f"{name} did not come back:\n{log_tail(self.record(name).log_file)}"
+                    )
                 await asyncio.sleep(0.1)
         await self.wait_alive(names, deadline - time.monotonic())
 
@@ -185,22 +203,26 @@ class LocalCluster:
 
 
 @pytest.fixture(scope="session")
-def recovery_cluster(tmp_path_factory, redis_url,
-                     session_redis_prefix) -> Iterator[LocalCluster]:
+def recovery_cluster(tmp_path_factory, redis_url, session_redis_prefix) -> Iterator[LocalCluster]:
     """The cluster described in the module docstring, torn down after the session."""
     root = tmp_path_factory.mktemp("recovery")
     topology = root / "topology.yaml"
     topology.write_text(yaml.safe_dump(recovery_topology()))
     profile = root / "profile.json"
     ComputeProfile("tiny", a_s=0.0, b_s_per_token=MS_PER_TOKEN, c_s_per_token2=0.0).save(profile)
-    options = ClusterOptions(run_dir=root / "cluster", workers_model="tiny",
-                             redis_url=redis_url, redis_prefix=session_redis_prefix,
-                             topology_file=topology,
-                             startup_timeout_s=120)
+    options = ClusterOptions(
+        run_dir=root / "cluster",
+        workers_model="tiny",
+        redis_url=redis_url,
+        redis_prefix=session_redis_prefix,
+        topology_file=topology,
+        startup_timeout_s=120,
+    )
     services = recovery_services(profile)
     state = start_cluster(options, services)
-    cluster = LocalCluster(state=state, options=options,
-                           specs={spec.name: spec for spec in services})
+    cluster = LocalCluster(
+        state=state, options=options, specs={spec.name: spec for spec in services}
+    )
     try:
         asyncio.run(cluster.wait_alive(WORKERS))
         yield cluster

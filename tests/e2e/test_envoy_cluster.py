@@ -28,10 +28,12 @@ def envoy_cluster(tmp_path, redis_url, redis_prefix):
 
 
 def test_a_completion_through_envoy_is_decoded_where_the_picker_sent_it(envoy_cluster):
-    body = json.dumps({"model": "tiny", "prompt": "the network decides",
-                       "max_tokens": 4, "temperature": 0}).encode()
+    body = json.dumps(
+        {"model": "tiny", "prompt": "the network decides", "max_tokens": 4, "temperature": 0}
+    ).encode()
     request = urllib.request.Request(
-        f"http://{envoy_cluster.address('envoy')}/v1/completions", data=body,
+        f"http://{envoy_cluster.address('envoy')}/v1/completions",
+        data=body,
         headers={"content-type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=30) as reply:

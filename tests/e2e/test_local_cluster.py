@@ -29,8 +29,12 @@ INSTANCES = {"prefill-0", "prefill-1", "decode-0", "decode-1"}
 def kvrs(*args: str, env: dict[str, str] | None = None, timeout_s: float = 90):
     return subprocess.run(
         [sys.executable, "-m", "kvrs", *args],
-        cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-        timeout=timeout_s, check=False,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
     )
 
 
@@ -62,8 +66,7 @@ def test_up_status_down(tmp_path, redis_url, redis_prefix):
     run_dir = tmp_path / "cluster"
     env = {"REDIS_URL": redis_url, "KVRS_REDIS_PREFIX": redis_prefix}
     try:
-        up = kvrs("up", "--dir", str(run_dir), "--workers-model", "tiny", "--calibrate",
-                  env=env)
+        up = kvrs("up", "--dir", str(run_dir), "--workers-model", "tiny", "--calibrate", env=env)
         assert up.returncode == 0, f"{up.stdout}\n{up.stderr}"
         state = ClusterState.load(run_dir)
         # Calibrated here, and every decision is priced with it.

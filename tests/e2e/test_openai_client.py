@@ -55,8 +55,11 @@ def client(recovery_cluster, tmp_path_factory):
     }
     with open(log_file, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.openai_http"], cwd=ROOT, env=env,
-            stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "services.openai_http"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 30
@@ -68,8 +71,9 @@ def client(recovery_cluster, tmp_path_factory):
             except OSError:
                 assert time.monotonic() < deadline, f"adapter not up:\n{log_tail(log_file)}"
                 time.sleep(0.1)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                            max_retries=0, timeout=90)
+        yield openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=90
+        )
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -96,7 +100,10 @@ def test_completion_without_streaming(client):
 def test_streamed_text_equals_the_non_streamed_text(client):
     whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=48)
     stream = client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=48, stream=True,
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=48,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -108,17 +115,21 @@ def test_streamed_text_equals_the_non_streamed_text(client):
 
 
 def test_a_chat_completion_streamed_or_not_is_the_rendered_conversation_continued(client):
-    messages = [{"role": "system", "content": "Answer in bytes."},
-                {"role": "user", "content": "Where does the KV cache go?"}]
-    whole = client.chat.completions.create(model="tiny", messages=messages,
-                                           max_completion_tokens=32)
+    messages = [
+        {"role": "system", "content": "Answer in bytes."},
+        {"role": "user", "content": "Where does the KV cache go?"},
+    ]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=32
+    )
     (choice,) = whole.choices
     assert choice.message.role == "assistant"
     assert choice.message.content == reference_text(chat.render(messages), 32)
     assert choice.finish_reason == "length"
     assert whole.usage.completion_tokens == 32
-    stream = client.chat.completions.create(model="tiny", messages=messages,
-                                            max_completion_tokens=32, stream=True)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=32, stream=True
+    )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == choice.message.content
 
@@ -134,14 +145,14 @@ def test_bad_parameters_raise_the_clients_errors(client):
 async def _busy_decode_instance(cluster, timeout_s: float) -> str:
     """The decode worker running a Decode stream right now (asked of the workers)."""
     settings = GrpcSettings()
-    channels = {name: open_channel(cluster.address(name), settings)
-                for name in DECODE_INSTANCES}
+    channels = {name: open_channel(cluster.address(name), settings) for name in DECODE_INSTANCES}
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for name, channel in channels.items():
                 stats = await worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerStats(
-                    worker_pb2.GetWorkerStatsRequest(), timeout=2)
+                    worker_pb2.GetWorkerStatsRequest(), timeout=2
+                )
                 if stats.running_requests > 0:
                     return name
             await asyncio.sleep(0.01)
@@ -156,7 +167,10 @@ def test_a_decode_worker_killed_mid_stream_does_not_break_the_stream(client, rec
     recovery_cluster.ensure_running()
     max_tokens = 1500
     stream = client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=max_tokens, stream=True,
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = iter(stream)

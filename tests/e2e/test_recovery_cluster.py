@@ -67,16 +67,25 @@ async def run_stream(stub, stream: Stream) -> Stream:
     return stream
 
 
-def request(request_id: str, seed: int, max_new_tokens: int = LONG_TOKENS,
-            **fields) -> router_pb2.GenerateRequest:
+def request(
+    request_id: str, seed: int, max_new_tokens: int = LONG_TOKENS, **fields
+) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=list(prompt(seed)),
-        max_new_tokens=max_new_tokens, prefill_instance_id="prefill-0",
-        decode_instance_id="decode-0", **fields)
+        request_id=request_id,
+        prompt_token_ids=list(prompt(seed)),
+        max_new_tokens=max_new_tokens,
+        prefill_instance_id="prefill-0",
+        decode_instance_id="decode-0",
+        **fields,
+    )
 
 
-async def run_and_kill(cluster, requests: Sequence[router_pb2.GenerateRequest],
-                       victims: Sequence[str], min_tokens: int = 10) -> list[Stream]:
+async def run_and_kill(
+    cluster,
+    requests: Sequence[router_pb2.GenerateRequest],
+    victims: Sequence[str],
+    min_tokens: int = 10,
+) -> list[Stream]:
     """Streams every request; once each has `min_tokens`, freezes then kills `victims`."""
     async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
@@ -99,11 +108,13 @@ async def assert_nothing_leaked(cluster, workers: Sequence[str]) -> None:
     for name in workers:
         async with grpc.aio.insecure_channel(cluster.address(name)) as channel:
             stats = await worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerStats(
-                worker_pb2.GetWorkerStatsRequest(), timeout=5)
+                worker_pb2.GetWorkerStatsRequest(), timeout=5
+            )
         assert stats.resident_requests == 0, f"{name} still holds KV"
     async with grpc.aio.insecure_channel(cluster.address("slot-broker")) as channel:
         stats = await slots_pb2_grpc.SlotBrokerServiceStub(channel).GetSlotStats(
-            slots_pb2.GetSlotStatsRequest(), timeout=5)
+            slots_pb2.GetSlotStatsRequest(), timeout=5
+        )
     assert stats.slots_in_use == 0
 
 
@@ -123,11 +134,21 @@ def cluster(recovery_cluster):
 async def test_fault_free_requests_stream_the_reference_tokens(cluster):
     async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
-        streams = await asyncio.gather(*(
-            run_stream(stub, Stream(router_pb2.GenerateRequest(
-                request_id=f"clean-{i}", prompt_token_ids=list(prompt(i, 20 + 30 * i)),
-                max_new_tokens=40)))
-            for i in range(2)))
+        streams = await asyncio.gather(
+            *(
+                run_stream(
+                    stub,
+                    Stream(
+                        router_pb2.GenerateRequest(
+                            request_id=f"clean-{i}",
+                            prompt_token_ids=list(prompt(i, 20 + 30 * i)),
+                            max_new_tokens=40,
+                        )
+                    ),
+                )
+                for i in range(2)
+            )
+        )
     for stream in streams:
         assert_exact(stream)
         summary = stream.summary
@@ -156,8 +177,7 @@ async def test_kill_9_of_a_decode_worker_mid_stream_loses_no_token(cluster):
     await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-1"))
 
 
-async def test_each_action_forced_by_policy_is_token_exact_and_a_missed_deadline_aborts(
-        cluster):
+async def test_each_action_forced_by_policy_is_token_exact_and_a_missed_deadline_aborts(cluster):
     late = int((time.time() + 0.05) * 1000)
     requests = [
         request("forced-migrate", seed=20, recovery_policy="always_migrate"),
@@ -183,14 +203,15 @@ async def test_each_action_forced_by_policy_is_token_exact_and_a_missed_deadline
     assert abort.summary.finish_reason == "abort"
     assert abort.summary.recoveries[-1].action == ABORT
     expected = reference(tuple(abort.request.prompt_token_ids), LONG_TOKENS)
-    assert abort.tokens == expected[:len(abort.tokens)]
+    assert abort.tokens == expected[: len(abort.tokens)]
     assert abort.summary.generated_tokens == len(abort.tokens)
     await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-1"))
 
 
 async def test_losing_the_prefill_worker_that_holds_the_kv_falls_back_to_recompute(cluster):
-    requests = [request(f"fallback-{i}", seed=30 + i, recovery_policy="always_migrate")
-                for i in range(2)]
+    requests = [
+        request(f"fallback-{i}", seed=30 + i, recovery_policy="always_migrate") for i in range(2)
+    ]
     streams = await run_and_kill(cluster, requests, ["prefill-0", "decode-0"])
     for stream in streams:
         assert_exact(stream)
@@ -208,8 +229,9 @@ async def _wait_state(cluster, instance_id: str, state: str, timeout_s: float = 
     async with GossipClient(cluster.address("gossip"), timeout_s=2) as gossip:
         deadline = time.monotonic() + timeout_s
         while True:
-            nodes = {n.registration.instance_id: n
-                     for n in await gossip.list_nodes(include_down=True)}
+            nodes = {
+                n.registration.instance_id: n for n in await gossip.list_nodes(include_down=True)
+            }
             if instance_id in nodes and nodes[instance_id].state == state:
                 return
             assert time.monotonic() < deadline, f"gossip never listed {instance_id} {state}"
@@ -220,11 +242,11 @@ async def test_a_prefill_worker_starved_past_its_ttl_keeps_the_kv_a_migration_re
     """SIGSTOP longer than the heartbeat TTL: gossip declares prefill-0 failed, though it
     lost nothing. After SIGCONT it registers again and must still hold the KV it
     prefilled, so when decode-0 then dies the migration from prefill-0 succeeds."""
-    stream = Stream(request("starved-prefill", seed=40, max_new_tokens=8000,
-                            recovery_policy="always_migrate"))
+    stream = Stream(
+        request("starved-prefill", seed=40, max_new_tokens=8000, recovery_policy="always_migrate")
+    )
     async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
-        task = asyncio.create_task(run_stream(router_pb2_grpc.RouterServiceStub(channel),
-                                              stream))
+        task = asyncio.create_task(run_stream(router_pb2_grpc.RouterServiceStub(channel), stream))
         while len(stream.tokens) < 10:
             assert not task.done(), stream.error
             await asyncio.sleep(0.001)
@@ -239,8 +261,9 @@ async def test_a_prefill_worker_starved_past_its_ttl_keeps_the_kv_a_migration_re
         assert len(stream.tokens) < 8000, "the request ended before decode-0 died"
         await task
     assert_exact(stream)
-    assert [(r.action, r.succeeded) for r in stream.summary.recoveries] == [(MIGRATE, True)], \
-        [r.error for r in stream.summary.recoveries]
+    assert [(r.action, r.succeeded) for r in stream.summary.recoveries] == [(MIGRATE, True)], [
+        r.error for r in stream.summary.recoveries
+    ]
     (recovery,) = stream.summary.recoveries
     assert recovery.source_instance_id == "prefill-0"
     assert recovery.succeeded

@@ -17,10 +17,25 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kvrs_demo_kills_a_decode_worker_and_every_request_completes(recovery_cluster):
     recovery_cluster.ensure_running()
     result = subprocess.run(
-        [sys.executable, "-m", "kvrs", "demo", "--requests", "4", "--max-new-tokens", "800",
-         "--cluster-dir", str(recovery_cluster.run_dir)],
-        cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=150,
-        check=False)
+        [
+            sys.executable,
+            "-m",
+            "kvrs",
+            "demo",
+            "--requests",
+            "4",
+            "--max-new-tokens",
+            "800",
+            "--cluster-dir",
+            str(recovery_cluster.run_dir),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr}"
     assert re.search(r"kill -9 decode-[01] \(pid \d+\) with [1-9]\d* requests", out), out

@@ -15,7 +15,13 @@ from kvrs.v1 import router_pb2, router_pb2_grpc
 from tests.e2e.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 TRACED_SERVICES = (
-    "gossip", "slot-broker", "scheduler-1", "prefill-0", "decode-0", "decode-1", "router",
+    "gossip",
+    "slot-broker",
+    "scheduler-1",
+    "prefill-0",
+    "decode-0",
+    "decode-1",
+    "router",
 )
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "telemetry.md"
 SELECT_DECODE_ATTRIBUTES = (
@@ -59,9 +65,11 @@ def _documented_attributes() -> set[str]:
 def _trace_complete(trace_id: str):
     def complete(spans: list[ReceivedSpan]) -> bool:
         services = {s.service_name for s in spans if s.trace_id == trace_id}
-        return {"kvrs-router", "kvrs-scheduler-1"} <= services and any(
-            name.startswith("kvrs-decode") for name in services
-        ) and any(name.startswith("kvrs-prefill") for name in services)
+        return (
+            {"kvrs-router", "kvrs-scheduler-1"} <= services
+            and any(name.startswith("kvrs-decode") for name in services)
+            and any(name.startswith("kvrs-prefill") for name in services)
+        )
 
     return complete
 
@@ -98,8 +106,11 @@ async def test_one_trace_spans_router_scheduler_and_workers(traced_cluster):
     assert decision["kvrs.candidates_considered"] == 2
 
     undocumented = {
-        key for span in in_trace if span.name.startswith("kvrs.")
-        for key in span.attributes if key.startswith("kvrs.")
+        key
+        for span in in_trace
+        if span.name.startswith("kvrs.")
+        for key in span.attributes
+        if key.startswith("kvrs.")
     } - _documented_attributes()
     assert not undocumented, f"attributes missing from docs/telemetry.md: {sorted(undocumented)}"
 

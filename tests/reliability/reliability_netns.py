@@ -68,8 +68,21 @@ class NetnsLab:
 
     def shape(self, name: str, rate: str) -> None:
         """Caps traffic into `name`'s namespace at `rate` (tc tbf, e.g. "100mbit")."""
-        _run("tc", "qdisc", "add", "dev", self._veths[name], "root", "tbf", "rate", rate,
-             "burst", "64kb", "latency", "200ms")
+        _run(
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            self._veths[name],
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "64kb",
+            "latency",
+            "200ms",
+        )
 
     def cut(self, a: str, b: str) -> None:
         """Drops every packet between a and b, both ways, silently (no RST, no ICMP)."""
@@ -81,6 +94,7 @@ class NetnsLab:
     def stop(self) -> None:
         for name, namespace in self.namespaces.items():
             subprocess.run(["ip", "netns", "del", namespace], check=False, capture_output=True)
-            subprocess.run(["ip", "link", "del", self._veths[name]], check=False,
-                           capture_output=True)
+            subprocess.run(
+                ["ip", "link", "del", self._veths[name]], check=False, capture_output=True
+            )
         subprocess.run(["ip", "link", "del", self.bridge], check=False, capture_output=True)

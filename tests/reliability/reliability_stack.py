@@ -48,12 +48,14 @@ from services.slot_broker.server import build_server as build_broker
 MODEL = "opt-125m"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-CLEAN_CODES = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-})
+CLEAN_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 """What a bad input may earn: never INTERNAL or UNKNOWN (a bug), nor UNAVAILABLE (a
 server that cannot tell a bad request from a broken dependency)."""
 
@@ -149,22 +151,32 @@ class ControlPlane:
         self._add("gossip", gossip)
         if "slot-broker" in services:
             broker = await build_broker(
-                BrokerConfig(listen_addr=listen, cluster_cap=4, lease_ttl_s=30.0,
-                             **redis_settings),
+                BrokerConfig(listen_addr=listen, cluster_cap=4, lease_ttl_s=30.0, **redis_settings),
                 self.provider,
             )
             self._add("slot-broker", broker)
         async with GossipClient(self.addresses["gossip"], timeout_s=5) as client:
             for instance_id, role, node, rack, pod in cluster:
-                await client.register(Registration(
-                    instance_id=instance_id, role=role, address=f"{instance_id}:50060",
-                    node=node, rack=rack, pod=pod, transfer_address=f"{instance_id}:29500",
-                    heartbeat_ttl_s=3600.0,
-                ))
+                await client.register(
+                    Registration(
+                        instance_id=instance_id,
+                        role=role,
+                        address=f"{instance_id}:50060",
+                        node=node,
+                        rack=rack,
+                        pod=pod,
+                        transfer_address=f"{instance_id}:29500",
+                        heartbeat_ttl_s=3600.0,
+                    )
+                )
         if "cost-oracle" in services:
             oracle = await build_oracle(
-                OracleConfig(listen_addr=listen, gossip_addr=self.addresses["gossip"],
-                             refresh_s=0.2, inputs=InputsConfig(model=self.model)),
+                OracleConfig(
+                    listen_addr=listen,
+                    gossip_addr=self.addresses["gossip"],
+                    refresh_s=0.2,
+                    inputs=InputsConfig(model=self.model),
+                ),
                 self.provider,
             )
             self._add("cost-oracle", oracle)
@@ -178,13 +190,20 @@ class ControlPlane:
                 "inputs": InputsConfig(model=self.model),
                 **scheduler_overrides,
             }
-            self._add("scheduler", await build_scheduler(SchedulerConfig(**settings),
-                                                         self.provider))
+            self._add(
+                "scheduler", await build_scheduler(SchedulerConfig(**settings), self.provider)
+            )
         if "prober" in services:
             prober = await build_prober(
-                ProberConfig(listen_addr=listen, gossip_addr=self.addresses["gossip"],
-                             worker_timeout_s=2.0, refresh_s=0.2, payload_tokens=256),
-                self.provider, probe_forever=False,
+                ProberConfig(
+                    listen_addr=listen,
+                    gossip_addr=self.addresses["gossip"],
+                    worker_timeout_s=2.0,
+                    refresh_s=0.2,
+                    payload_tokens=256,
+                ),
+                self.provider,
+                probe_forever=False,
             )
             self._add("prober", prober)
 
@@ -305,10 +324,21 @@ class PrivateRedis:
     def start(self, timeout_s: float = 10.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         command = [
-            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--dir", str(self.data_dir), "--daemonize", "no",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "always",
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(self.data_dir),
+            "--daemonize",
+            "no",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "always",
         ]
         self.process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -343,8 +373,15 @@ class PrivateRedis:
 class ServiceProcess:
     """`python -m <module>` in its own session, logging to a file, killable like a crash."""
 
-    def __init__(self, name: str, module: str, env: dict[str, str], log_dir: Path,
-                 args: tuple[str, ...] = (), prefix: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        env: dict[str, str],
+        log_dir: Path,
+        args: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
+    ) -> None:
         """`prefix` runs the interpreter under another command (`ip netns exec NS`)."""
         self.name = name
         self.module = module
@@ -360,8 +397,11 @@ class ServiceProcess:
             self.process = subprocess.Popen(
                 [*self.prefix, sys.executable, "-m", self.module, *self.args],
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd=REPO_ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=REPO_ROOT,
             )
         return self
 

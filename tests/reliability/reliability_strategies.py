@@ -56,8 +56,9 @@ def int64s() -> st.SearchStrategy[int]:
 
 def doubles() -> st.SearchStrategy[float]:
     return st.one_of(
-        st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e308, -1e308, 5e-324,
-                         1e20, 1e-9, -1.0]),
+        st.sampled_from(
+            [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e308, -1e308, 5e-324, 1e20, 1e-9, -1.0]
+        ),
         st.floats(-10.0, 1e4),
         st.floats(allow_nan=True, allow_infinity=True),
     )
@@ -70,8 +71,10 @@ def enums(valid: tuple[int, ...]) -> st.SearchStrategy[int]:
 
 def uint64_lists(max_size: int = 40) -> st.SearchStrategy[list[int]]:
     return st.one_of(
-        st.lists(st.one_of(st.integers(0, 2**20), st.sampled_from([0, UINT64_MAX, 2**63])),
-                 max_size=max_size),
+        st.lists(
+            st.one_of(st.integers(0, 2**20), st.sampled_from([0, UINT64_MAX, 2**63])),
+            max_size=max_size,
+        ),
         st.just(list(range(20_000))),
     )
 
@@ -102,8 +105,9 @@ def mutated(
 
     @st.composite
     def build(draw) -> Message:
-        names = draw(st.lists(st.sampled_from(sorted(hostile)), min_size=1,
-                              max_size=max_fields, unique=True))
+        names = draw(
+            st.lists(st.sampled_from(sorted(hostile)), min_size=1, max_size=max_fields, unique=True)
+        )
         message = type(valid)()
         message.CopyFrom(valid)
         for name in names:

@@ -41,7 +41,13 @@ PROMPT_TOKENS = 48
 MAX_NEW_TOKENS = 256
 """Long enough that 64 streams overlap."""
 CLUSTER_SERVICES = (
-    "gossip", "slot-broker", "scheduler-1", "prefill-0", "prefill-1", "decode-0", "decode-1",
+    "gossip",
+    "slot-broker",
+    "scheduler-1",
+    "prefill-0",
+    "prefill-1",
+    "decode-0",
+    "decode-1",
     "router",
 )
 EXTRA_ENV = {
@@ -63,10 +69,13 @@ def _spec(spec):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, redis_url, module_redis_prefix):
-    options = ClusterOptions(run_dir=tmp_path_factory.mktemp("scale") / "cluster",
-                             workers_model="tiny", redis_url=redis_url,
-                             redis_prefix=module_redis_prefix,
-                             startup_timeout_s=120)
+    options = ClusterOptions(
+        run_dir=tmp_path_factory.mktemp("scale") / "cluster",
+        workers_model="tiny",
+        redis_url=redis_url,
+        redis_prefix=module_redis_prefix,
+        startup_timeout_s=120,
+    )
     services = tuple(_spec(s) for s in SERVICES if s.name in CLUSTER_SERVICES)
     state = start_cluster(options, services)
     try:
@@ -97,11 +106,13 @@ async def leaked(state, workers) -> dict[str, int]:
     for name in workers:
         async with grpc.aio.insecure_channel(state.address(name)) as channel:
             stats = await worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerStats(
-                worker_pb2.GetWorkerStatsRequest(), timeout=5)
+                worker_pb2.GetWorkerStatsRequest(), timeout=5
+            )
         found[name] = stats.resident_requests
     async with grpc.aio.insecure_channel(state.address("slot-broker")) as channel:
         stats = await slots_pb2_grpc.SlotBrokerServiceStub(channel).GetSlotStats(
-            slots_pb2.GetSlotStatsRequest(), timeout=5)
+            slots_pb2.GetSlotStatsRequest(), timeout=5
+        )
     found["slots"] = stats.slots_in_use
     return found
 
@@ -112,9 +123,12 @@ async def test_kill_9_of_a_decode_worker_with_64_requests_in_flight(cluster):
     machine still gets 64 at once)."""
     victim = next(r for r in cluster.processes if r.name == "decode-0")
     requests = [
-        router_pb2.GenerateRequest(request_id=f"scale-{i}-{uuid.uuid4().hex[:6]}",
-                                   prompt_token_ids=prompt(i), max_new_tokens=MAX_NEW_TOKENS,
-                                   decode_instance_id="decode-0")
+        router_pb2.GenerateRequest(
+            request_id=f"scale-{i}-{uuid.uuid4().hex[:6]}",
+            prompt_token_ids=prompt(i),
+            max_new_tokens=MAX_NEW_TOKENS,
+            decode_instance_id="decode-0",
+        )
         for i in range(SENT)
     ]
     tokens: list[list[int]] = [[] for _ in requests]
@@ -127,8 +141,10 @@ async def test_kill_9_of_a_decode_worker_with_64_requests_in_flight(cluster):
     async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         started_s = time.monotonic()
-        tasks = [asyncio.create_task(generate(stub, r, t, s))
-                 for r, t, s in zip(requests, tokens, summaries, strict=True)]
+        tasks = [
+            asyncio.create_task(generate(stub, r, t, s))
+            for r, t, s in zip(requests, tokens, summaries, strict=True)
+        ]
         while len(streaming()) < IN_FLIGHT:
             failed = [task.result() for task in tasks if task.done() and task.result()]
             assert not failed, f"streams failed before the kill: {failed[:3]}"
@@ -149,18 +165,25 @@ async def test_kill_9_of_a_decode_worker_with_64_requests_in_flight(cluster):
     for summary in hit:
         action = common_pb2.RecoveryAction.Name(summary.recoveries[-1].action)
         actions[action] = actions.get(action, 0) + 1
-    print(f"\n{len(in_flight)} of {SENT} requests streaming at the kill, "
-          f"{killed_s - started_s:.1f} s after the first call; "
-          f"{sum(e is None for e in errors)} of {SENT} completed; final recovery actions of "
-          f"those in flight {actions}; last stream ended {done_s - killed_s:.1f} s after "
-          "the kill")
+    print(
+        f"\n{len(in_flight)} of {SENT} requests streaming at the kill, "
+        f"{killed_s - started_s:.1f} s after the first call; "
+        f"{sum(e is None for e in errors)} of {SENT} completed; final recovery actions of "
+        f"those in flight {actions}; last stream ended {done_s - killed_s:.1f} s after "
+        "the kill"
+    )
     assert len(in_flight) >= IN_FLIGHT
     for request, streamed, summary in zip(requests, tokens, summaries, strict=True):
         assert streamed == reference(tuple(request.prompt_token_ids), MAX_NEW_TOKENS), (
-            request.request_id)
+            request.request_id
+        )
         assert summary[0].generated_tokens == MAX_NEW_TOKENS
     for summary in hit:
         assert summary.recoveries and summary.recoveries[-1].succeeded
         assert summary.final_decode_instance_id != "decode-0"
     assert await leaked(cluster, ("prefill-0", "prefill-1", "decode-1")) == {
-        "prefill-0": 0, "prefill-1": 0, "decode-1": 0, "slots": 0}
+        "prefill-0": 0,
+        "prefill-1": 0,
+        "decode-1": 0,
+        "slots": 0,
+    }

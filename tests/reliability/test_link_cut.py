@@ -53,21 +53,36 @@ def lab(redis_url, tmp_path_factory):
     plane = None
     workers = {}
     try:
-        plane = ControlPlane(redis_url, unique_prefix("netns"), host=netns.host_ip,
-                             model="tiny").start(
-            services=("gossip", "slot-broker", "scheduler", "prober"), cluster=())
+        plane = ControlPlane(
+            redis_url, unique_prefix("netns"), host=netns.host_ip, model="tiny"
+        ).start(services=("gossip", "slot-broker", "scheduler", "prober"), cluster=())
         log_dir = tmp_path_factory.mktemp("netns-logs")
         for name, (role, node, rack, pod) in WORKERS.items():
             address = f"{netns.ips[name]}:{WORKER_PORT}"
-            workers[name] = (address, ServiceProcess(name, "services.worker", {
-                "WORKER_INSTANCE_ID": name, "WORKER_LISTEN_ADDR": f"0.0.0.0:{WORKER_PORT}",
-                "WORKER_ADVERTISE_ADDR": address, "WORKER_TRANSFER_HOST": netns.ips[name],
-                "WORKER_NODE": node, "WORKER_RACK": rack, "WORKER_POD": pod,
-                "GOSSIP_ADDR": plane.addresses["gossip"], "KVRS_MODEL": "tiny",
-                "WORKER_HEARTBEAT_TTL_S": "2.0",
-                "WORKER_TRANSFER_TIMEOUT_S": str(TRANSFER_TIMEOUT_S),
-                "KVRS_LOG_LEVEL": "WARNING",
-            }, log_dir, args=("--role", role), prefix=netns.exec_prefix(name)).start())
+            workers[name] = (
+                address,
+                ServiceProcess(
+                    name,
+                    "services.worker",
+                    {
+                        "WORKER_INSTANCE_ID": name,
+                        "WORKER_LISTEN_ADDR": f"0.0.0.0:{WORKER_PORT}",
+                        "WORKER_ADVERTISE_ADDR": address,
+                        "WORKER_TRANSFER_HOST": netns.ips[name],
+                        "WORKER_NODE": node,
+                        "WORKER_RACK": rack,
+                        "WORKER_POD": pod,
+                        "GOSSIP_ADDR": plane.addresses["gossip"],
+                        "KVRS_MODEL": "tiny",
+                        "WORKER_HEARTBEAT_TTL_S": "2.0",
+                        "WORKER_TRANSFER_TIMEOUT_S": str(TRANSFER_TIMEOUT_S),
+                        "KVRS_LOG_LEVEL": "WARNING",
+                    },
+                    log_dir,
+                    args=("--role", role),
+                    prefix=netns.exec_prefix(name),
+                ).start(),
+            )
         for address, process in workers.values():
             process.wait_serving(address, timeout_s=90)
         wait_for_placement(plane)
@@ -98,7 +113,8 @@ def wait_for_placement(plane: ControlPlane, timeout_s: float = 30.0) -> None:
 
 def select() -> scheduler_pb2.SelectDecodeRequest:
     return scheduler_pb2.SelectDecodeRequest(
-        request_id=uuid.uuid4().hex, prefill_instance_id="prefill-0", prompt_tokens=256)
+        request_id=uuid.uuid4().hex, prefill_instance_id="prefill-0", prompt_tokens=256
+    )
 
 
 def probe(plane, src: str, dst: str) -> tuple[prober_pb2.LinkEstimate | None, str, float]:
@@ -106,8 +122,9 @@ def probe(plane, src: str, dst: str) -> tuple[prober_pb2.LinkEstimate | None, st
         stub = prober_pb2_grpc.ProberServiceStub(channel)
         started_s = time.monotonic()
         try:
-            reply = stub.ProbeLink(prober_pb2.ProbeLinkRequest(
-                src_instance_id=src, dst_instance_id=dst), timeout=30)
+            reply = stub.ProbeLink(
+                prober_pb2.ProbeLinkRequest(src_instance_id=src, dst_instance_id=dst), timeout=30
+            )
             return reply.link, "", time.monotonic() - started_s
         except grpc.RpcError as exc:
             return None, f"{exc.code().name}: {exc.details()}", time.monotonic() - started_s
@@ -116,7 +133,8 @@ def probe(plane, src: str, dst: str) -> tuple[prober_pb2.LinkEstimate | None, st
 def estimates(plane) -> dict[tuple[str, str], prober_pb2.LinkEstimate]:
     with plane.channel("prober") as channel:
         reply = prober_pb2_grpc.ProberServiceStub(channel).ListLinkEstimates(
-            prober_pb2.ListLinkEstimatesRequest(), timeout=10)
+            prober_pb2.ListLinkEstimatesRequest(), timeout=10
+        )
     return {(link.src_instance_id, link.dst_instance_id): link for link in reply.links}
 
 
@@ -125,11 +143,20 @@ def prefill_then_pull(workers, request_id: str, target: str, timeout_s: float = 
     src_address, _ = workers["prefill-0"]
     dst_address, _ = workers[target]
     with grpc.insecure_channel(src_address) as src, grpc.insecure_channel(dst_address) as dst:
-        worker_pb2_grpc.WorkerServiceStub(src).Prefill(worker_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=list(range(64))), timeout=30)
-        reply = worker_pb2_grpc.WorkerServiceStub(dst).PullKv(worker_pb2.PullKvRequest(
-            request_id=request_id, source_instance_id="prefill-0",
-            source_address=src_address, token_start=0, token_end=64), timeout=timeout_s)
+        worker_pb2_grpc.WorkerServiceStub(src).Prefill(
+            worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=list(range(64))),
+            timeout=30,
+        )
+        reply = worker_pb2_grpc.WorkerServiceStub(dst).PullKv(
+            worker_pb2.PullKvRequest(
+                request_id=request_id,
+                source_instance_id="prefill-0",
+                source_address=src_address,
+                token_start=0,
+                token_end=64,
+            ),
+            timeout=timeout_s,
+        )
         return reply.total_s
 
 
@@ -143,8 +170,7 @@ def test_a_cut_link_is_noticed_by_the_prober_and_spares_the_others(lab):
     assert measured["decode-1"] < measured["decode-0"], measured
     plane.loop.run(plane.handles["scheduler"].view.refresh())
     with plane.channel("scheduler") as channel:
-        before = scheduler_pb2_grpc.SchedulerServiceStub(channel).SelectDecode(
-            select(), timeout=5)
+        before = scheduler_pb2_grpc.SchedulerServiceStub(channel).SelectDecode(select(), timeout=5)
     assert before.decode_instance_id == "decode-0"
 
     netns.cut("prefill-0", "decode-0")
@@ -154,22 +180,24 @@ def test_a_cut_link_is_noticed_by_the_prober_and_spares_the_others(lab):
     pulled_s = prefill_then_pull(workers, f"after-cut-{uuid.uuid4().hex[:6]}", "decode-1")
     pull_started_s = time.monotonic()
     with pytest.raises(grpc.RpcError) as cut_pull:
-        prefill_then_pull(workers, f"over-cut-{uuid.uuid4().hex[:6]}", "decode-0",
-                          timeout_s=PULL_DEADLINE_S)
+        prefill_then_pull(
+            workers, f"over-cut-{uuid.uuid4().hex[:6]}", "decode-0", timeout_s=PULL_DEADLINE_S
+        )
     pull_failed_s = time.monotonic() - pull_started_s
-    print(f"\nmeasured before the cut: prefill-0 -> decode-0 "
-          f"{measured['decode-0'] / 1e9:.2f} Gbit/s, -> decode-1 (shaped to {SLOW_LINK}) "
-          f"{measured['decode-1'] / 1e9:.2f} Gbit/s; "
-          f"probe over the cut link failed after {failed_after_s:.1f} s ({error}); "
-          f"a pull over it failed with {cut_pull.value.code().name} after "
-          f"{pull_failed_s:.1f} s (its deadline {PULL_DEADLINE_S} s); the other link "
-          f"still probed at {survivor.bandwidth_bps / 1e9:.2f} Gbit/s and moved KV in "
-          f"{pulled_s * 1000:.0f} ms")
+    print(
+        f"\nmeasured before the cut: prefill-0 -> decode-0 "
+        f"{measured['decode-0'] / 1e9:.2f} Gbit/s, -> decode-1 (shaped to {SLOW_LINK}) "
+        f"{measured['decode-1'] / 1e9:.2f} Gbit/s; "
+        f"probe over the cut link failed after {failed_after_s:.1f} s ({error}); "
+        f"a pull over it failed with {cut_pull.value.code().name} after "
+        f"{pull_failed_s:.1f} s (its deadline {PULL_DEADLINE_S} s); the other link "
+        f"still probed at {survivor.bandwidth_bps / 1e9:.2f} Gbit/s and moved KV in "
+        f"{pulled_s * 1000:.0f} ms"
+    )
     assert error.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED")), error
     assert known[("prefill-0", "decode-0")].last_error
     assert not survivor_error and not known[("prefill-0", "decode-1")].last_error
-    assert cut_pull.value.code() in (grpc.StatusCode.UNAVAILABLE,
-                                     grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert cut_pull.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert failed_after_s < 10
     assert pull_failed_s < PULL_DEADLINE_S + 2, "the pull outlived its deadline"
 
@@ -179,6 +207,5 @@ def test_new_placements_avoid_a_cut_link(lab):
     probe(plane, "prefill-0", "decode-0")  # the prober tried the link after the cut
     plane.loop.run(plane.handles["scheduler"].view.refresh())
     with plane.channel("scheduler") as channel:
-        after = scheduler_pb2_grpc.SchedulerServiceStub(channel).SelectDecode(
-            select(), timeout=5)
+        after = scheduler_pb2_grpc.SchedulerServiceStub(channel).SelectDecode(select(), timeout=5)
     assert after.decode_instance_id == "decode-1"

@@ -38,9 +38,15 @@ IDS = ids(KNOWN_IDS)
 WATCH_WAIT_S = 0.2
 
 VALID_REGISTRATION = gossip_pb2.RegisterNodeRequest(
-    request_id="r", instance_id="prop-0", role=common_pb2.ROLE_DECODE, address="w0:50060",
-    location=common_pb2.Location(node="n0", rack="r0", pod="p0", gpu_index=1), model="tiny",
-    kv_capacity_blocks=64, transfer_address="w0:29500", heartbeat_ttl_s=600.0,
+    request_id="r",
+    instance_id="prop-0",
+    role=common_pb2.ROLE_DECODE,
+    address="w0:50060",
+    location=common_pb2.Location(node="n0", rack="r0", pod="p0", gpu_index=1),
+    model="tiny",
+    kv_capacity_blocks=64,
+    transfer_address="w0:29500",
+    heartbeat_ttl_s=600.0,
 )
 
 
@@ -65,65 +71,120 @@ def still_reads(stub) -> None:
 
 
 @PROPERTY_SETTINGS
-@given(request=mutated(VALID_REGISTRATION, {
-    "instance_id": IDS, "role": enums(ROLES), "address": IDS,
-    "location": st.builds(common_pb2.Location, node=IDS, rack=IDS, pod=IDS,
-                          gpu_index=int32s()),
-    "location.gpu_index": int32s(), "model": IDS, "kv_capacity_blocks": int64s(),
-    "transfer_address": IDS, "heartbeat_ttl_s": doubles(),
-}))
+@given(
+    request=mutated(
+        VALID_REGISTRATION,
+        {
+            "instance_id": IDS,
+            "role": enums(ROLES),
+            "address": IDS,
+            "location": st.builds(
+                common_pb2.Location, node=IDS, rack=IDS, pod=IDS, gpu_index=int32s()
+            ),
+            "location.gpu_index": int32s(),
+            "model": IDS,
+            "kv_capacity_blocks": int64s(),
+            "transfer_address": IDS,
+            "heartbeat_ttl_s": doubles(),
+        },
+    )
+)
 def test_register_node(stub, request):
     call(stub.RegisterNode, request)
     still_reads(stub)
 
 
 @PROPERTY_SETTINGS
-@given(request=mutated(
-    gossip_pb2.HeartbeatRequest(instance_id="decode-0", queue_depth=1, queued_work_s=0.5,
-                                running_requests=1, free_kv_blocks=10,
-                                resident_prefix_hashes=[1, 2]),
-    {"instance_id": IDS, "queue_depth": int32s(), "queued_work_s": doubles(),
-     "running_requests": int32s(), "free_kv_blocks": int64s(),
-     "resident_prefix_hashes": uint64_lists()},
-))
+@given(
+    request=mutated(
+        gossip_pb2.HeartbeatRequest(
+            instance_id="decode-0",
+            queue_depth=1,
+            queued_work_s=0.5,
+            running_requests=1,
+            free_kv_blocks=10,
+            resident_prefix_hashes=[1, 2],
+        ),
+        {
+            "instance_id": IDS,
+            "queue_depth": int32s(),
+            "queued_work_s": doubles(),
+            "running_requests": int32s(),
+            "free_kv_blocks": int64s(),
+            "resident_prefix_hashes": uint64_lists(),
+        },
+    )
+)
 def test_heartbeat(stub, request):
     call(stub.Heartbeat, request)
     still_reads(stub)
 
 
 @PROPERTY_SETTINGS
-@given(request=mutated(gossip_pb2.DeregisterNodeRequest(instance_id="prop-0", reason="test"),
-                       {"instance_id": IDS, "reason": IDS}))
+@given(
+    request=mutated(
+        gossip_pb2.DeregisterNodeRequest(instance_id="prop-0", reason="test"),
+        {"instance_id": IDS, "reason": IDS},
+    )
+)
 def test_deregister_node(stub, request):
     call(stub.DeregisterNode, request)
     still_reads(stub)
 
 
 @PROPERTY_SETTINGS
-@given(request=mutated(
-    gossip_pb2.ReportLinkSampleRequest(src_instance_id="prefill-0", dst_instance_id="decode-0",
-                                       bandwidth_bps=1e9, sample_bandwidth_bps=1e9,
-                                       rtt_s=1e-4, probe_bytes=1 << 20, samples=3),
-    {"src_instance_id": IDS, "dst_instance_id": IDS, "bandwidth_bps": doubles(),
-     "sample_bandwidth_bps": doubles(), "rtt_s": doubles(), "probe_bytes": int64s(),
-     "samples": int64s()},
-))
+@given(
+    request=mutated(
+        gossip_pb2.ReportLinkSampleRequest(
+            src_instance_id="prefill-0",
+            dst_instance_id="decode-0",
+            bandwidth_bps=1e9,
+            sample_bandwidth_bps=1e9,
+            rtt_s=1e-4,
+            probe_bytes=1 << 20,
+            samples=3,
+        ),
+        {
+            "src_instance_id": IDS,
+            "dst_instance_id": IDS,
+            "bandwidth_bps": doubles(),
+            "sample_bandwidth_bps": doubles(),
+            "rtt_s": doubles(),
+            "probe_bytes": int64s(),
+            "samples": int64s(),
+        },
+    )
+)
 def test_report_link_sample(stub, request):
     call(stub.ReportLinkSample, request)
     still_reads(stub)
 
 
 @PROPERTY_SETTINGS
-@given(request=st.builds(gossip_pb2.ListNodesRequest, role=enums(ROLES),
-                         include_down=st.booleans()))
+@given(
+    request=st.builds(gossip_pb2.ListNodesRequest, role=enums(ROLES), include_down=st.booleans())
+)
 def test_list_nodes(stub, request):
     call(stub.ListNodes, request)
 
 
 event_ids = st.one_of(
-    st.sampled_from(["", "0", "0-0", "1-1", "9999999999999-0", "1700000000000-0", "-1", "1-",
-                     "18446744073709551615-18446744073709551615", "18446744073709551616-0",
-                     "0-18446744073709551616", "1--1"]),
+    st.sampled_from(
+        [
+            "",
+            "0",
+            "0-0",
+            "1-1",
+            "9999999999999-0",
+            "1700000000000-0",
+            "-1",
+            "1-",
+            "18446744073709551615-18446744073709551615",
+            "18446744073709551616-0",
+            "0-18446744073709551616",
+            "1--1",
+        ]
+    ),
     st.text(max_size=30),
     st.from_regex(r"\A\d{1,30}(-\d{1,30})?\Z"),
 )
@@ -148,8 +209,9 @@ def test_watch_events(stub, after_event_id):
 
 def test_oversized_registrations_cannot_block_registry_reads(redis_url):
     plane = ControlPlane(redis_url, unique_prefix("huge")).start(services=("gossip",))
-    channel = grpc.insecure_channel(plane.addresses["gossip"],
-                                    options=[("grpc.max_receive_message_length", 64 << 20)])
+    channel = grpc.insecure_channel(
+        plane.addresses["gossip"], options=[("grpc.max_receive_message_length", 64 << 20)]
+    )
     stub = gossip_pb2_grpc.GossipServiceStub(channel)
     try:
         for i in range(2):

@@ -64,10 +64,16 @@ def test_renew_unknown_or_bad_lease(stub, lease_id, ttl_s):
 def test_lease_lifecycle(stub, ttl_s, renew_ttl_s, release_twice):
     """A real lease renewed and released with any TTLs: never a stuck slot."""
     before = cap_holds(stub).slots_in_use
-    reply = call(stub.ReserveSlot, slots_pb2.ReserveSlotRequest(
-        request_id="lifecycle", holder_id="property", src_instance_id="prefill-0",
-        dst_instance_id="decode-0", ttl_s=ttl_s,
-    ))
+    reply = call(
+        stub.ReserveSlot,
+        slots_pb2.ReserveSlotRequest(
+            request_id="lifecycle",
+            holder_id="property",
+            src_instance_id="prefill-0",
+            dst_instance_id="decode-0",
+            ttl_s=ttl_s,
+        ),
+    )
     if reply is None:
         return
     lease_id = reply.lease.lease_id

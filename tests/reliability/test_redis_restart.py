@@ -47,14 +47,33 @@ def one_round(stub, calls: Calls, phase: str) -> list:
     """SelectDecode, Recover(skip_slot) and Recover (holding a slot if it can)."""
     rid = uuid.uuid4().hex[:12]
     requests = (
-        (stub.SelectDecode, scheduler_pb2.SelectDecodeRequest(
-            request_id=rid, prefill_instance_id="prefill-0", prompt_tokens=4096)),
-        (stub.Recover, scheduler_pb2.RecoverRequest(
-            request_id=f"{rid}-skip", failed_instance_id="decode-0", skip_slot=True,
-            source_prefill_instance_id="prefill-0", prompt_tokens=4096, generated_tokens=8)),
-        (stub.Recover, scheduler_pb2.RecoverRequest(
-            request_id=f"{rid}-slot", failed_instance_id="decode-1",
-            source_prefill_instance_id="prefill-1", prompt_tokens=4096, generated_tokens=8)),
+        (
+            stub.SelectDecode,
+            scheduler_pb2.SelectDecodeRequest(
+                request_id=rid, prefill_instance_id="prefill-0", prompt_tokens=4096
+            ),
+        ),
+        (
+            stub.Recover,
+            scheduler_pb2.RecoverRequest(
+                request_id=f"{rid}-skip",
+                failed_instance_id="decode-0",
+                skip_slot=True,
+                source_prefill_instance_id="prefill-0",
+                prompt_tokens=4096,
+                generated_tokens=8,
+            ),
+        ),
+        (
+            stub.Recover,
+            scheduler_pb2.RecoverRequest(
+                request_id=f"{rid}-slot",
+                failed_instance_id="decode-1",
+                source_prefill_instance_id="prefill-1",
+                prompt_tokens=4096,
+                generated_tokens=8,
+            ),
+        ),
     )
     replies = []
     for method, request in requests:
@@ -127,10 +146,19 @@ def start_heartbeats(plane: ControlPlane, ttl_s: float, interval_s: float) -> li
         client = GossipClient(plane.addresses["gossip"], timeout_s=0.5)
         loops = []
         for instance_id, role, node, rack, pod in CLUSTER:
-            loop = HeartbeatLoop(client, Registration(
-                instance_id=instance_id, role=role, address=f"{instance_id}:50060", node=node,
-                rack=rack, pod=pod, heartbeat_ttl_s=ttl_s,
-            ), interval_s=interval_s)
+            loop = HeartbeatLoop(
+                client,
+                Registration(
+                    instance_id=instance_id,
+                    role=role,
+                    address=f"{instance_id}:50060",
+                    node=node,
+                    rack=rack,
+                    pod=pod,
+                    heartbeat_ttl_s=ttl_s,
+                ),
+                interval_s=interval_s,
+            )
             await loop.start()
             loops.append(loop)
         return loops
@@ -152,8 +180,7 @@ def failure_events(redis_url: str, prefix: str) -> list[str]:
         events = client.xrange(f"{prefix}gossip:events")
     finally:
         client.close()
-    return [fields[b"instance_id"].decode() for _, fields in events
-            if fields[b"type"] == b"failed"]
+    return [fields[b"instance_id"].decode() for _, fields in events if fields[b"type"] == b"failed"]
 
 
 @pytest.mark.timeout(60)
@@ -197,7 +224,8 @@ def test_a_redis_restart_that_lost_the_registry_refuses_no_placement(tmp_path):
     channel = plane.channel("scheduler")
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
     request = scheduler_pb2.SelectDecodeRequest(
-        request_id="after-reset", prefill_instance_id="prefill-0", prompt_tokens=4096)
+        request_id="after-reset", prefill_instance_id="prefill-0", prompt_tokens=4096
+    )
     try:
         assert plane.loop.run(plane.handles["scheduler"].view.refresh())
         stub.SelectDecode(request, timeout=5)
@@ -210,10 +238,10 @@ def test_a_redis_restart_that_lost_the_registry_refuses_no_placement(tmp_path):
         try:
             reply = stub.SelectDecode(request, timeout=5)
         except grpc.RpcError as exc:
-            assert exc.code() in (grpc.StatusCode.FAILED_PRECONDITION,
-                                  grpc.StatusCode.NOT_FOUND), exc.details()
-            pytest.fail(f"placement refused after the reset: {exc.code().name}: "
-                        f"{exc.details()}")
+            assert exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND), (
+                exc.details()
+            )
+            pytest.fail(f"placement refused after the reset: {exc.code().name}: {exc.details()}")
         assert reply.decode_instance_id.startswith("decode-")
         assert reply.view_stale, "a view the registry could not confirm must say so"
     finally:

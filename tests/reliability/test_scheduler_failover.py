@@ -30,19 +30,25 @@ ATTEMPT_TIMEOUT_S = 1.0
 def replicas(redis_url, tmp_path):
     """Gossip and slot broker in-process; two scheduler replicas as real processes."""
     plane = ControlPlane(redis_url, unique_prefix("failover")).start(
-        services=("gossip", "slot-broker"))
+        services=("gossip", "slot-broker")
+    )
     processes = []
     try:
         for name in ("scheduler-a", "scheduler-b"):
             address = f"127.0.0.1:{free_port()}"
-            process = ServiceProcess(name, "services.scheduler", {
-                "SCHEDULER_LISTEN_ADDR": address,
-                "GOSSIP_ADDR": plane.addresses["gossip"],
-                "SLOT_BROKER_ADDR": plane.addresses["slot-broker"],
-                "SCHEDULER_HOLDER_ID": name,
-                "KVRS_MODEL": MODEL,
-                "KVRS_LOG_LEVEL": "WARNING",
-            }, tmp_path).start()
+            process = ServiceProcess(
+                name,
+                "services.scheduler",
+                {
+                    "SCHEDULER_LISTEN_ADDR": address,
+                    "GOSSIP_ADDR": plane.addresses["gossip"],
+                    "SLOT_BROKER_ADDR": plane.addresses["slot-broker"],
+                    "SCHEDULER_HOLDER_ID": name,
+                    "KVRS_MODEL": MODEL,
+                    "KVRS_LOG_LEVEL": "WARNING",
+                },
+                tmp_path,
+            ).start()
             processes.append((address, process))
         for address, process in processes:
             process.wait_serving(address)
@@ -65,8 +71,13 @@ async def client_task(client: KvrsClient, index: int, stop: asyncio.Event, outco
                 answered = reply.decode_instance_id
             else:
                 reply = await client.recover(
-                    rid, failed_instance_id="decode-0", source_prefill_instance_id="prefill-1",
-                    prompt_tokens=4096, generated_tokens=turn, skip_slot=True)
+                    rid,
+                    failed_instance_id="decode-0",
+                    source_prefill_instance_id="prefill-1",
+                    prompt_tokens=4096,
+                    generated_tokens=turn,
+                    skip_slot=True,
+                )
                 answered = reply.target_instance_id
             outcomes.append((rid, answered, time.monotonic() - started_s, None))
         except errors.KvrsError as exc:
@@ -77,8 +88,9 @@ async def run_load(addresses: list[str], kill) -> tuple[list, str, float]:
     outcomes: list = []
     stop = asyncio.Event()
     async with KvrsClient(addresses, timeout_s=ATTEMPT_TIMEOUT_S, max_attempts=4) as client:
-        tasks = [asyncio.create_task(client_task(client, i, stop, outcomes))
-                 for i in range(CLIENT_TASKS)]
+        tasks = [
+            asyncio.create_task(client_task(client, i, stop, outcomes)) for i in range(CLIENT_TASKS)
+        ]
         await asyncio.sleep(1.0)
         victim = client.preferred_scheduler
         kill(victim)
@@ -101,9 +113,11 @@ def test_killing_a_scheduler_replica_loses_no_decision(replicas):
     failed = [o for o in outcomes if o[3] is not None]
     after = outcomes[killed_at:]
     slowest_s = max(o[2] for o in after)
-    print(f"\n{len(outcomes)} decisions ({len(after)} after SIGKILL of {victim}); "
-          f"{len(failed)} failed; slowest call after the kill {slowest_s * 1000:.0f} ms "
-          f"(attempt deadline {ATTEMPT_TIMEOUT_S * 1000:.0f} ms)")
+    print(
+        f"\n{len(outcomes)} decisions ({len(after)} after SIGKILL of {victim}); "
+        f"{len(failed)} failed; slowest call after the kill {slowest_s * 1000:.0f} ms "
+        f"(attempt deadline {ATTEMPT_TIMEOUT_S * 1000:.0f} ms)"
+    )
     assert not failed, failed[:5]
     assert len(after) >= 20, "the load did not continue after the kill"
     assert all(o[1].startswith("decode-") for o in outcomes)
@@ -117,9 +131,13 @@ def test_a_recover_retried_on_the_other_replica_gets_the_same_decision(replicas)
     client's retry on replica B must get a decision, not an error."""
     _, processes = replicas
     request = scheduler_pb2.RecoverRequest(
-        request_id=f"lost-reply-{uuid.uuid4().hex[:6]}", failed_instance_id="decode-0",
-        source_prefill_instance_id="prefill-0", prompt_tokens=4096, generated_tokens=4,
-        policy="always_migrate")
+        request_id=f"lost-reply-{uuid.uuid4().hex[:6]}",
+        failed_instance_id="decode-0",
+        source_prefill_instance_id="prefill-0",
+        prompt_tokens=4096,
+        generated_tokens=4,
+        policy="always_migrate",
+    )
     (address_a, process_a), (address_b, _) = processes
     with grpc.insecure_channel(address_a) as channel:
         first = scheduler_pb2_grpc.SchedulerServiceStub(channel).Recover(request, timeout=5)

@@ -29,8 +29,12 @@ from services.slot_broker.server import build_server as build_broker
 from services.worker.config import Config as WorkerConfig
 from services.worker.server import build_server as build_worker
 
-WORKERS = (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode"),
-           ("decode-1", "decode"))
+WORKERS = (
+    ("prefill-0", "prefill"),
+    ("prefill-1", "prefill"),
+    ("decode-0", "decode"),
+    ("decode-1", "decode"),
+)
 
 
 @dataclass
@@ -47,37 +51,64 @@ class Plane:
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.handles[name].port}"
 
-    async def start(self, router: bool = True, workers=WORKERS, worker_overrides=None,
-                    **router_overrides) -> None:
-        self.handles["gossip"] = await build_gossip(GossipConfig(
-            listen_addr="127.0.0.1:0", redis_url=self.redis_url,
-            redis_prefix=self.redis_prefix, heartbeat_ttl_s=2.0, sweep_interval_s=0.05,
-        ), self.provider)
-        self.handles["slot-broker"] = await build_broker(BrokerConfig(
-            listen_addr="127.0.0.1:0", redis_url=self.redis_url,
-            redis_prefix=self.redis_prefix), self.provider)
-        self.handles["scheduler"] = await build_scheduler(SchedulerConfig(
-            listen_addr="127.0.0.1:0", gossip_addr=self.address("gossip"),
-            slot_broker_addr=self.address("slot-broker"), inputs=InputsConfig(model="tiny"),
-            view_refresh_s=0.05,
-        ), self.provider)
+    async def start(
+        self, router: bool = True, workers=WORKERS, worker_overrides=None, **router_overrides
+    ) -> None:
+        self.handles["gossip"] = await build_gossip(
+            GossipConfig(
+                listen_addr="127.0.0.1:0",
+                redis_url=self.redis_url,
+                redis_prefix=self.redis_prefix,
+                heartbeat_ttl_s=2.0,
+                sweep_interval_s=0.05,
+            ),
+            self.provider,
+        )
+        self.handles["slot-broker"] = await build_broker(
+            BrokerConfig(
+                listen_addr="127.0.0.1:0", redis_url=self.redis_url, redis_prefix=self.redis_prefix
+            ),
+            self.provider,
+        )
+        self.handles["scheduler"] = await build_scheduler(
+            SchedulerConfig(
+                listen_addr="127.0.0.1:0",
+                gossip_addr=self.address("gossip"),
+                slot_broker_addr=self.address("slot-broker"),
+                inputs=InputsConfig(model="tiny"),
+                view_refresh_s=0.05,
+            ),
+            self.provider,
+        )
         for name, role in workers:
-            self.handles[name] = await build_worker(WorkerConfig(
-                instance_id=name, role=role, listen_addr="127.0.0.1:0",
-                transfer_host="127.0.0.1", transfer_timeout_s=10.0, canary_interval_s=30.0,
-                gossip_addr=self.address("gossip"), heartbeat_interval_s=0.1,
-                **(worker_overrides or {}),
-            ), self.provider)
+            self.handles[name] = await build_worker(
+                WorkerConfig(
+                    instance_id=name,
+                    role=role,
+                    listen_addr="127.0.0.1:0",
+                    transfer_host="127.0.0.1",
+                    transfer_timeout_s=10.0,
+                    canary_interval_s=30.0,
+                    gossip_addr=self.address("gossip"),
+                    heartbeat_interval_s=0.1,
+                    **(worker_overrides or {}),
+                ),
+                self.provider,
+            )
         self.gossip = GossipClient(self.address("gossip"), timeout_s=5)
         self.closers.append(self.gossip.close)
         await self.wait_for_heartbeats([name for name, _ in workers])
         if router:
             self.metrics = Metrics()
             config = RouterConfig(
-                listen_addr="127.0.0.1:0", gossip_addr=self.address("gossip"),
+                listen_addr="127.0.0.1:0",
+                gossip_addr=self.address("gossip"),
                 scheduler_addrs=(self.address("scheduler"),),
-                slot_broker_addr=self.address("slot-broker"), model="tiny",
-                view_refresh_s=0.05, **router_overrides)
+                slot_broker_addr=self.address("slot-broker"),
+                model="tiny",
+                view_refresh_s=0.05,
+                **router_overrides,
+            )
             self.handles["router"] = await build_router(config, self.provider, self.metrics)
 
     async def wait_for_heartbeats(self, names, timeout_s: float = 10.0) -> None:
@@ -97,8 +128,7 @@ class Plane:
             await close()
         # The scheduler stops before the workers: their "left" events would otherwise
         # arrive while it cancels its view refresh.
-        for name in ("router", "scheduler", *(n for n, _ in WORKERS), "slot-broker",
-                     "gossip"):
+        for name in ("router", "scheduler", *(n for n, _ in WORKERS), "slot-broker", "gossip"):
             handle = self.handles.pop(name, None)
             if handle is not None:
                 await handle.stop(0)

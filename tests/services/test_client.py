@@ -53,12 +53,21 @@ async def cluster(redis_url, redis_prefix, tmp_path):
     gossip_addr = f"127.0.0.1:{gossip.port}"
     registry = GossipClient(gossip_addr, timeout_s=5)
     for instance_id, role, node in (
-        ("prefill-0", "prefill", "n0"), ("decode-0", "decode", "n0"), ("decode-1", "decode", "n1"),
+        ("prefill-0", "prefill", "n0"),
+        ("decode-0", "decode", "n0"),
+        ("decode-1", "decode", "n1"),
     ):
-        await registry.register(Registration(
-            instance_id=instance_id, role=role, address=f"{instance_id}:50060", node=node,
-            rack="r0", pod="p0", heartbeat_ttl_s=600.0,
-        ))
+        await registry.register(
+            Registration(
+                instance_id=instance_id,
+                role=role,
+                address=f"{instance_id}:50060",
+                node=node,
+                rack="r0",
+                pod="p0",
+                heartbeat_ttl_s=600.0,
+            )
+        )
     await registry.report_link_sample(LinkSample("prefill-0", "decode-1", bandwidth_bps=8e9))
     topology_file = tmp_path / "topology.yaml"
     topology_file.write_text(TOPOLOGY_YAML)
@@ -66,17 +75,21 @@ async def cluster(redis_url, redis_prefix, tmp_path):
     schedulers = [
         await build_scheduler(
             SchedulerConfig(
-                listen_addr="127.0.0.1:0", gossip_addr=gossip_addr,
-                slot_broker_addr=f"127.0.0.1:{closed_port()}", view_refresh_s=0.05,
-                inputs=inputs, holder_id=f"scheduler-{index}",
+                listen_addr="127.0.0.1:0",
+                gossip_addr=gossip_addr,
+                slot_broker_addr=f"127.0.0.1:{closed_port()}",
+                view_refresh_s=0.05,
+                inputs=inputs,
+                holder_id=f"scheduler-{index}",
             ),
             provider,
         )
         for index in (1, 2)
     ]
     oracle = await build_oracle(
-        OracleConfig(listen_addr="127.0.0.1:0", gossip_addr=gossip_addr, refresh_s=0.05,
-                     inputs=inputs),
+        OracleConfig(
+            listen_addr="127.0.0.1:0", gossip_addr=gossip_addr, refresh_s=0.05, inputs=inputs
+        ),
         provider,
     )
     yield {
@@ -173,8 +186,10 @@ async def test_an_invalid_request_is_not_retried_and_names_its_field(cluster):
 
 async def test_oracle_and_gossip_reads_go_through_the_same_client(cluster):
     client = KvrsClient(
-        cluster["scheduler_addrs"], cost_oracle_addr=cluster["oracle"],
-        gossip_addr=cluster["gossip"], timeout_s=2.0,
+        cluster["scheduler_addrs"],
+        cost_oracle_addr=cluster["oracle"],
+        gossip_addr=cluster["gossip"],
+        timeout_s=2.0,
     )
     async with client:
         nodes = await client.list_nodes("decode")
@@ -192,11 +207,13 @@ async def test_oracle_and_gossip_reads_go_through_the_same_client(cluster):
 
 
 def test_from_env_reads_every_address_and_rejects_a_malformed_list():
-    client = KvrsClient.from_env({
-        "SCHEDULER_ADDRS": "a:50053, b:50053",
-        "COST_ORACLE_ADDR": "cost-oracle:50052",
-        "KVRS_CLIENT_TIMEOUT_S": "0.25",
-    })
+    client = KvrsClient.from_env(
+        {
+            "SCHEDULER_ADDRS": "a:50053, b:50053",
+            "COST_ORACLE_ADDR": "cost-oracle:50052",
+            "KVRS_CLIENT_TIMEOUT_S": "0.25",
+        }
+    )
     assert client.scheduler_addrs == ("a:50053", "b:50053")
     assert client.timeout_s == 0.25
     with pytest.raises(ConfigError, match="SCHEDULER_ADDRS"):

@@ -56,9 +56,7 @@ async def probe_channel():
 
 
 def _unary_call(channel):
-    return channel.unary_unary(
-        f"/{SERVICE}/Unary", Request.SerializeToString, Response.FromString
-    )
+    return channel.unary_unary(f"/{SERVICE}/Unary", Request.SerializeToString, Response.FromString)
 
 
 async def test_domain_errors_map_to_their_status_and_name_the_field(probe_channel):

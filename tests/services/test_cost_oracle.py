@@ -33,8 +33,13 @@ BYTES_PER_TOKEN = model_spec("opt-125m").kv_bytes_per_token
 
 def registration(instance_id: str, role: str, node: str, rack: str, pod: str) -> Registration:
     return Registration(
-        instance_id=instance_id, role=role, address=f"{instance_id}:50060",
-        node=node, rack=rack, pod=pod, heartbeat_ttl_s=600.0,
+        instance_id=instance_id,
+        role=role,
+        address=f"{instance_id}:50060",
+        node=node,
+        rack=rack,
+        pod=pod,
+        heartbeat_ttl_s=600.0,
     )
 
 
@@ -82,9 +87,7 @@ async def test_transfer_follows_the_topology_tier_of_file_and_gossip_instances(c
     same_node = await estimate(stub, "prefill-0", "decode-0", tokens=1000)
     same_rack = await estimate(stub, "prefill-0", "decode-1", tokens=1000)
     spine = await estimate(stub, "prefill-0", "decode-2", tokens=1000)
-    assert [same_node.tier, same_rack.tier, spine.tier] == [
-        Tier.NODE, Tier.RACK, Tier.SPINE
-    ]
+    assert [same_node.tier, same_rack.tier, spine.tier] == [Tier.NODE, Tier.RACK, Tier.SPINE]
     assert same_node.kv_bytes == 1000 * BYTES_PER_TOKEN
     assert same_rack.bottleneck_bandwidth_bps == DEFAULT_TIERS[Tier.RACK].capacity_bps
     assert spine.bottleneck_bandwidth_bps == DEFAULT_TIERS[Tier.SPINE].capacity_bps
@@ -96,10 +99,15 @@ async def test_transfer_follows_the_topology_tier_of_file_and_gossip_instances(c
 
 async def test_a_link_sample_replaces_the_topology_capacity(cluster):
     stub, client, oracle = cluster
-    await client.report_link_sample(LinkSample(
-        src_instance_id="prefill-0", dst_instance_id="decode-1",
-        bandwidth_bps=2e9, rtt_s=0.004, samples=3,
-    ))
+    await client.report_link_sample(
+        LinkSample(
+            src_instance_id="prefill-0",
+            dst_instance_id="decode-1",
+            bandwidth_bps=2e9,
+            rtt_s=0.004,
+            samples=3,
+        )
+    )
     assert await oracle.view.refresh()
     measured = await estimate(stub, "prefill-0", "decode-1", kv_bytes=10**8)
     assert measured.bottleneck_bandwidth_bps == pytest.approx(2e9)
@@ -143,25 +151,56 @@ async def test_compute_estimate_uses_the_model_profile(cluster):
 @pytest.mark.parametrize(
     ("call", "request_", "code", "field"),
     [
-        ("EstimateTransfer", oracle_pb2.EstimateTransferRequest(
-            src_instance_id="prefill-0", dst_instance_id="nope", tokens=1),
-         grpc.StatusCode.NOT_FOUND, "dst_instance_id"),
-        ("EstimateTransfer", oracle_pb2.EstimateTransferRequest(
-            src_instance_id="", dst_instance_id="decode-0", tokens=1),
-         grpc.StatusCode.INVALID_ARGUMENT, "src_instance_id"),
-        ("EstimateTransfer", oracle_pb2.EstimateTransferRequest(
-            src_instance_id="prefill-0", dst_instance_id="decode-0"),
-         grpc.StatusCode.INVALID_ARGUMENT, "kv_bytes"),
-        ("EstimateTransfer", oracle_pb2.EstimateTransferRequest(
-            src_instance_id="prefill-0", dst_instance_id="decode-0", tokens=-5),
-         grpc.StatusCode.INVALID_ARGUMENT, "tokens"),
-        ("GetCostMatrix", oracle_pb2.GetCostMatrixRequest(
-            decode_instance_ids=["decode-0", "ghost"], tokens=1),
-         grpc.StatusCode.NOT_FOUND, "decode_instance_ids[1]"),
-        ("EstimateCompute", oracle_pb2.EstimateComputeRequest(new_tokens=0),
-         grpc.StatusCode.INVALID_ARGUMENT, "new_tokens"),
-        ("EstimateCompute", oracle_pb2.EstimateComputeRequest(cached_tokens=-1, new_tokens=3),
-         grpc.StatusCode.INVALID_ARGUMENT, "cached_tokens"),
+        (
+            "EstimateTransfer",
+            oracle_pb2.EstimateTransferRequest(
+                src_instance_id="prefill-0", dst_instance_id="nope", tokens=1
+            ),
+            grpc.StatusCode.NOT_FOUND,
+            "dst_instance_id",
+        ),
+        (
+            "EstimateTransfer",
+            oracle_pb2.EstimateTransferRequest(
+                src_instance_id="", dst_instance_id="decode-0", tokens=1
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "src_instance_id",
+        ),
+        (
+            "EstimateTransfer",
+            oracle_pb2.EstimateTransferRequest(
+                src_instance_id="prefill-0", dst_instance_id="decode-0"
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "kv_bytes",
+        ),
+        (
+            "EstimateTransfer",
+            oracle_pb2.EstimateTransferRequest(
+                src_instance_id="prefill-0", dst_instance_id="decode-0", tokens=-5
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tokens",
+        ),
+        (
+            "GetCostMatrix",
+            oracle_pb2.GetCostMatrixRequest(decode_instance_ids=["decode-0", "ghost"], tokens=1),
+            grpc.StatusCode.NOT_FOUND,
+            "decode_instance_ids[1]",
+        ),
+        (
+            "EstimateCompute",
+            oracle_pb2.EstimateComputeRequest(new_tokens=0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "new_tokens",
+        ),
+        (
+            "EstimateCompute",
+            oracle_pb2.EstimateComputeRequest(cached_tokens=-1, new_tokens=3),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "cached_tokens",
+        ),
     ],
 )
 async def test_bad_input_names_the_field(cluster, call, request_, code, field):

@@ -100,18 +100,33 @@ async def cluster(redis_url, redis_prefix):
     )
     gossip_addr = f"127.0.0.1:{gossip.port}"
     members = GossipClient(gossip_addr, timeout_s=5)
-    await members.register(Registration(
-        "prefill-0", "prefill", "127.0.0.1:1", node="n0", rack="r0", pod="p0",
-        heartbeat_ttl_s=600.0,
-    ))
-    for node, (instance_id, upstream) in zip(("n1", "n2"), upstreams.items(), strict=True):
-        await members.register(Registration(
-            instance_id, "decode", upstream.address, node=node, rack="r0", pod="p0",
+    await members.register(
+        Registration(
+            "prefill-0",
+            "prefill",
+            "127.0.0.1:1",
+            node="n0",
+            rack="r0",
+            pod="p0",
             heartbeat_ttl_s=600.0,
-        ))
+        )
+    )
+    for node, (instance_id, upstream) in zip(("n1", "n2"), upstreams.items(), strict=True):
+        await members.register(
+            Registration(
+                instance_id,
+                "decode",
+                upstream.address,
+                node=node,
+                rack="r0",
+                pod="p0",
+                heartbeat_ttl_s=600.0,
+            )
+        )
     held = tuple(tokenizer.prefix_block_hashes(tokenizer.encode(PROMPT_HELD), BLOCK_TOKENS))
-    await members.heartbeat("decode-b", NodeLoad(queued_work_s=1e-5, free_kv_blocks=1000,
-                                                 resident_prefix_hashes=held))
+    await members.heartbeat(
+        "decode-b", NodeLoad(queued_work_s=1e-5, free_kv_blocks=1000, resident_prefix_hashes=held)
+    )
     await members.heartbeat("decode-a", NodeLoad(free_kv_blocks=1000))
     scheduler = await build_scheduler(
         SchedulerConfig(
@@ -123,10 +138,15 @@ async def cluster(redis_url, redis_prefix):
         ),
         provider,
     )
-    await until(lambda: scheduler.view.current() is not None and any(
-        state.instance_id == "decode-b" and state.resident_blocks
-        for state in scheduler.view.current().cluster.decode_instances()
-    ))
+    await until(
+        lambda: (
+            scheduler.view.current() is not None
+            and any(
+                state.instance_id == "decode-b" and state.resident_blocks
+                for state in scheduler.view.current().cluster.decode_instances()
+            )
+        )
+    )
     metrics = Metrics()
     epp = await build_server(
         Config(
@@ -238,11 +258,11 @@ async def test_the_prompt_in_the_body_decides_the_endpoint(cluster):
     assert attributes["kvrs.epp.subset_size"] == -1
     assert spans[1].attributes["kvrs.chosen_instance_id"] == "decode-a"
     # The scheduler's decision span is a child of the pick: one trace per request.
-    select = [s for s in cluster["exporter"].get_finished_spans()
-              if s.name == "kvrs.select_decode"]
+    select = [s for s in cluster["exporter"].get_finished_spans() if s.name == "kvrs.select_decode"]
     assert select[0].context.trace_id == spans[0].context.trace_id
     sample = cluster["metrics"].registry.get_sample_value(
-        "kvrs_decisions_total", {"decision": "epp_pick", "action": "picked"})
+        "kvrs_decisions_total", {"decision": "epp_pick", "action": "picked"}
+    )
     assert sample == 2
 
 
@@ -285,8 +305,7 @@ async def test_a_request_without_body_is_placed_from_its_headers(cluster):
     await call.write(headers_message(path="/v1/models", end_of_stream=True))
     answer = await call.read()
     await call.done_writing()
-    assert destination_of(answer, "request_headers") == \
-        cluster["upstreams"]["decode-a"].address
+    assert destination_of(answer, "request_headers") == cluster["upstreams"]["decode-a"].address
 
 
 async def test_full_duplex_holds_the_headers_until_the_body_is_complete(cluster):
@@ -311,8 +330,13 @@ async def test_without_a_scheduler_the_gateway_gets_a_503(cluster, redis_url):
     provider = setup_tracing("test-epp-down", exporter=InMemorySpanExporter())
     (dead_port,) = free_ports(1)
     epp = await build_server(
-        Config(listen_addr="127.0.0.1:0", scheduler_addrs=(f"127.0.0.1:{dead_port}",),
-               gossip_addr=f"127.0.0.1:{dead_port}", model="tiny", scheduler_timeout_s=0.5),
+        Config(
+            listen_addr="127.0.0.1:0",
+            scheduler_addrs=(f"127.0.0.1:{dead_port}",),
+            gossip_addr=f"127.0.0.1:{dead_port}",
+            model="tiny",
+            scheduler_timeout_s=0.5,
+        ),
         provider,
     )
     channel = open_channel(f"127.0.0.1:{epp.port}", GrpcSettings())
@@ -332,8 +356,7 @@ async def test_health_answers_the_protocols_service_names(cluster):
     channel = open_channel(cluster["epp_addr"], GrpcSettings())
     stub = health_pb2_grpc.HealthStub(channel)
     try:
-        for service in ("", "liveness", "readiness",
-                        "envoy.service.ext_proc.v3.ExternalProcessor"):
+        for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
     finally:
@@ -352,9 +375,16 @@ async def gateway(cluster, tmp_path, request):
     log_file = tmp_path / "envoy.log"
     with open(log_file, "wb") as log:
         process = subprocess.Popen(
-            [find_envoy(), "-c", str(config_file), "--disable-hot-restart",
-             "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                find_envoy(),
+                "-c",
+                str(config_file),
+                "--disable-hot-restart",
+                "--log-level",
+                "warning",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
         async with aiohttp.ClientSession() as session:
@@ -398,14 +428,17 @@ async def test_envoy_sends_each_request_to_the_endpoint_kvrs_picked(cluster, gat
     assert seen["headers"]["x-gateway-destination-endpoint"] == upstreams["decode-b"].address
     assert seen["body"] == completion(PROMPT_HELD)
     assert [span.attributes["kvrs.epp.endpoint"] for span in picks(cluster["exporter"])] == [
-        upstreams["decode-b"].address, upstreams["decode-a"].address]
+        upstreams["decode-b"].address,
+        upstreams["decode-a"].address,
+    ]
 
 
 async def test_envoy_honours_the_subset_hint(cluster, gateway):
     session, url = gateway
     upstreams = cluster["upstreams"]
-    status, reply = await post(session, url, completion(PROMPT_HELD),
-                               subset=upstreams["decode-a"].address)
+    status, reply = await post(
+        session, url, completion(PROMPT_HELD), subset=upstreams["decode-a"].address
+    )
     assert (status, reply) == (200, {"served_by": "decode-a"})
     assert not upstreams["decode-b"].seen
     (span,) = picks(cluster["exporter"])
@@ -427,11 +460,15 @@ async def test_envoy_answers_503_when_no_endpoint_is_eligible(cluster, gateway, 
 def test_config_reads_the_environment_and_names_bad_values():
     from services.common import ConfigError
 
-    config = Config.from_env({"SCHEDULER_ADDRS": "a:1, b:2", "EPP_TARGET_PORT": "8000",
-                              "KVRS_MODEL": "tiny"})
+    config = Config.from_env(
+        {"SCHEDULER_ADDRS": "a:1, b:2", "EPP_TARGET_PORT": "8000", "KVRS_MODEL": "tiny"}
+    )
     assert config.scheduler_addrs == ("a:1", "b:2")
     assert (config.listen_addr, config.target_port, config.block_tokens) == (
-        "0.0.0.0:9002", 8000, 512)
+        "0.0.0.0:9002",
+        8000,
+        512,
+    )
     for env, name in (
         ({"EPP_TARGET_PORT": "70000"}, "EPP_TARGET_PORT"),
         ({"EPP_ENDPOINTS_REFRESH_S": "0"}, "EPP_ENDPOINTS_REFRESH_S"),

@@ -95,7 +95,10 @@ async def test_register_heartbeat_and_list(client):
     assert stored.registration.transfer_address == "decode-0:29500"
 
     load = NodeLoad(
-        queue_depth=3, queued_work_s=0.25, running_requests=2, free_kv_blocks=40,
+        queue_depth=3,
+        queued_work_s=0.25,
+        running_requests=2,
+        free_kv_blocks=40,
         resident_prefix_hashes=(7, 2**64 - 1),
     )
     expires_ms = await client.heartbeat("decode-0", load)
@@ -184,8 +187,11 @@ async def test_stopped_heartbeats_are_reported_failed(client):
 async def test_late_heartbeat_before_the_sweep_still_fails(redis_url, redis_prefix):
     provider = setup_tracing("test-gossip", exporter=InMemorySpanExporter())
     config = Config(
-        listen_addr="127.0.0.1:0", redis_url=redis_url, redis_prefix=redis_prefix,
-        heartbeat_ttl_s=0.2, sweep_interval_s=30.0,
+        listen_addr="127.0.0.1:0",
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+        heartbeat_ttl_s=0.2,
+        sweep_interval_s=30.0,
     )
     handle = await build_server(config, provider)
     try:
@@ -218,9 +224,11 @@ async def test_a_gossip_restart_after_the_ttl_gives_instances_one_ttl(redis_url,
                 await client.heartbeat("decode-0")
             events = await collect(client, "0", 3)
             assert [(e.type, e.instance_id) for e in events] == [
-                ("joined", "decode-0"), ("joined", "decode-1"), ("failed", "decode-1")]
-            assert [n.registration.instance_id for n in await client.list_nodes()] == [
-                "decode-0"]
+                ("joined", "decode-0"),
+                ("joined", "decode-1"),
+                ("failed", "decode-1"),
+            ]
+            assert [n.registration.instance_id for n in await client.list_nodes()] == ["decode-0"]
     finally:
         await second.stop(0)
 
@@ -252,8 +260,11 @@ async def test_two_gossip_replicas_report_one_failure(redis_url, redis_prefix):
 
 def register_request(**overrides) -> gossip_pb2.RegisterNodeRequest:
     fields = dict(
-        request_id="r1", instance_id="decode-0", role=common_pb2.ROLE_DECODE,
-        address="d0:50060", heartbeat_ttl_s=1.0,
+        request_id="r1",
+        instance_id="decode-0",
+        role=common_pb2.ROLE_DECODE,
+        address="d0:50060",
+        heartbeat_ttl_s=1.0,
     )
     fields.update(overrides)
     return gossip_pb2.RegisterNodeRequest(**fields)
@@ -272,14 +283,23 @@ BAD_INPUTS = [
     ("RegisterNode", register_request(heartbeat_ttl_s=-1.0), "heartbeat_ttl_s"),
     ("RegisterNode", register_request(heartbeat_ttl_s=float("nan")), "heartbeat_ttl_s"),
     ("RegisterNode", register_request(kv_capacity_blocks=-5), "kv_capacity_blocks"),
-    ("RegisterNode", register_request(location=common_pb2.Location(gpu_index=-1)),
-     "location.gpu_index"),
+    (
+        "RegisterNode",
+        register_request(location=common_pb2.Location(gpu_index=-1)),
+        "location.gpu_index",
+    ),
     ("Heartbeat", gossip_pb2.HeartbeatRequest(instance_id=""), "instance_id"),
     ("Heartbeat", gossip_pb2.HeartbeatRequest(instance_id="d0", queue_depth=-1), "queue_depth"),
-    ("Heartbeat", gossip_pb2.HeartbeatRequest(instance_id="d0", queued_work_s=float("inf")),
-     "queued_work_s"),
-    ("Heartbeat", gossip_pb2.HeartbeatRequest(instance_id="d0", free_kv_blocks=-1),
-     "free_kv_blocks"),
+    (
+        "Heartbeat",
+        gossip_pb2.HeartbeatRequest(instance_id="d0", queued_work_s=float("inf")),
+        "queued_work_s",
+    ),
+    (
+        "Heartbeat",
+        gossip_pb2.HeartbeatRequest(instance_id="d0", free_kv_blocks=-1),
+        "free_kv_blocks",
+    ),
     ("DeregisterNode", gossip_pb2.DeregisterNodeRequest(instance_id=""), "instance_id"),
     ("ReportLinkSample", link_request(src_instance_id=""), "src_instance_id"),
     ("ReportLinkSample", link_request(dst_instance_id="p0"), "dst_instance_id"),
@@ -293,20 +313,27 @@ BAD_INPUTS = [
     ("RegisterNode", register_request(address="a" * 513), "address"),
     ("RegisterNode", register_request(transfer_address="a" * 513), "transfer_address"),
     ("RegisterNode", register_request(model="m" * 129), "model"),
-    ("RegisterNode", register_request(location=common_pb2.Location(rack="é" * 129)),
-     "location.rack"),
-    ("Heartbeat", gossip_pb2.HeartbeatRequest(
-        instance_id="d0", resident_prefix_hashes=range(65_537)), "resident_prefix_hashes"),
-    ("DeregisterNode", gossip_pb2.DeregisterNodeRequest(instance_id="d0", reason="r" * 1025),
-     "reason"),
+    (
+        "RegisterNode",
+        register_request(location=common_pb2.Location(rack="é" * 129)),
+        "location.rack",
+    ),
+    (
+        "Heartbeat",
+        gossip_pb2.HeartbeatRequest(instance_id="d0", resident_prefix_hashes=range(65_537)),
+        "resident_prefix_hashes",
+    ),
+    (
+        "DeregisterNode",
+        gossip_pb2.DeregisterNodeRequest(instance_id="d0", reason="r" * 1025),
+        "reason",
+    ),
     ("ReportLinkSample", link_request(dst_instance_id="d" * 257), "dst_instance_id"),
 ]
 
 
 @pytest.mark.parametrize(("method", "request_message", "field"), BAD_INPUTS)
-async def test_bad_input_is_invalid_argument_naming_the_field(
-    stub, method, request_message, field
-):
+async def test_bad_input_is_invalid_argument_naming_the_field(stub, method, request_message, field):
     with pytest.raises(grpc.aio.AioRpcError) as failure:
         await getattr(stub, method)(request_message, timeout=5)
     assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -325,7 +352,9 @@ async def test_events_replay_after_an_id(client):
     await client.deregister("a", reason="drained")
     history = await collect(client, "0", 3)
     assert [(e.type, e.instance_id) for e in history] == [
-        ("joined", "a"), ("joined", "b"), ("left", "a"),
+        ("joined", "a"),
+        ("joined", "b"),
+        ("left", "a"),
     ]
     assert history[2].reason == "drained"
     assert history[0].unix_ms <= history[2].unix_ms
@@ -348,8 +377,15 @@ async def test_reregistration_after_failure_joins_again(client):
 
 
 async def test_link_samples_with_age(client):
-    sample = LinkSample("p0", "d0", bandwidth_bps=8e9, sample_bandwidth_bps=7.5e9, rtt_s=2e-4,
-                        probe_bytes=1 << 20, samples=3)
+    sample = LinkSample(
+        "p0",
+        "d0",
+        bandwidth_bps=8e9,
+        sample_bandwidth_bps=7.5e9,
+        rtt_s=2e-4,
+        probe_bytes=1 << 20,
+        samples=3,
+    )
     await client.report_link_sample(sample)
     await client.report_link_sample(LinkSample("d0", "p0", bandwidth_bps=1e9))
     await asyncio.sleep(0.2)
@@ -471,7 +507,10 @@ async def test_heartbeat_loop_keeps_an_instance_alive_and_rejoins_after_failure(
         return NodeLoad(queue_depth=beats)
 
     loop = HeartbeatLoop(
-        client, decode("decode-0", ttl_s=ttl_s), load=load, interval_s=0.1,
+        client,
+        decode("decode-0", ttl_s=ttl_s),
+        load=load,
+        interval_s=0.1,
         on_reregistered=lambda: reregistered.append(True),
     )
     record = await loop.start()

@@ -58,16 +58,20 @@ async def test_slot_broker_exports_slots_in_use_and_request_outcomes(
 ):
     metrics = Metrics()
     handle = await build_broker(
-        BrokerConfig(listen_addr="127.0.0.1:0", redis_url=redis_url, redis_prefix=redis_prefix,
-                     cluster_cap=1),
-        provider, metrics=metrics,
+        BrokerConfig(
+            listen_addr="127.0.0.1:0", redis_url=redis_url, redis_prefix=redis_prefix, cluster_cap=1
+        ),
+        provider,
+        metrics=metrics,
     )
     channel = open_channel(f"127.0.0.1:{handle.port}", GrpcSettings())
     stub = slots_pb2_grpc.SlotBrokerServiceStub(channel)
     try:
+
         def reserve(request_id: str) -> slots_pb2.ReserveSlotRequest:
-            return slots_pb2.ReserveSlotRequest(request_id=request_id, holder_id="s0",
-                                                src_instance_id="p0", dst_instance_id="d0")
+            return slots_pb2.ReserveSlotRequest(
+                request_id=request_id, holder_id="s0", src_instance_id="p0", dst_instance_id="d0"
+            )
 
         granted = await stub.ReserveSlot(reserve("m1"), timeout=5)
         text = await scrape(metrics)
@@ -76,8 +80,9 @@ async def test_slot_broker_exports_slots_in_use_and_request_outcomes(
 
         with pytest.raises(Exception, match="RESOURCE_EXHAUSTED"):
             await stub.ReserveSlot(reserve("m2"), timeout=5)
-        await stub.ReleaseSlot(slots_pb2.ReleaseSlotRequest(lease_id=granted.lease.lease_id),
-                               timeout=5)
+        await stub.ReleaseSlot(
+            slots_pb2.ReleaseSlotRequest(lease_id=granted.lease.lease_id), timeout=5
+        )
         text = await scrape(metrics)
         assert sample(text, 'kvrs_slot_requests_total{outcome="denied"}') == 1.0
         assert sample(text, "kvrs_slots_in_use ") == 0.0
@@ -101,33 +106,54 @@ async def test_scheduler_exports_decisions_predicted_costs_and_slot_outcomes(
     closers = [lambda: gossip_handle.stop(0), lambda: broker_handle.stop(0), gossip.close]
     try:
         for instance_id, role, node, rack in CLUSTER:
-            await gossip.register(Registration(
-                instance_id=instance_id, role=role, address=f"{instance_id}:50060",
-                node=node, rack=rack, pod="p0", transfer_address=f"{instance_id}:29500",
-                heartbeat_ttl_s=600.0,
-            ))
+            await gossip.register(
+                Registration(
+                    instance_id=instance_id,
+                    role=role,
+                    address=f"{instance_id}:50060",
+                    node=node,
+                    rack=rack,
+                    pod="p0",
+                    transfer_address=f"{instance_id}:29500",
+                    heartbeat_ttl_s=600.0,
+                )
+            )
         metrics = Metrics()
         handle = await build_scheduler(
             SchedulerConfig(
-                listen_addr="127.0.0.1:0", gossip_addr=f"127.0.0.1:{gossip_handle.port}",
-                slot_broker_addr=f"127.0.0.1:{broker_handle.port}", holder_id="test-scheduler",
+                listen_addr="127.0.0.1:0",
+                gossip_addr=f"127.0.0.1:{gossip_handle.port}",
+                slot_broker_addr=f"127.0.0.1:{broker_handle.port}",
+                holder_id="test-scheduler",
                 inputs=InputsConfig(model="opt-125m"),
             ),
-            provider, metrics,
+            provider,
+            metrics,
         )
         closers.append(lambda: handle.stop(0))
         channel = open_channel(f"127.0.0.1:{handle.port}", GrpcSettings())
         closers.append(channel.close)
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
-        reply = await stub.Recover(scheduler_pb2.RecoverRequest(
-            request_id="req-1", failed_instance_id="decode-near",
-            source_prefill_instance_id="prefill-0", prompt_tokens=1000, generated_tokens=20,
-        ), timeout=5)
+        reply = await stub.Recover(
+            scheduler_pb2.RecoverRequest(
+                request_id="req-1",
+                failed_instance_id="decode-near",
+                source_prefill_instance_id="prefill-0",
+                prompt_tokens=1000,
+                generated_tokens=20,
+            ),
+            timeout=5,
+        )
         assert reply.action == common_pb2.RECOVERY_ACTION_MIGRATE, reply.reason
-        await stub.SelectDecode(scheduler_pb2.SelectDecodeRequest(
-            request_id="req-2", prefill_instance_id="prefill-0", prompt_tokens=512,
-        ), timeout=5)
+        await stub.SelectDecode(
+            scheduler_pb2.SelectDecodeRequest(
+                request_id="req-2",
+                prefill_instance_id="prefill-0",
+                prompt_tokens=512,
+            ),
+            timeout=5,
+        )
 
         text = await scrape(metrics)
         assert sample(text, 'kvrs_decisions_total{action="migrate",decision="recover"}') == 1.0
@@ -149,9 +175,15 @@ async def test_gossip_exports_alive_instances_failures_departures_and_heartbeats
 ):
     metrics = Metrics()
     handle = await build_gossip(
-        GossipConfig(listen_addr="127.0.0.1:0", redis_url=redis_url, redis_prefix=redis_prefix,
-                     heartbeat_ttl_s=0.3, sweep_interval_s=0.05),
-        provider, metrics=metrics,
+        GossipConfig(
+            listen_addr="127.0.0.1:0",
+            redis_url=redis_url,
+            redis_prefix=redis_prefix,
+            heartbeat_ttl_s=0.3,
+            sweep_interval_s=0.05,
+        ),
+        provider,
+        metrics=metrics,
     )
     client = GossipClient(f"127.0.0.1:{handle.port}", timeout_s=5)
     try:

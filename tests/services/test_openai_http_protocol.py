@@ -46,8 +46,16 @@ def test_prompts_in_every_openai_form_become_token_ids():
     assert parse(prompt=["a", "bc"]).prompts == ((97,), (98, 99))
     assert parse(prompt=[1, 2, 3]).prompts == ((1, 2, 3),)
     assert parse(prompt=[[1], [2, 3]]).prompts == ((1,), (2, 3))
-    request = parse(stream=True, stream_options={"include_usage": True}, temperature=0,
-                    max_tokens=5, seed=7, user="u", top_p=1, n=1)
+    request = parse(
+        stream=True,
+        stream_options={"include_usage": True},
+        temperature=0,
+        max_tokens=5,
+        seed=7,
+        user="u",
+        top_p=1,
+        n=1,
+    )
     assert (request.stream, request.include_usage, request.max_tokens) == (True, True, 5)
     assert parse().max_tokens == protocol.DEFAULT_MAX_TOKENS
 
@@ -111,8 +119,11 @@ def test_errors_map_to_http_status_and_openai_shape(error, status, code):
 class ScriptedGenerator:
     """Answers every prompt with REPLY's tokens, or fails as told."""
 
-    def __init__(self, fail_before: KvrsError | None = None,
-                 fail_after_tokens: tuple[int, KvrsError] | None = None) -> None:
+    def __init__(
+        self,
+        fail_before: KvrsError | None = None,
+        fail_after_tokens: tuple[int, KvrsError] | None = None,
+    ) -> None:
         self.fail_before = fail_before
         self.fail_after_tokens = fail_after_tokens
         self.calls: list[GenerateCall] = []
@@ -138,7 +149,9 @@ async def serve():
         metrics = Metrics()
         handle = await build_server(
             Config(listen_addr="127.0.0.1:0", model="tiny", max_tokens_limit=64),
-            generator, setup_tracing("test-openai-http", exporter=exporter), metrics,
+            generator,
+            setup_tracing("test-openai-http", exporter=exporter),
+            metrics,
         )
         handles.append(handle)
         return f"http://127.0.0.1:{handle.port}", exporter, metrics
@@ -171,16 +184,18 @@ async def test_streamed_chunks_add_up_to_the_non_streamed_text(serve):
         {"index": 0, "text": REPLY, "logprobs": None, "finish_reason": "length"}
     ]
     n_tokens = len(tokenizer.encode(REPLY))
-    assert whole["usage"] == {"prompt_tokens": 2, "completion_tokens": n_tokens,
-                              "total_tokens": 2 + n_tokens}
+    assert whole["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": n_tokens,
+        "total_tokens": 2 + n_tokens,
+    }
     events = events_of(raw)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
     *text_chunks, usage_chunk = chunks
     assert "".join(c["choices"][0]["text"] for c in text_chunks) == REPLY
     # A piece never holds half a character: every chunk is valid text on its own.
-    assert all(c["choices"][0]["text"] or c["choices"][0]["finish_reason"]
-               for c in text_chunks)
+    assert all(c["choices"][0]["text"] or c["choices"][0]["finish_reason"] for c in text_chunks)
     assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
     assert metrics.registry.get_sample_value("kvrs_requests_total", {"outcome": "ok"}) == 2
@@ -191,7 +206,8 @@ async def test_a_batch_of_prompts_gets_one_choice_each(serve):
     url, _, _ = await serve(generator)
     async with aiohttp.ClientSession() as session:
         async with session.post(
-            f"{url}/v1/completions", headers={"x-request-id": "batch-1"},
+            f"{url}/v1/completions",
+            headers={"x-request-id": "batch-1"},
             json={"model": "tiny", "prompt": ["a", "bb"], "max_tokens": 3},
         ) as reply:
             whole = await reply.json()
@@ -205,26 +221,37 @@ async def test_an_error_before_any_token_is_an_http_status(serve):
     url, exporter, _ = await serve(ScriptedGenerator(fail_before=ResourceExhausted("no KV")))
     async with aiohttp.ClientSession() as session:
         for stream in (False, True):
-            async with session.post(f"{url}/v1/completions", json={
-                "model": "tiny", "prompt": "hi", "stream": stream,
-            }) as reply:
+            async with session.post(
+                f"{url}/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": "hi",
+                    "stream": stream,
+                },
+            ) as reply:
                 assert reply.status == 429
                 assert (await reply.json())["error"]["code"] == "resource_exhausted"
         async with session.post(f"{url}/v1/completions", data=b"{oops") as reply:
             assert reply.status == 400
             assert (await reply.json())["error"]["param"] == "body"
-    (span, *_) = [s for s in exporter.get_finished_spans()
-                  if s.name == "openai_http.completions"]
+    (span, *_) = [s for s in exporter.get_finished_spans() if s.name == "openai_http.completions"]
     assert span.attributes["kvrs.openai.status"] == 429
 
 
 async def test_an_error_mid_stream_is_a_last_error_event_without_done(serve):
-    url, _, _ = await serve(ScriptedGenerator(
-        fail_after_tokens=(3, protocol.RequestAborted("recovery gave up"))))
+    url, _, _ = await serve(
+        ScriptedGenerator(fail_after_tokens=(3, protocol.RequestAborted("recovery gave up")))
+    )
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"{url}/v1/completions", json={
-            "model": "tiny", "prompt": "hi", "stream": True, "max_tokens": 10,
-        }) as reply:
+        async with session.post(
+            f"{url}/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": "hi",
+                "stream": True,
+                "max_tokens": 10,
+            },
+        ) as reply:
             assert reply.status == 200
             events = events_of(await reply.text())
     assert "[DONE]" not in events
@@ -243,8 +270,10 @@ def test_config_reads_the_environment_and_names_bad_values():
     from services.common import ConfigError
 
     assert Config.from_env({"KVRS_MODEL": "tiny"}).model == "tiny"
-    assert Config.from_env({"KVRS_MODEL": "tiny", "OPENAI_HTTP_MODEL": "kvrs-tiny"}).model == \
-        "kvrs-tiny"
+    assert (
+        Config.from_env({"KVRS_MODEL": "tiny", "OPENAI_HTTP_MODEL": "kvrs-tiny"}).model
+        == "kvrs-tiny"
+    )
     assert Config.from_env({}).listen_addr == "0.0.0.0:8000"
     for env, name in (
         ({"OPENAI_HTTP_MAX_TOKENS": "0"}, "OPENAI_HTTP_MAX_TOKENS"),
@@ -264,12 +293,16 @@ class ScriptedRouter(router_pb2_grpc.RouterServiceServicer):
     async def Generate(self, request, context):
         tokens, finish_reason, status = self.script
         summary = router_pb2.GenerateSummary(
-            request_id=request.request_id, prompt_tokens=len(request.prompt_token_ids),
-            generated_tokens=tokens, finish_reason=finish_reason)
+            request_id=request.request_id,
+            prompt_tokens=len(request.prompt_token_ids),
+            generated_tokens=tokens,
+            finish_reason=finish_reason,
+        )
         for index in range(tokens):
             last = index == tokens - 1 and finish_reason != "abort"
-            yield router_pb2.GenerateResponse(index=index, token_id=65 + index,
-                                              summary=summary if last else None)
+            yield router_pb2.GenerateResponse(
+                index=index, token_id=65 + index, summary=summary if last else None
+            )
         if finish_reason == "abort":
             yield router_pb2.GenerateResponse(summary=summary)
         if status is not None:
@@ -292,7 +325,10 @@ async def test_the_router_generator_reads_generate_streams(script, tokens, error
     provider = setup_tracing("test-router-generator", exporter=InMemorySpanExporter())
     server = await start_server(
         lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(ScriptedRouter(*script), s),
-        ["kvrs.v1.RouterService"], "127.0.0.1:0", GrpcSettings(), provider,
+        ["kvrs.v1.RouterService"],
+        "127.0.0.1:0",
+        GrpcSettings(),
+        provider,
     )
     generator = RouterGenerator(f"127.0.0.1:{server.port}", GrpcSettings())
     events = []
@@ -314,19 +350,24 @@ async def test_the_router_generator_reads_generate_streams(script, tokens, error
 
 # Chat completions: the same path, a conversation rendered into one prompt.
 
-CONVERSATION = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Hi"},
-                                             {"type": "text", "text": "!"}]}]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]},
+]
 
 
 def test_a_conversation_renders_into_one_prompt():
     assert chat.render(CONVERSATION) == "<|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
-    request = chat.parse_chat_request({"model": "tiny", "messages": CONVERSATION,
-                                       "max_completion_tokens": 5, "stream": True}, "tiny", 64)
+    request = chat.parse_chat_request(
+        {"model": "tiny", "messages": CONVERSATION, "max_completion_tokens": 5, "stream": True},
+        "tiny",
+        64,
+    )
     assert request.prompts == (tuple(tokenizer.encode(chat.render(CONVERSATION))),)
     assert (request.max_tokens, request.stream) == (5, True)
-    older = chat.parse_chat_request({"model": "tiny", "messages": CONVERSATION,
-                                     "max_tokens": 7}, "tiny", 64)
+    older = chat.parse_chat_request(
+        {"model": "tiny", "messages": CONVERSATION, "max_tokens": 7}, "tiny", 64
+    )
     assert older.max_tokens == 7
     unbounded = chat.parse_chat_request({"model": "tiny", "messages": CONVERSATION}, "tiny", 64)
     assert unbounded.max_tokens == 64, "without a limit, the server's own"
@@ -339,12 +380,13 @@ def test_a_conversation_renders_into_one_prompt():
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         "messages[0].content[0]"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0]",
+        ),
         ({"messages": CONVERSATION, "max_completion_tokens": 0}, "max_completion_tokens"),
         ({"messages": CONVERSATION, "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": CONVERSATION, "response_format": {"type": "json_object"}},
-         "response_format"),
+        ({"messages": CONVERSATION, "response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": CONVERSATION, "temperature": 0.7}, "temperature"),
         ({"messages": CONVERSATION, "prompt": "x"}, "prompt"),
     ],
@@ -359,8 +401,9 @@ async def test_chat_stream_deltas_add_up_to_the_message(serve):
     url, exporter, _ = await serve(ScriptedGenerator())
     body = {"model": "tiny", "messages": CONVERSATION, "max_completion_tokens": 64}
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"{url}/v1/chat/completions", json=body,
-                                headers={"x-request-id": "c-1"}) as reply:
+        async with session.post(
+            f"{url}/v1/chat/completions", json=body, headers={"x-request-id": "c-1"}
+        ) as reply:
             assert reply.status == 200
             whole = await reply.json()
         async with session.post(
@@ -369,8 +412,14 @@ async def test_chat_stream_deltas_add_up_to_the_message(serve):
         ) as reply:
             raw = await reply.text()
     assert whole["id"] == "chatcmpl-c-1" and whole["object"] == "chat.completion"
-    assert whole["choices"] == [{"index": 0, "message": {"role": "assistant", "content": REPLY},
-                                 "logprobs": None, "finish_reason": "length"}]
+    assert whole["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": REPLY},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
+    ]
     prompt_tokens = len(tokenizer.encode(chat.render(CONVERSATION)))
     assert whole["usage"]["prompt_tokens"] == prompt_tokens
     events = events_of(raw)

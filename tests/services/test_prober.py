@@ -53,8 +53,7 @@ class SimulatedLink:
         self.now_s += seconds
         self.pulls.append(tokens)
         self.resident.add((dst.instance_id, kv_id))
-        return Pulled(kv_bytes=kv_bytes, transfer_s=seconds, total_s=seconds,
-                      recomputed_tokens=0)
+        return Pulled(kv_bytes=kv_bytes, transfer_s=seconds, total_s=seconds, recomputed_tokens=0)
 
     async def drop(self, at, kv_id) -> None:
         self.resident.discard((at.instance_id, kv_id))
@@ -68,8 +67,9 @@ class Gossip:
         self.samples.append(sample)
 
 
-SETTINGS = ProbeSettings(budget_fraction=0.02, target_probe_s=0.2, interval_s=1.0,
-                         payload_tokens=2048, max_pulls=16)
+SETTINGS = ProbeSettings(
+    budget_fraction=0.02, target_probe_s=0.2, interval_s=1.0, payload_tokens=2048, max_pulls=16
+)
 
 
 def prober(link: SimulatedLink, settings: ProbeSettings = SETTINGS) -> tuple[LinkProber, Gossip]:
@@ -149,8 +149,14 @@ async def plane(redis_url, redis_prefix):
 
 async def start_prober(plane: Plane, **overrides):
     config = dataclasses.replace(
-        Config(listen_addr="127.0.0.1:0", gossip_addr=plane.address("gossip"),
-               payload_tokens=256, refresh_s=0.1), **overrides)
+        Config(
+            listen_addr="127.0.0.1:0",
+            gossip_addr=plane.address("gossip"),
+            payload_tokens=256,
+            refresh_s=0.1,
+        ),
+        **overrides,
+    )
     handle = await build_server(config, plane.provider, probe_forever=False)
     plane.handles["prober"] = handle
     plane.closers.append(lambda: handle.stop(0))
@@ -159,18 +165,17 @@ async def start_prober(plane: Plane, **overrides):
 
 async def test_probe_link_publishes_the_estimate_to_gossip_and_leaves_no_copy(plane):
     stub = await start_prober(plane)
-    request = prober_pb2.ProbeLinkRequest(src_instance_id="prefill-0",
-                                          dst_instance_id="decode-1")
+    request = prober_pb2.ProbeLinkRequest(src_instance_id="prefill-0", dst_instance_id="decode-1")
     first = (await stub.ProbeLink(request, timeout=30)).link
     assert first.samples == 1
     assert first.bandwidth_bps > 0 and first.rtt_s >= 0 and first.probe_bytes > 0
     second = (await stub.ProbeLink(request, timeout=30)).link
     assert second.samples == 2
     assert second.bandwidth_bps == pytest.approx(
-        0.8 * first.bandwidth_bps + 0.2 * second.sample_bandwidth_bps)
+        0.8 * first.bandwidth_bps + 0.2 * second.sample_bandwidth_bps
+    )
     (link,) = await plane.gossip.list_links()
-    assert (link.sample.src_instance_id, link.sample.dst_instance_id) == ("prefill-0",
-                                                                          "decode-1")
+    assert (link.sample.src_instance_id, link.sample.dst_instance_id) == ("prefill-0", "decode-1")
     assert link.sample.bandwidth_bps == pytest.approx(second.bandwidth_bps)
     assert link.sample.samples == 2
     # The payload stays on the source for the next probe; the receiver keeps nothing.
@@ -187,19 +192,27 @@ async def test_paced_probes_never_report_more_than_the_pace(plane):
     # A 2 MiB payload: each pull spends tens of ms on the paced wire, so the milliseconds
     # a loaded machine adds to one pull and not another stay a small share of it.
     stub = await start_prober(plane, pacing_bps=pace_bps, payload_tokens=2048)
-    link = (await stub.ProbeLink(prober_pb2.ProbeLinkRequest(
-        src_instance_id="prefill-1", dst_instance_id="decode-0"), timeout=30)).link
+    link = (
+        await stub.ProbeLink(
+            prober_pb2.ProbeLinkRequest(src_instance_id="prefill-1", dst_instance_id="decode-0"),
+            timeout=30,
+        )
+    ).link
     assert 0 < link.sample_bandwidth_bps <= 1.15 * pace_bps, link.sample_bandwidth_bps
 
 
-@pytest.mark.parametrize(("src", "dst", "code"), [
-    ("prefill-0", "prefill-0", grpc.StatusCode.INVALID_ARGUMENT),
-    ("prefill-0", "", grpc.StatusCode.INVALID_ARGUMENT),
-    ("prefill-0", "decode-9", grpc.StatusCode.NOT_FOUND),
-])
+@pytest.mark.parametrize(
+    ("src", "dst", "code"),
+    [
+        ("prefill-0", "prefill-0", grpc.StatusCode.INVALID_ARGUMENT),
+        ("prefill-0", "", grpc.StatusCode.INVALID_ARGUMENT),
+        ("prefill-0", "decode-9", grpc.StatusCode.NOT_FOUND),
+    ],
+)
 async def test_bad_probe_requests_are_refused(plane, src, dst, code):
     stub = await start_prober(plane)
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await stub.ProbeLink(prober_pb2.ProbeLinkRequest(src_instance_id=src,
-                                                         dst_instance_id=dst), timeout=10)
+        await stub.ProbeLink(
+            prober_pb2.ProbeLinkRequest(src_instance_id=src, dst_instance_id=dst), timeout=10
+        )
     assert raised.value.code() == code

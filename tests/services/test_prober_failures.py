@@ -12,8 +12,9 @@ from services.router.records import Endpoint
 SRC = Endpoint("prefill-0", "p0:1")
 DST = Endpoint("decode-0", "d0:1")
 BYTES_PER_TOKEN = 1024
-SETTINGS = ProbeSettings(budget_fraction=0.02, target_probe_s=0.05, interval_s=1.0,
-                         payload_tokens=256, max_pulls=4)
+SETTINGS = ProbeSettings(
+    budget_fraction=0.02, target_probe_s=0.05, interval_s=1.0, payload_tokens=256, max_pulls=4
+)
 
 
 class CuttableLink:
@@ -35,8 +36,12 @@ class CuttableLink:
             raise Unavailable(f"{dst.instance_id}: deadline exceeded")
         seconds = 0.001 + 8 * tokens * BYTES_PER_TOKEN / 1e9
         self.now_s += seconds
-        return Pulled(kv_bytes=tokens * BYTES_PER_TOKEN, transfer_s=seconds, total_s=seconds,
-                      recomputed_tokens=0)
+        return Pulled(
+            kv_bytes=tokens * BYTES_PER_TOKEN,
+            transfer_s=seconds,
+            total_s=seconds,
+            recomputed_tokens=0,
+        )
 
     async def drop(self, at, kv_id) -> None:
         return None

@@ -29,8 +29,11 @@ PREFIX = "{kvrs-sec}:"
 
 def _redis(args: list[str], ping) -> Iterator[None]:
     """A private redis-server with `args`; `ping()` says when it answers."""
-    process = subprocess.Popen([find_redis_server(), "--save", "", "--appendonly", "no", *args],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [find_redis_server(), "--save", "", "--appendonly", "no", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -51,8 +54,9 @@ def _redis(args: list[str], ping) -> Iterator[None]:
 def auth_url() -> Iterator[str]:
     (port,) = free_ports(1)
     url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
-    for _ in _redis(["--port", str(port), "--requirepass", PASSWORD],
-                    lambda: redis.Redis.from_url(url).ping()):
+    for _ in _redis(
+        ["--port", str(port), "--requirepass", PASSWORD], lambda: redis.Redis.from_url(url).ping()
+    ):
         yield url
 
 
@@ -60,15 +64,30 @@ def auth_url() -> Iterator[str]:
 def tls_port(certs) -> Iterator[int]:
     """Redis speaking only TLS, requiring a client certificate signed by the dev CA."""
     (port,) = free_ports(1)
-    args = ["--port", "0", "--tls-port", str(port),
-            "--tls-cert-file", str(certs / "server.pem"),
-            "--tls-key-file", str(certs / "server.key"),
-            "--tls-ca-cert-file", str(certs / "ca.pem"), "--tls-auth-clients", "yes"]
+    args = [
+        "--port",
+        "0",
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        str(certs / "server.pem"),
+        "--tls-key-file",
+        str(certs / "server.key"),
+        "--tls-ca-cert-file",
+        str(certs / "ca.pem"),
+        "--tls-auth-clients",
+        "yes",
+    ]
 
     def ping() -> None:
-        redis.Redis(host="localhost", port=port, ssl=True, ssl_ca_certs=str(certs / "ca.pem"),
-                    ssl_certfile=str(certs / "client.pem"),
-                    ssl_keyfile=str(certs / "client.key")).ping()
+        redis.Redis(
+            host="localhost",
+            port=port,
+            ssl=True,
+            ssl_ca_certs=str(certs / "ca.pem"),
+            ssl_certfile=str(certs / "client.pem"),
+            ssl_keyfile=str(certs / "client.key"),
+        ).ping()
 
     for _ in _redis(args, ping):
         yield port
@@ -90,13 +109,16 @@ async def test_gossip_and_the_slot_broker_authenticate_with_the_password_in_the_
     assert await _gossip_round_trip(config) == ["decode-0"]
     broker = await build_broker(
         BrokerConfig(listen_addr="127.0.0.1:0", redis_url=auth_url, redis_prefix=PREFIX),
-        setup_tracing("broker", exporter=InMemorySpanExporter()))
+        setup_tracing("broker", exporter=InMemorySpanExporter()),
+    )
     channel = open_channel(f"127.0.0.1:{broker.port}", GrpcSettings())
     try:
         reply = await slots_pb2_grpc.SlotBrokerServiceStub(channel).ReserveSlot(
-            slots_pb2.ReserveSlotRequest(request_id="r-auth", holder_id="test",
-                                         src_instance_id="p0", dst_instance_id="d0"),
-            timeout=5)
+            slots_pb2.ReserveSlotRequest(
+                request_id="r-auth", holder_id="test", src_instance_id="p0", dst_instance_id="d0"
+            ),
+            timeout=5,
+        )
         assert reply.lease.lease_id and reply.slots_in_use == 1
     finally:
         await channel.close()
@@ -113,20 +135,30 @@ async def test_a_wrong_password_is_unavailable_naming_redis(auth_url):
 
 async def test_rediss_with_the_ca_and_a_client_certificate(certs, tls_port):
     url = f"rediss://localhost:{tls_port}/0"
-    tls = RedisTls(ca_file=str(certs / "ca.pem"), cert_file=str(certs / "client.pem"),
-                   key_file=str(certs / "client.key"))
-    config = GossipConfig(listen_addr="127.0.0.1:0", redis_url=url, redis_prefix=PREFIX,
-                          redis_tls=tls)
+    tls = RedisTls(
+        ca_file=str(certs / "ca.pem"),
+        cert_file=str(certs / "client.pem"),
+        key_file=str(certs / "client.key"),
+    )
+    config = GossipConfig(
+        listen_addr="127.0.0.1:0", redis_url=url, redis_prefix=PREFIX, redis_tls=tls
+    )
     assert await _gossip_round_trip(config) == ["decode-0"]
 
 
 @pytest.mark.parametrize("missing", ["the CA", "the client certificate"])
-async def test_rediss_without_the_ca_or_the_client_certificate_is_refused(
-        certs, tls_port, missing):
-    tls = (RedisTls(cert_file=str(certs / "client.pem"), key_file=str(certs / "client.key"))
-           if missing == "the CA" else RedisTls(ca_file=str(certs / "ca.pem")))
-    config = GossipConfig(listen_addr="127.0.0.1:0", redis_url=f"rediss://localhost:{tls_port}/0",
-                          redis_prefix=PREFIX, redis_tls=tls)
+async def test_rediss_without_the_ca_or_the_client_certificate_is_refused(certs, tls_port, missing):
+    tls = (
+        RedisTls(cert_file=str(certs / "client.pem"), key_file=str(certs / "client.key"))
+        if missing == "the CA"
+        else RedisTls(ca_file=str(certs / "ca.pem"))
+    )
+    config = GossipConfig(
+        listen_addr="127.0.0.1:0",
+        redis_url=f"rediss://localhost:{tls_port}/0",
+        redis_prefix=PREFIX,
+        redis_tls=tls,
+    )
     with pytest.raises(errors.Unavailable):
         await asyncio.wait_for(_gossip_round_trip(config), 30)
 
@@ -142,4 +174,3 @@ def test_redis_tls_settings_are_checked_at_start(certs):
         GossipConfig.from_env({**env, "REDIS_URL": "redis://redis:6379/0"})
     with pytest.raises(ConfigError, match="must be set together"):
         BrokerConfig.from_env({**env, "KVRS_REDIS_TLS_CERT_FILE": str(certs / "client.pem")})
-

@@ -50,8 +50,12 @@ async def collect(stub, request: router_pb2.GenerateRequest, progress: list | No
 
 
 def generate(request_id: str, prompt=PROMPT, max_new_tokens: int = 24, **fields):
-    return router_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt),
-                                      max_new_tokens=max_new_tokens, **fields)
+    return router_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        max_new_tokens=max_new_tokens,
+        **fields,
+    )
 
 
 async def test_one_request_streams_the_reference_tokens_under_one_trace(plane):
@@ -72,23 +76,33 @@ async def test_one_request_streams_the_reference_tokens_under_one_trace(plane):
     (root,) = [s for s in spans if s.name == "router.generate"]
     assert format(root.context.trace_id, "032x") == summary.trace_id
     in_trace = {s.name for s in spans if s.context.trace_id == root.context.trace_id}
-    assert {"router.prefill", "router.select_decode", "kvrs.select_decode", "router.pull_kv",
-            "kvxfer.send", "kvxfer.recv", "/kvrs.v1.WorkerService/Decode"} <= in_trace
+    assert {
+        "router.prefill",
+        "router.select_decode",
+        "kvrs.select_decode",
+        "router.pull_kv",
+        "kvxfer.send",
+        "kvxfer.recv",
+        "/kvrs.v1.WorkerService/Decode",
+    } <= in_trace
     assert root.attributes["kvrs.outcome"] == "completed"
 
 
-@pytest.mark.parametrize(("fields", "field"), [
-    ({"request_id": ""}, "request_id"),
-    ({"prompt_token_ids": []}, "prompt_token_ids"),
-    ({"prompt_token_ids": [1, -2]}, "prompt_token_ids[1]"),
-    ({"prompt_token_ids": [1, 100000]}, "prompt_token_ids[1]"),
-    ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"ttft_slo_s": -1.0}, "ttft_slo_s"),
-    ({"ttft_slo_s": math.nan}, "ttft_slo_s"),
-    ({"deadline_unix_ms": -5}, "deadline_unix_ms"),
-    ({"placement_policy": "fastest"}, "placement_policy"),
-    ({"recovery_policy": "pray"}, "recovery_policy"),
-])
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"request_id": ""}, "request_id"),
+        ({"prompt_token_ids": []}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, -2]}, "prompt_token_ids[1]"),
+        ({"prompt_token_ids": [1, 100000]}, "prompt_token_ids[1]"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"ttft_slo_s": -1.0}, "ttft_slo_s"),
+        ({"ttft_slo_s": math.nan}, "ttft_slo_s"),
+        ({"deadline_unix_ms": -5}, "deadline_unix_ms"),
+        ({"placement_policy": "fastest"}, "placement_policy"),
+        ({"recovery_policy": "pray"}, "recovery_policy"),
+    ],
+)
 async def test_bad_input_is_invalid_argument_naming_the_field(plane, fields, field):
     request = generate("r-bad")
     for name, value in fields.items():
@@ -114,8 +128,9 @@ async def test_an_unknown_prefill_instance_is_not_found(plane):
 async def start_streams(plane, requests, min_tokens: int):
     stub = router(plane)
     progress = [[] for _ in requests]
-    tasks = [asyncio.create_task(collect(stub, r, p)) for r, p in zip(requests, progress,
-                                                                       strict=True)]
+    tasks = [
+        asyncio.create_task(collect(stub, r, p)) for r, p in zip(requests, progress, strict=True)
+    ]
     while min(len(p) for p in progress) < min_tokens:
         assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
         await asyncio.sleep(0.001)
@@ -123,8 +138,15 @@ async def start_streams(plane, requests, min_tokens: int):
 
 
 async def test_requests_of_a_stopped_decode_worker_are_recovered_together(plane):
-    requests = [generate(f"r-stop-{i}", prompt=PROMPT[: 30 + 6 * i], max_new_tokens=800,
-                         decode_instance_id="decode-0") for i in range(3)]
+    requests = [
+        generate(
+            f"r-stop-{i}",
+            prompt=PROMPT[: 30 + 6 * i],
+            max_new_tokens=800,
+            decode_instance_id="decode-0",
+        )
+        for i in range(3)
+    ]
     tasks = await start_streams(plane, requests, min_tokens=5)
     await plane.handles.pop("decode-0").stop(0)
     results = await asyncio.gather(*tasks)
@@ -140,16 +162,22 @@ async def test_requests_of_a_stopped_decode_worker_are_recovered_together(plane)
         assert summary.final_decode_instance_id == "decode-1"
     assert plane.handles["router"].router.batcher.calls == 1
     recovered = plane.metrics.recovery_actual_s
-    assert sum(s.value for m in recovered.collect() for s in m.samples
-               if s.name.endswith("_count")) == 3
+    assert (
+        sum(s.value for m in recovered.collect() for s in m.samples if s.name.endswith("_count"))
+        == 3
+    )
     assert await plane.slots_in_use() == 0
     for name in ("prefill-0", "prefill-1", "decode-1"):
         assert await plane.resident_requests(name) == 0
 
 
 async def test_a_gossip_left_event_moves_a_healthy_stream_and_releases_its_kv(plane):
-    request = generate("r-left", max_new_tokens=1500, decode_instance_id="decode-0",
-                       recovery_policy="always_migrate")
+    request = generate(
+        "r-left",
+        max_new_tokens=1500,
+        decode_instance_id="decode-0",
+        recovery_policy="always_migrate",
+    )
     (task,) = await start_streams(plane, [request], min_tokens=5)
     await plane.gossip.deregister("decode-0", "operator drained it")
     tokens, summary, error = await task
@@ -175,13 +203,13 @@ async def test_a_gossip_left_event_moves_a_healthy_stream_and_releases_its_kv(pl
 
     (decide,) = [s for s in in_trace if s.name == "kvrs.recover"]
     assert ancestors(decide)[0] == "/kvrs.v1.SchedulerService/Recover"
-    assert {"router.recover.decide", "router.recover", "router.generate"} <= set(
-        ancestors(decide))
+    assert {"router.recover.decide", "router.recover", "router.generate"} <= set(ancestors(decide))
     (recover,) = [s for s in in_trace if s.name == "router.recover"]
     assert recover.attributes["kvrs.action"] == "migrate"
     assert recover.attributes["kvrs.detected_by"] == "gossip"
-    recv = [s for s in in_trace if s.name == "kvxfer.recv"
-            and "router.recover.execute" in ancestors(s)]
+    recv = [
+        s for s in in_trace if s.name == "kvxfer.recv" and "router.recover.execute" in ancestors(s)
+    ]
     assert recv, "the migration's transfer is not in the request's trace"
 
 
@@ -205,8 +233,10 @@ async def wait_until_released(plane: Plane, timeout_s: float = 10.0) -> None:
     """Until no worker holds KV (the router releases it as the stream ends)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        resident = {name: await plane.resident_requests(name)
-                    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1")}
+        resident = {
+            name: await plane.resident_requests(name)
+            for name in ("prefill-0", "prefill-1", "decode-0", "decode-1")
+        }
         if not any(resident.values()):
             return
         assert asyncio.get_running_loop().time() < deadline, f"KV left behind: {resident}"
@@ -218,8 +248,9 @@ async def test_a_client_that_hangs_up_leaves_no_kv_behind(plane, hang_up_after):
     """The OpenAI adapter cancels its call once it has the summary; a user may close a
     stream at any token. Either way the request's KV on prefill and decode is released."""
     max_new_tokens = 400 if hang_up_after == "3 tokens" else 8
-    call = router(plane).Generate(generate(f"r-hangup-{len(hang_up_after)}",
-                                           max_new_tokens=max_new_tokens), timeout=60)
+    call = router(plane).Generate(
+        generate(f"r-hangup-{len(hang_up_after)}", max_new_tokens=max_new_tokens), timeout=60
+    )
     received = 0
     async for message in call:
         received += 1

@@ -91,20 +91,33 @@ class Plane:
         self, cluster=CLUSTER, kv_capacity_blocks: int = 0, loads: dict | None = None
     ) -> None:
         for instance_id, role, node, rack, pod in cluster:
-            await self.gossip.register(Registration(
-                instance_id=instance_id, role=role, address=f"{instance_id}:50060",
-                node=node, rack=rack, pod=pod, kv_capacity_blocks=kv_capacity_blocks,
-                transfer_address=f"{instance_id}:29500", heartbeat_ttl_s=600.0,
-            ))
+            await self.gossip.register(
+                Registration(
+                    instance_id=instance_id,
+                    role=role,
+                    address=f"{instance_id}:50060",
+                    node=node,
+                    rack=rack,
+                    pod=pod,
+                    kv_capacity_blocks=kv_capacity_blocks,
+                    transfer_address=f"{instance_id}:29500",
+                    heartbeat_ttl_s=600.0,
+                )
+            )
             load = (loads or {}).get(instance_id)
             if load is not None:
                 await self.gossip.heartbeat(instance_id, load)
 
     async def link(self, src: str, dst: str, bandwidth_bps: float, rtt_s: float = 1e-4) -> None:
-        await self.gossip.report_link_sample(LinkSample(
-            src_instance_id=src, dst_instance_id=dst, bandwidth_bps=bandwidth_bps,
-            rtt_s=rtt_s, samples=4,
-        ))
+        await self.gossip.report_link_sample(
+            LinkSample(
+                src_instance_id=src,
+                dst_instance_id=dst,
+                bandwidth_bps=bandwidth_bps,
+                rtt_s=rtt_s,
+                samples=4,
+            )
+        )
 
     async def scheduler(self, **overrides) -> scheduler_pb2_grpc.SchedulerServiceStub:
         """A scheduler over this plane; its first view already holds what is registered."""
@@ -149,20 +162,32 @@ async def plane(redis_url, redis_prefix):
     await plane.close()
 
 
-def select(request_id: str = "req-1", prefill: str = "prefill-0", prompt_tokens: int = 2048,
-           **fields) -> scheduler_pb2.SelectDecodeRequest:
+def select(
+    request_id: str = "req-1", prefill: str = "prefill-0", prompt_tokens: int = 2048, **fields
+) -> scheduler_pb2.SelectDecodeRequest:
     return scheduler_pb2.SelectDecodeRequest(
-        request_id=request_id, prefill_instance_id=prefill, prompt_tokens=prompt_tokens,
+        request_id=request_id,
+        prefill_instance_id=prefill,
+        prompt_tokens=prompt_tokens,
         **fields,
     )
 
 
-def recover(request_id: str = "req-1", failed: str = "decode-near", source: str = "prefill-0",
-            prompt_tokens: int = 1000, generated_tokens: int = 20,
-            **fields) -> scheduler_pb2.RecoverRequest:
+def recover(
+    request_id: str = "req-1",
+    failed: str = "decode-near",
+    source: str = "prefill-0",
+    prompt_tokens: int = 1000,
+    generated_tokens: int = 20,
+    **fields,
+) -> scheduler_pb2.RecoverRequest:
     return scheduler_pb2.RecoverRequest(
-        request_id=request_id, failed_instance_id=failed, source_prefill_instance_id=source,
-        prompt_tokens=prompt_tokens, generated_tokens=generated_tokens, **fields,
+        request_id=request_id,
+        failed_instance_id=failed,
+        source_prefill_instance_id=source,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=generated_tokens,
+        **fields,
     )
 
 
@@ -245,28 +270,38 @@ async def test_select_decode_honours_exclusions_and_candidate_lists(plane):
     assert only.decode_instance_id == "decode-far"
     assert only.runner_up_instance_id == "" and only.candidates_considered == 1
     await expect_error(
-        stub.SelectDecode, select(candidate_instance_ids=["decode-far", "ghost"]),
-        grpc.StatusCode.NOT_FOUND, "candidate_instance_ids",
+        stub.SelectDecode,
+        select(candidate_instance_ids=["decode-far", "ghost"]),
+        grpc.StatusCode.NOT_FOUND,
+        "candidate_instance_ids",
     )
     await expect_error(
         stub.SelectDecode,
         select(exclude_instance_ids=["decode-near", "decode-rack", "decode-far"]),
-        grpc.StatusCode.FAILED_PRECONDITION, "candidates",
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "candidates",
     )
 
 
 async def test_select_decode_skips_instances_without_free_kv_memory(plane):
     blocks = model_spec(MODEL).block_tokens
-    await plane.register(kv_capacity_blocks=64, loads={
-        "decode-near": NodeLoad(free_kv_blocks=1),
-        "decode-rack": NodeLoad(free_kv_blocks=64),
-        "decode-far": NodeLoad(free_kv_blocks=64),
-    })
+    await plane.register(
+        kv_capacity_blocks=64,
+        loads={
+            "decode-near": NodeLoad(free_kv_blocks=1),
+            "decode-rack": NodeLoad(free_kv_blocks=64),
+            "decode-far": NodeLoad(free_kv_blocks=64),
+        },
+    )
     stub = await plane.scheduler()
     reply = await stub.SelectDecode(select(prompt_tokens=4 * blocks), timeout=5)
     assert reply.decode_instance_id == "decode-rack"
-    await expect_error(stub.SelectDecode, select(prompt_tokens=65 * blocks),
-                       grpc.StatusCode.RESOURCE_EXHAUSTED, "free_kv_tokens")
+    await expect_error(
+        stub.SelectDecode,
+        select(prompt_tokens=65 * blocks),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "free_kv_tokens",
+    )
 
 
 async def test_a_failure_event_removes_the_instance_before_the_next_refresh(plane):
@@ -287,9 +322,17 @@ async def test_instances_a_registry_loses_stay_for_one_ttl_flagged_stale(plane):
     they are kept (stale) for the one TTL they have to register again, then dropped."""
     ttl_s = 1.0
     for instance_id, role, node, rack, pod in CLUSTER:
-        await plane.gossip.register(Registration(
-            instance_id=instance_id, role=role, address=f"{instance_id}:50060", node=node,
-            rack=rack, pod=pod, heartbeat_ttl_s=ttl_s))
+        await plane.gossip.register(
+            Registration(
+                instance_id=instance_id,
+                role=role,
+                address=f"{instance_id}:50060",
+                node=node,
+                rack=rack,
+                pod=pod,
+                heartbeat_ttl_s=ttl_s,
+            )
+        )
     stub = await plane.scheduler(view_refresh_s=60.0, view_stale_after_s=120.0)
     assert not (await stub.SelectDecode(select(), timeout=5)).view_stale
     client = redis_async.Redis.from_url(plane.redis_url)
@@ -305,8 +348,10 @@ async def test_instances_a_registry_loses_stay_for_one_ttl_flagged_stale(plane):
     await plane.refresh()
     with pytest.raises(grpc.aio.AioRpcError) as failure:
         await stub.SelectDecode(select(), timeout=5)
-    assert failure.value.code() in (grpc.StatusCode.FAILED_PRECONDITION,
-                                    grpc.StatusCode.NOT_FOUND), failure.value.details()
+    assert failure.value.code() in (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+    ), failure.value.details()
 
 
 @pytest.mark.parametrize(
@@ -316,8 +361,7 @@ async def test_instances_a_registry_loses_stay_for_one_ttl_flagged_stale(plane):
         (select(prompt_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens"),
         (select(prefill="ghost"), grpc.StatusCode.NOT_FOUND, "prefill_instance_id"),
         (select(prefill=""), grpc.StatusCode.INVALID_ARGUMENT, "prefill_instance_id"),
-        (select(prefill="decode-rack"), grpc.StatusCode.INVALID_ARGUMENT,
-         "prefill_instance_id"),
+        (select(prefill="decode-rack"), grpc.StatusCode.INVALID_ARGUMENT, "prefill_instance_id"),
         (select(prompt_tokens=10_000_001), grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens"),
         (select(policy="fastest"), grpc.StatusCode.INVALID_ARGUMENT, "policy"),
     ],
@@ -456,10 +500,16 @@ async def test_recover_decides_without_a_slot_the_broker_refuses(plane):
         (recover(generated_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT, "generated_tokens"),
         (recover(failed="ghost"), grpc.StatusCode.NOT_FOUND, "failed_instance_id"),
         (recover(source="ghost"), grpc.StatusCode.NOT_FOUND, "source_prefill_instance_id"),
-        (recover(source="decode-rack"), grpc.StatusCode.INVALID_ARGUMENT,
-         "source_prefill_instance_id"),
-        (recover(prompt_tokens=10_000_000, generated_tokens=1),
-         grpc.StatusCode.INVALID_ARGUMENT, "generated_tokens"),
+        (
+            recover(source="decode-rack"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "source_prefill_instance_id",
+        ),
+        (
+            recover(prompt_tokens=10_000_000, generated_tokens=1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "generated_tokens",
+        ),
         (recover(policy="coinflip"), grpc.StatusCode.INVALID_ARGUMENT, "policy"),
     ],
 )
@@ -494,8 +544,12 @@ async def test_recover_batch_never_plans_more_migrations_than_free_slots(plane):
     await plane.broker_handle.stop(0)
     await plane.start_broker(slot_cap=10)
     held = await plane.broker.ReserveSlot(
-        slots_pb2.ReserveSlotRequest(request_id="elsewhere", holder_id="other",
-                                     src_instance_id="prefill-1", dst_instance_id="decode-far"),
+        slots_pb2.ReserveSlotRequest(
+            request_id="elsewhere",
+            holder_id="other",
+            src_instance_id="prefill-1",
+            dst_instance_id="decode-far",
+        ),
         timeout=5,
     )
     assert held.lease.lease_id
@@ -524,14 +578,26 @@ async def test_recover_batch_without_slots_spreads_over_links(plane):
 @pytest.mark.parametrize(
     ("mutate", "code", "field"),
     [
-        (lambda r: setattr(r.items[3], "prompt_tokens", -1),
-         grpc.StatusCode.INVALID_ARGUMENT, "items[3].prompt_tokens"),
-        (lambda r: setattr(r.items[1], "request_id", "b-1-0"),
-         grpc.StatusCode.INVALID_ARGUMENT, "items[1].request_id"),
-        (lambda r: setattr(r.items[2], "source_prefill_instance_id", "ghost"),
-         grpc.StatusCode.NOT_FOUND, "items[2].source_prefill_instance_id"),
-        (lambda r: setattr(r, "failed_instance_id", "ghost"),
-         grpc.StatusCode.NOT_FOUND, "failed_instance_id"),
+        (
+            lambda r: setattr(r.items[3], "prompt_tokens", -1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "items[3].prompt_tokens",
+        ),
+        (
+            lambda r: setattr(r.items[1], "request_id", "b-1-0"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "items[1].request_id",
+        ),
+        (
+            lambda r: setattr(r.items[2], "source_prefill_instance_id", "ghost"),
+            grpc.StatusCode.NOT_FOUND,
+            "items[2].source_prefill_instance_id",
+        ),
+        (
+            lambda r: setattr(r, "failed_instance_id", "ghost"),
+            grpc.StatusCode.NOT_FOUND,
+            "failed_instance_id",
+        ),
     ],
 )
 async def test_recover_batch_rejects_bad_items_naming_them(plane, mutate, code, field):
@@ -586,8 +652,7 @@ def expand(name: str) -> list[str]:
     if "<option>" in name:
         return [name.replace("<option>", a) for a in ("migrate", "recompute", "hybrid")]
     if "<action>" in name:
-        return [name.replace("<action>", a)
-                for a in ("migrate", "recompute", "hybrid", "abort")]
+        return [name.replace("<action>", a) for a in ("migrate", "recompute", "hybrid", "abort")]
     return [name]
 
 
@@ -598,8 +663,7 @@ def custom_attributes(span) -> set[str]:
 async def test_decision_spans_carry_the_documented_attributes(plane):
     documented = documented_attributes()
     by_letter = {
-        letter: {name for name, spans in documented.items() if letter in spans}
-        for letter in "SRB"
+        letter: {name for name, spans in documented.items() if letter in spans} for letter in "SRB"
     }
     await plane.register()
     stub = await plane.scheduler()
@@ -623,10 +687,19 @@ async def test_decision_spans_carry_the_documented_attributes(plane):
     (batch_span,) = plane.spans("kvrs.recover_batch")
     assert custom_attributes(batch_span) == by_letter["B"]
     assert batch_span.attributes["kvrs.batch.requests"] == 20
-    assert sum(batch_span.attributes[f"kvrs.batch.{a}"]
-               for a in ("migrate", "recompute", "hybrid", "abort")) == 20
+    assert (
+        sum(
+            batch_span.attributes[f"kvrs.batch.{a}"]
+            for a in ("migrate", "recompute", "hybrid", "abort")
+        )
+        == 20
+    )
     # The slot reservation is traced as a child of the decision.
-    reserve = [s for s in plane.exporter.get_finished_spans()
-               if s.name.endswith("SlotBrokerService/ReserveSlot")
-               and s.parent is not None and s.parent.span_id == migrated.context.span_id]
+    reserve = [
+        s
+        for s in plane.exporter.get_finished_spans()
+        if s.name.endswith("SlotBrokerService/ReserveSlot")
+        and s.parent is not None
+        and s.parent.span_id == migrated.context.span_id
+    ]
     assert reserve

@@ -60,9 +60,9 @@ def test_inputs_read_a_calibrated_profile_and_a_topology_file(tmp_path):
         "nodes: [{name: n0, rack: r0, pod: p0}]\n"
         "instances: [{id: prefill-0, role: prefill, node: n0}]\n"
     )
-    inputs = load_inputs(InputsConfig(
-        topology_file=str(topology_file), model="tiny", profile_file=str(profile_file)
-    ))
+    inputs = load_inputs(
+        InputsConfig(topology_file=str(topology_file), model="tiny", profile_file=str(profile_file))
+    )
     assert inputs.compute == profile
     assert inputs.topology.instance("prefill-0").location.rack == "r0"
 
@@ -72,10 +72,16 @@ def test_inputs_read_a_calibrated_profile_and_a_topology_file(tmp_path):
     [
         (lambda d: InputsConfig(model="gpt-17"), "KVRS_MODEL"),
         (lambda d: InputsConfig(topology_file=str(d / "missing.yaml")), "KVRS_TOPOLOGY_FILE"),
-        (lambda d: InputsConfig(topology_file=_write(d / "t.yaml", "tiers: {warp: {}}")),
-         "KVRS_TOPOLOGY_FILE"),
-        (lambda d: InputsConfig(profile_file=_write(
-            d / "p.json", json.dumps(compute_profile("tiny").to_json()))), "KVRS_PROFILE_FILE"),
+        (
+            lambda d: InputsConfig(topology_file=_write(d / "t.yaml", "tiers: {warp: {}}")),
+            "KVRS_TOPOLOGY_FILE",
+        ),
+        (
+            lambda d: InputsConfig(
+                profile_file=_write(d / "p.json", json.dumps(compute_profile("tiny").to_json()))
+            ),
+            "KVRS_PROFILE_FILE",
+        ),
         (lambda d: InputsConfig(max_context_tokens=2**62), "KVRS_MAX_CONTEXT_TOKENS"),
     ],
 )

@@ -17,8 +17,12 @@ from services.slot_broker.server import build_server
 
 async def start_broker(redis_url: str, redis_prefix: str, **overrides) -> ServerHandle:
     fields = dict(
-        listen_addr="127.0.0.1:0", redis_url=redis_url, redis_prefix=redis_prefix,
-        cluster_cap=3, lease_ttl_s=5.0, purge_interval_s=0.1,
+        listen_addr="127.0.0.1:0",
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+        cluster_cap=3,
+        lease_ttl_s=5.0,
+        purge_interval_s=0.1,
     )
     fields.update(overrides)
     provider = setup_tracing("test-slot-broker", exporter=InMemorySpanExporter())
@@ -33,12 +37,21 @@ class Broker:
         self.channel = open_channel(f"127.0.0.1:{handle.port}", GrpcSettings())
         self.stub = slots_pb2_grpc.SlotBrokerServiceStub(self.channel)
 
-    async def reserve(self, request_id: str, src: str = "p0", dst: str = "d0",
-                      holder: str = "sched-0", ttl_s: float = 0.0):
+    async def reserve(
+        self,
+        request_id: str,
+        src: str = "p0",
+        dst: str = "d0",
+        holder: str = "sched-0",
+        ttl_s: float = 0.0,
+    ):
         return await self.stub.ReserveSlot(
             slots_pb2.ReserveSlotRequest(
-                request_id=request_id, holder_id=holder, src_instance_id=src,
-                dst_instance_id=dst, ttl_s=ttl_s,
+                request_id=request_id,
+                holder_id=holder,
+                src_instance_id=src,
+                dst_instance_id=dst,
+                ttl_s=ttl_s,
             ),
             timeout=5,
         )
@@ -66,8 +79,9 @@ async def expect_code(awaitable, code: grpc.StatusCode) -> str:
 
 
 def reserve_request(**overrides) -> slots_pb2.ReserveSlotRequest:
-    fields = dict(request_id="m1", holder_id="sched-0", src_instance_id="p0",
-                  dst_instance_id="d0", ttl_s=1.0)
+    fields = dict(
+        request_id="m1", holder_id="sched-0", src_instance_id="p0", dst_instance_id="d0", ttl_s=1.0
+    )
     fields.update(overrides)
     return slots_pb2.ReserveSlotRequest(**fields)
 
@@ -112,8 +126,7 @@ async def test_unknown_lease_is_not_found_and_release_is_idempotent(broker):
     unknown = slots_pb2.ReleaseSlotRequest(lease_id="nope")
     assert not (await broker.stub.ReleaseSlot(unknown, timeout=5)).released
     await expect_code(
-        broker.stub.RenewSlot(slots_pb2.RenewSlotRequest(lease_id=reply.lease.lease_id),
-                              timeout=5),
+        broker.stub.RenewSlot(slots_pb2.RenewSlotRequest(lease_id=reply.lease.lease_id), timeout=5),
         grpc.StatusCode.NOT_FOUND,
     )
 
@@ -156,8 +169,9 @@ async def test_cluster_cap_is_resource_exhausted_naming_the_cap(broker):
     leases = [(await broker.reserve(f"m{i}", dst=f"d{i}")).lease for i in range(3)]
     details = await expect_code(broker.reserve("m3", dst="d3"), grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert details.startswith("cluster_cap:"), details
-    await broker.stub.ReleaseSlot(slots_pb2.ReleaseSlotRequest(lease_id=leases[0].lease_id),
-                                  timeout=5)
+    await broker.stub.ReleaseSlot(
+        slots_pb2.ReleaseSlotRequest(lease_id=leases[0].lease_id), timeout=5
+    )
     assert (await broker.reserve("m3", dst="d3")).slots_in_use == 3
     stats = await broker.stats()
     assert (stats.slots_in_use, stats.cluster_cap) == (3, 3)
@@ -169,14 +183,17 @@ async def test_per_link_cap(redis_url, redis_prefix):
     try:
         await broker.reserve("m0", src="a", dst="b")
         await broker.reserve("m1", src="a", dst="b")
-        details = await expect_code(broker.reserve("m2", src="a", dst="b"),
-                                    grpc.StatusCode.RESOURCE_EXHAUSTED)
+        details = await expect_code(
+            broker.reserve("m2", src="a", dst="b"), grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
         assert details.startswith("link_cap:"), details
         await broker.reserve("m3", src="b", dst="a")
         await broker.reserve("m4", src="a", dst="c")
         stats = await broker.stats()
-        links = {(link.src_instance_id, link.dst_instance_id): (link.in_use, link.cap)
-                 for link in stats.links}
+        links = {
+            (link.src_instance_id, link.dst_instance_id): (link.in_use, link.cap)
+            for link in stats.links
+        }
         assert links == {("a", "b"): (2, 2), ("b", "a"): (1, 2), ("a", "c"): (1, 2)}
         assert (stats.slots_in_use, stats.denied_total) == (4, 1)
     finally:
@@ -184,8 +201,9 @@ async def test_per_link_cap(redis_url, redis_prefix):
 
 
 async def test_expired_lease_frees_its_slot(redis_url, redis_prefix):
-    broker = Broker(await start_broker(redis_url, redis_prefix, cluster_cap=1,
-                                       purge_interval_s=30.0))
+    broker = Broker(
+        await start_broker(redis_url, redis_prefix, cluster_cap=1, purge_interval_s=30.0)
+    )
     try:
         held = await broker.reserve("m0", ttl_s=0.3)
         await expect_code(broker.reserve("m1", dst="d1"), grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -195,8 +213,9 @@ async def test_expired_lease_frees_its_slot(redis_url, redis_prefix):
         stats = await broker.stats()
         assert (stats.expired_total, stats.granted_total) == (1, 2)
         await expect_code(
-            broker.stub.RenewSlot(slots_pb2.RenewSlotRequest(lease_id=held.lease.lease_id),
-                                  timeout=5),
+            broker.stub.RenewSlot(
+                slots_pb2.RenewSlotRequest(lease_id=held.lease.lease_id), timeout=5
+            ),
             grpc.StatusCode.NOT_FOUND,
         )
         release = slots_pb2.ReleaseSlotRequest(lease_id=held.lease.lease_id)

@@ -27,8 +27,14 @@ SPAWN = multiprocessing.get_context("spawn")
 
 
 async def _start(redis_url: str, redis_prefix: str, cap: int):
-    config = Config(listen_addr="127.0.0.1:0", redis_url=redis_url, redis_prefix=redis_prefix,
-                    cluster_cap=cap, lease_ttl_s=30.0, purge_interval_s=0.1)
+    config = Config(
+        listen_addr="127.0.0.1:0",
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+        cluster_cap=cap,
+        lease_ttl_s=30.0,
+        purge_interval_s=0.1,
+    )
     return await build_server(config, setup_tracing("test", exporter=InMemorySpanExporter()))
 
 
@@ -43,8 +49,10 @@ async def _contend(address, index, held, held_lock, peak, totals, cap) -> None:
         nonlocal granted, denied, reported
         for attempt in attempts:
             request = slots_pb2.ReserveSlotRequest(
-                request_id=f"proc{index}-{attempt}", holder_id=f"proc{index}",
-                src_instance_id=f"p{attempt % 4}", dst_instance_id=f"d{attempt % 5}",
+                request_id=f"proc{index}-{attempt}",
+                holder_id=f"proc{index}",
+                src_instance_id=f"p{attempt % 4}",
+                dst_instance_id=f"d{attempt % 5}",
             )
             try:
                 reply = await stub.ReserveSlot(request, timeout=30)
@@ -136,9 +144,13 @@ def hold(address: str, ttl_s: float, leases) -> None:
         channel = open_channel(address, GrpcSettings())
         stub = slots_pb2_grpc.SlotBrokerServiceStub(channel)
         reply = await stub.ReserveSlot(
-            slots_pb2.ReserveSlotRequest(request_id="doomed", holder_id=f"pid-{os.getpid()}",
-                                         src_instance_id="p0", dst_instance_id="d0",
-                                         ttl_s=ttl_s),
+            slots_pb2.ReserveSlotRequest(
+                request_id="doomed",
+                holder_id=f"pid-{os.getpid()}",
+                src_instance_id="p0",
+                dst_instance_id="d0",
+                ttl_s=ttl_s,
+            ),
             timeout=5,
         )
         leases.put(reply.lease.lease_id)

@@ -19,21 +19,29 @@ MODEL = model_spec("opt-13b")
 
 def cluster(nodes: int = 4) -> tuple[CostModel, ClusterView]:
     """`nodes` nodes in two racks; each node one prefill and one decode instance."""
-    topology = Topology.fat_tree(nodes=nodes, gpus_per_node=2, nodes_per_rack=nodes // 2,
-                                 racks_per_pod=1)
+    topology = Topology.fat_tree(
+        nodes=nodes, gpus_per_node=2, nodes_per_rack=nodes // 2, racks_per_pod=1
+    )
     cost = CostModel(MODEL, compute_profile("opt-13b"), NetworkModel(topology))
     states = {i: InstanceState(i, spec.role) for i, spec in topology.instances.items()}
     return cost, ClusterView(states, now_s=0.0)
 
 
 def requests(n: int, prompt_tokens: int = 8000, **kwargs) -> list[RecoveryRequest]:
-    return [RecoveryRequest(f"r{i}", prompt_tokens, 16, "prefill-0",
-                            exclude_ids=frozenset({"decode-0"}), **kwargs) for i in range(n)]
+    return [
+        RecoveryRequest(
+            f"r{i}", prompt_tokens, 16, "prefill-0", exclude_ids=frozenset({"decode-0"}), **kwargs
+        )
+        for i in range(n)
+    ]
 
 
 def chosen(decision):
-    return next(o for o in decision.options
-                if o.action is decision.action and o.target_id == decision.target_id)
+    return next(
+        o
+        for o in decision.options
+        if o.action is decision.action and o.target_id == decision.target_id
+    )
 
 
 def test_plan_never_promises_a_shared_link_at_full_speed() -> None:
@@ -52,8 +60,7 @@ def test_plan_never_promises_a_shared_link_at_full_speed() -> None:
         path = topology.path_links(decision.source_id, decision.target_id)
         if option.transfer_s == 0.0 or not path:
             continue
-        tokens = (8000 - decision.split_tokens if decision.action is not Action.RECOMPUTE
-                  else 8016)
+        tokens = 8000 - decision.split_tokens if decision.action is not Action.RECOMPUTE else 8016
         rtt_s = cost.network.rate_and_rtt(decision.source_id, decision.target_id, 0.0)[1]
         implied_bps = 8 * MODEL.kv_bytes(tokens) / (option.transfer_s - rtt_s)
         for link in path:
@@ -90,8 +97,9 @@ def test_work_is_spread_over_instances() -> None:
 def test_least_slack_first_gets_the_best_option() -> None:
     cost, view = cluster()
     relaxed = requests(3, deadline_s=1000.0)
-    urgent = RecoveryRequest("urgent", 8000, 16, "prefill-0",
-                             exclude_ids=frozenset({"decode-0"}), deadline_s=5.0)
+    urgent = RecoveryRequest(
+        "urgent", 8000, 16, "prefill-0", exclude_ids=frozenset({"decode-0"}), deadline_s=5.0
+    )
     plan = plan_batch([*relaxed, urgent], view, cost, 0.0, Kvrs(), migration_slots_free=1)
     by_id = {d.request_id: d for d in plan.decisions}
     assert [d.request_id for d in plan.decisions] == ["r0", "r1", "r2", "urgent"]
@@ -130,8 +138,14 @@ def test_empty_batch() -> None:
 def test_two_migrations_on_one_link_each_get_half_of_it() -> None:
     cost, view = cluster()
     uplink = ("node-up", "n0")
-    plan = plan_batch(requests(2), view, cost, 0.0, make_recovery_policy("always_migrate"),
-                      migration_slots_free=32)
+    plan = plan_batch(
+        requests(2),
+        view,
+        cost,
+        0.0,
+        make_recovery_policy("always_migrate"),
+        migration_slots_free=32,
+    )
     assert [d.action for d in plan.decisions] == [Action.MIGRATE, Action.MIGRATE]
     topology = cost.network.topology
     for decision in plan.decisions:
@@ -143,4 +157,5 @@ def test_two_migrations_on_one_link_each_get_half_of_it() -> None:
     alone = make_recovery_policy("always_migrate").decide(requests(1)[0], view, cost, 0.0)
     rtt_s = topology.base_rtt_s(alone.source_id, alone.target_id)
     assert 8 * MODEL.kv_bytes(8000) / (chosen(alone).transfer_s - rtt_s) == pytest.approx(
-        topology.link_capacity_bps(uplink))
+        topology.link_capacity_bps(uplink)
+    )

@@ -23,8 +23,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def kvrs_cost(*flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvrs", "cost", *flags], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvrs", "cost", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_opt13b_1477_tokens_at_25_gbps() -> None:
@@ -42,15 +47,36 @@ def test_opt13b_1477_tokens_at_25_gbps() -> None:
 
 
 def test_matches_the_kvrs_policy_in_process() -> None:
-    result = kvrs_cost("--model", "llama3-70b", "--prompt-tokens", "3000",
-                       "--generated-tokens", "40", "--bandwidth-gbps", "10", "--rtt-ms", "2",
-                       "--decode-wait-s", "0.05", "--prefill-wait-s", "0.2")
+    result = kvrs_cost(
+        "--model",
+        "llama3-70b",
+        "--prompt-tokens",
+        "3000",
+        "--generated-tokens",
+        "40",
+        "--bandwidth-gbps",
+        "10",
+        "--rtt-ms",
+        "2",
+        "--decode-wait-s",
+        "0.05",
+        "--prefill-wait-s",
+        "0.2",
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    cost = CostModel(model_spec("llama3-70b"), compute_profile("llama3-70b"),
-                     NetworkModel(two_instance_topology(10e9, 2e-3)))
-    view = ClusterView({PREFILL_ID: InstanceState(PREFILL_ID, Role.PREFILL, wait_s=0.2),
-                        DECODE_ID: InstanceState(DECODE_ID, Role.DECODE, wait_s=0.05)}, 0.0)
+    cost = CostModel(
+        model_spec("llama3-70b"),
+        compute_profile("llama3-70b"),
+        NetworkModel(two_instance_topology(10e9, 2e-3)),
+    )
+    view = ClusterView(
+        {
+            PREFILL_ID: InstanceState(PREFILL_ID, Role.PREFILL, wait_s=0.2),
+            DECODE_ID: InstanceState(DECODE_ID, Role.DECODE, wait_s=0.05),
+        },
+        0.0,
+    )
     decision = Kvrs().decide(RecoveryRequest("x", 3000, 40, PREFILL_ID), view, cost, 0.0)
     by_action = {o.action.value: o.cost_s for o in decision.options}
     assert report["migrate_s"] == pytest.approx(by_action["migrate"])
@@ -60,23 +86,41 @@ def test_matches_the_kvrs_policy_in_process() -> None:
     assert report["rtt_s"] == pytest.approx(2e-3)
     # migrate = W(d) + rtt + 8·S(L)/B + T_ext(L, g)
     assert report["migrate_s"] == pytest.approx(
-        0.05 + 2e-3 + 8 * 327_680 * 3000 / 10e9 + compute_profile("llama3-70b").extend_s(3000, 40))
+        0.05 + 2e-3 + 8 * 327_680 * 3000 / 10e9 + compute_profile("llama3-70b").extend_s(3000, 40)
+    )
 
 
 def test_deadline_and_infeasible_migration() -> None:
-    late = kvrs_cost("--model", "opt-13b", "--prompt-tokens", "1477", "--bandwidth-gbps", "25",
-                     "--deadline-s", "0.01")
+    late = kvrs_cost(
+        "--model",
+        "opt-13b",
+        "--prompt-tokens",
+        "1477",
+        "--bandwidth-gbps",
+        "25",
+        "--deadline-s",
+        "0.01",
+    )
     assert json.loads(late.stdout)["decision"] == "abort"
-    lost = kvrs_cost("--model", "opt-13b", "--prompt-tokens", "1477", "--bandwidth-gbps", "25",
-                     "--source-kv-lost")
+    lost = kvrs_cost(
+        "--model",
+        "opt-13b",
+        "--prompt-tokens",
+        "1477",
+        "--bandwidth-gbps",
+        "25",
+        "--source-kv-lost",
+    )
     report = json.loads(lost.stdout)
     assert report["decision"] == "recompute"
     assert report["migrate_s"] is None
 
 
 def test_fast_link_ties_to_migrate(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["cost", "--model", "opt-13b", "--prompt-tokens", "512", "--bandwidth-gbps",
-                 "3600"]) == 0
+    assert (
+        main(["cost", "--model", "opt-13b", "--prompt-tokens", "512", "--bandwidth-gbps", "3600"])
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["hybrid_split_tokens"] == 0
     assert report["decision"] == "migrate"
@@ -86,20 +130,55 @@ def test_calibrated_profile_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
     profile = ComputeProfile.fit("opt-13b", [(128, 0.03), (1024, 0.2), (4096, 1.0)])
     path = tmp_path / "profile.json"
     profile.save(path)
-    assert main(["cost", "--model", "opt-13b", "--prompt-tokens", "1024", "--bandwidth-gbps",
-                 "1", "--profile", str(path)]) == 0
+    assert (
+        main(
+            [
+                "cost",
+                "--model",
+                "opt-13b",
+                "--prompt-tokens",
+                "1024",
+                "--bandwidth-gbps",
+                "1",
+                "--profile",
+                str(path),
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["prefill_s"] == pytest.approx(0.2)
 
 
-@pytest.mark.parametrize(("flags", "named"), [
-    (["--model", "gpt-9", "--prompt-tokens", "10", "--bandwidth-gbps", "1"], "--model"),
-    (["--model", "opt-13b", "--prompt-tokens", "-3", "--bandwidth-gbps", "1"], "--prompt-tokens"),
-    (["--model", "opt-13b", "--prompt-tokens", "3", "--bandwidth-gbps", "0"], "--bandwidth-gbps"),
-    (["--model", "opt-13b", "--prompt-tokens", "3", "--bandwidth-gbps", "1",
-      "--generated-tokens", "-1"], "--generated-tokens"),
-])
-def test_bad_flags_are_named(flags: list[str], named: str,
-                             capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--model", "gpt-9", "--prompt-tokens", "10", "--bandwidth-gbps", "1"], "--model"),
+        (
+            ["--model", "opt-13b", "--prompt-tokens", "-3", "--bandwidth-gbps", "1"],
+            "--prompt-tokens",
+        ),
+        (
+            ["--model", "opt-13b", "--prompt-tokens", "3", "--bandwidth-gbps", "0"],
+            "--bandwidth-gbps",
+        ),
+        (
+            [
+                "--model",
+                "opt-13b",
+                "--prompt-tokens",
+                "3",
+                "--bandwidth-gbps",
+                "1",
+                "--generated-tokens",
+                "-1",
+            ],
+            "--generated-tokens",
+        ),
+    ],
+)
+def test_bad_flags_are_named(
+    flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["cost", *flags]) == 2
     captured = capsys.readouterr()
     assert named in captured.err

@@ -60,7 +60,6 @@ def test_cost_model_glues_model_profile_and_network() -> None:
     assert cost.kv_bits_per_token == 8 * 819_200
     estimate = cost.transfer("prefill-0", "decode-1", 1477, 0.0)
     assert estimate.kv_bytes == cost.kv_bytes(1477)
-    assert estimate.transfer_s == pytest.approx(
-        estimate.rtt_s + 8 * cost.kv_bytes(1477) / 400e9)
+    assert estimate.transfer_s == pytest.approx(estimate.rtt_s + 8 * cost.kv_bytes(1477) / 400e9)
     assert cost.prefill_s(512) == compute_profile("opt-13b").prefill_s(512)
     assert cost.extend_s(512, 8) == compute_profile("opt-13b").extend_s(512, 8)

@@ -31,14 +31,27 @@ DOT_ENV = ROOT / "deploy" / ".env"
 CONFIGURATION_DOC = ROOT / "docs" / "configuration.md"
 
 KVRS_SERVICES = {
-    "gossip", "slot-broker", "cost-oracle", "prober", "scheduler-1", "scheduler-2", "router",
-    "openai-http", "prefill-0", "prefill-1", "decode-0", "decode-1",
+    "gossip",
+    "slot-broker",
+    "cost-oracle",
+    "prober",
+    "scheduler-1",
+    "scheduler-2",
+    "router",
+    "openai-http",
+    "prefill-0",
+    "prefill-1",
+    "decode-0",
+    "decode-1",
 }
 HTTP_SERVICES = {"openai-http"}
 # Read outside the Config classes: by setup_tracing / configure_logging / Python itself.
 PROCESS_ENV = {
-    "OTEL_SERVICE_NAME", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_INSECURE",
-    "KVRS_LOG_LEVEL", "PYTHONUNBUFFERED",
+    "OTEL_SERVICE_NAME",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_INSECURE",
+    "KVRS_LOG_LEVEL",
+    "PYTHONUNBUFFERED",
 }
 
 

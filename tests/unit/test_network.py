@@ -157,8 +157,12 @@ def test_two_models_never_share_a_version_so_cached_paths_never_mix():
     request = PlacementRequest("r", prefill, prompt_tokens=4096)
     spec = model_spec("llama3-8b")
     picks = [
-        NetKv().select(request, view.decode_instances(),
-                       CostModel(spec, compute_profile("llama3-8b"), network), 0.0)
+        NetKv().select(
+            request,
+            view.decode_instances(),
+            CostModel(spec, compute_profile("llama3-8b"), network),
+            0.0,
+        )
         for network in (slow, fast)
     ]
     assert picks[0].transfer.transfer_s > 50 * picks[1].transfer.transfer_s

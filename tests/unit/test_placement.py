@@ -49,14 +49,19 @@ def near_far_topology() -> Topology:
 def brute_force_netkv(request, candidates, cost, now_s):
     best = None
     for state in candidates:
-        hit = prefix_hit_tokens(request.prefix_hashes, state.resident_blocks,
-                                MODEL.block_tokens, request.prompt_tokens)
+        hit = prefix_hit_tokens(
+            request.prefix_hashes, state.resident_blocks, MODEL.block_tokens, request.prompt_tokens
+        )
         need = request.prompt_tokens - hit
         if state.free_kv_tokens < need:
             continue
         transfer = cost.transfer(request.prefill_id, state.instance_id, need, now_s)
-        key = (transfer.transfer_s + state.wait_s, transfer.tier, state.running_requests,
-               state.instance_id)
+        key = (
+            transfer.transfer_s + state.wait_s,
+            transfer.tier,
+            state.running_requests,
+            state.instance_id,
+        )
         if best is None or key < best:
             best = key
     return best
@@ -64,8 +69,12 @@ def brute_force_netkv(request, candidates, cost, now_s):
 
 def test_netkv_prefers_near_instance_when_far_path_is_congested() -> None:
     cost = cost_model(near_far_topology())
-    candidates = InstanceList([InstanceState("near", Role.DECODE, wait_s=0.010),
-                               InstanceState("far", Role.DECODE, wait_s=0.005)])
+    candidates = InstanceList(
+        [
+            InstanceState("near", Role.DECODE, wait_s=0.010),
+            InstanceState("far", Role.DECODE, wait_s=0.005),
+        ]
+    )
     request = PlacementRequest("r1", "p", prompt_tokens=4096)
     # Idle network: equal bandwidth everywhere, so the shorter queue wins.
     assert NetKv().select(request, candidates, cost, 0.0).instance_id == "far"
@@ -100,7 +109,10 @@ def test_placement_reports_netkv_terms() -> None:
     gbps=st.sampled_from([1.0, 25.0, 400.0]),
 )
 def test_netkv_picks_the_same_as_cache_load_when_all_paths_are_equal(
-    waits: list[int], hit_blocks: list[int], prompt_blocks: int, gbps: float,
+    waits: list[int],
+    hit_blocks: list[int],
+    prompt_blocks: int,
+    gbps: float,
 ) -> None:
     topology = Topology(uniform_tiers(gbps), setup_latency_s=0.0)
     topology.add_instance(InstanceSpec("p", Role.PREFILL, Location("np", "rp", "pp")))
@@ -109,16 +121,21 @@ def test_netkv_picks_the_same_as_cache_load_when_all_paths_are_equal(
     for i, wait in enumerate(waits):
         topology.add_instance(InstanceSpec(f"d{i}", Role.DECODE, Location(f"n{i}", f"r{i}")))
         resident = frozenset(hashes[: hit_blocks[i]])
-        candidates.append(InstanceState(f"d{i}", Role.DECODE, wait_s=wait * 0.01,
-                                        resident_blocks=resident))
+        candidates.append(
+            InstanceState(f"d{i}", Role.DECODE, wait_s=wait * 0.01, resident_blocks=resident)
+        )
     cost = cost_model(topology)
     prompt_tokens = prompt_blocks * MODEL.block_tokens
     request = PlacementRequest("r", "p", prompt_tokens, hashes)
     netkv = NetKv().select(request, candidates, cost, 0.0)
     # Network-blind, without prefixes: the queue decides for both.
     blind = CacheLoad().select(PlacementRequest("r", "p", prompt_tokens), candidates, cost, 0.0)
-    assert blind.instance_id == NetKv().select(
-        PlacementRequest("r", "p", prompt_tokens), candidates, cost, 0.0).instance_id
+    assert (
+        blind.instance_id
+        == NetKv()
+        .select(PlacementRequest("r", "p", prompt_tokens), candidates, cost, 0.0)
+        .instance_id
+    )
     # Tuned to the (uniform) network, cache_load ranks exactly as netkv.
     tuned = CacheLoad(cache_weight=8 * MODEL.kv_bytes(prompt_tokens) / (gbps * 1e9))
     assert tuned.select(request, candidates, cost, 0.0).instance_id == netkv.instance_id
@@ -127,18 +144,22 @@ def test_netkv_picks_the_same_as_cache_load_when_all_paths_are_equal(
 @pytest.mark.parametrize("n", [NUMPY_MIN_CANDIDATES - 12, NUMPY_MIN_CANDIDATES + 300])
 def test_netkv_matches_brute_force(n: int) -> None:
     rng = random.Random(n)
-    topology = Topology.fat_tree(nodes=n // 2 + 1, gpus_per_node=4, nodes_per_rack=4,
-                                 racks_per_pod=4)
+    topology = Topology.fat_tree(
+        nodes=n // 2 + 1, gpus_per_node=4, nodes_per_rack=4, racks_per_pod=4
+    )
     cost = cost_model(topology)
-    cost.network.set_flows({("rack-up", "r0"): 2, ("node-down", "n5"): 7,
-                            ("pod-down", "p1"): 1})
+    cost.network.set_flows({("rack-up", "r0"): 2, ("node-down", "n5"): 7, ("pod-down", "p1"): 1})
     decode_ids = sorted(i for i, s in topology.instances.items() if s.role is Role.DECODE)[:n]
     hashes = tuple(rng.getrandbits(60) for _ in range(6))
     states = {
-        d: InstanceState(d, Role.DECODE, wait_s=rng.choice([0.0, 0.01, 0.02, 0.5]),
-                         running_requests=rng.randrange(4),
-                         free_kv_tokens=rng.choice([10**6, 10**6, 1000]),
-                         resident_blocks=frozenset(hashes[: rng.choice([0, 0, 1, 3, 6])]))
+        d: InstanceState(
+            d,
+            Role.DECODE,
+            wait_s=rng.choice([0.0, 0.01, 0.02, 0.5]),
+            running_requests=rng.randrange(4),
+            free_kv_tokens=rng.choice([10**6, 10**6, 1000]),
+            resident_blocks=frozenset(hashes[: rng.choice([0, 0, 1, 3, 6])]),
+        )
         for d in decode_ids
     }
     view = ClusterView(states, now_s=0.0)
@@ -162,9 +183,11 @@ def test_ties_go_to_lower_tier_then_fewer_running_then_id() -> None:
     topology.add_instance(InstanceSpec("c-rack", Role.DECODE, Location("n3", "r0", "p0")))
     cost = cost_model(topology)
     request = PlacementRequest("r", "p", 1000)
-    candidates = [InstanceState("a-pod", Role.DECODE), InstanceState("b-rack", Role.DECODE,
-                                                                      running_requests=2),
-                  InstanceState("c-rack", Role.DECODE, running_requests=1)]
+    candidates = [
+        InstanceState("a-pod", Role.DECODE),
+        InstanceState("b-rack", Role.DECODE, running_requests=2),
+        InstanceState("c-rack", Role.DECODE, running_requests=1),
+    ]
     placement = NetKv().select(request, candidates, cost, 0.0)
     assert placement.instance_id == "c-rack"
     assert placement.runner_up is not None and placement.runner_up.instance_id == "b-rack"
@@ -175,23 +198,26 @@ def test_ties_go_to_lower_tier_then_fewer_running_then_id() -> None:
 def test_prefix_hits_shrink_the_transfer() -> None:
     cost = cost_model(near_far_topology())
     hashes = (11, 22, 33)
-    candidates = [InstanceState("near", Role.DECODE, wait_s=0.001),
-                  InstanceState("far", Role.DECODE, resident_blocks=frozenset({11, 22}))]
+    candidates = [
+        InstanceState("near", Role.DECODE, wait_s=0.001),
+        InstanceState("far", Role.DECODE, resident_blocks=frozenset({11, 22})),
+    ]
     request = PlacementRequest("r", "p", 3 * 512, hashes)
     placement = NetKv().select(request, candidates, cost, 0.0)
     assert placement.instance_id == "far"
     assert placement.prefix_hit_tokens == 1024
     assert placement.kv_bytes == MODEL.kv_bytes(512)
-    full = [InstanceState("near", Role.DECODE, wait_s=0.001,
-                          resident_blocks=frozenset(hashes))]
+    full = [InstanceState("near", Role.DECODE, wait_s=0.001, resident_blocks=frozenset(hashes))]
     assert NetKv().select(request, full, cost, 0.0).predicted_ttft_s == pytest.approx(0.001)
 
 
 def test_memory_skips_and_exhaustion() -> None:
     cost = cost_model(near_far_topology())
     request = PlacementRequest("r", "p", 2000)
-    candidates = [InstanceState("near", Role.DECODE, free_kv_tokens=1999),
-                  InstanceState("far", Role.DECODE, wait_s=9.0, free_kv_tokens=2000)]
+    candidates = [
+        InstanceState("near", Role.DECODE, free_kv_tokens=1999),
+        InstanceState("far", Role.DECODE, wait_s=9.0, free_kv_tokens=2000),
+    ]
     for name in PLACEMENT_POLICY_NAMES:
         policy = make_placement_policy(name)
         assert policy.select(request, candidates, cost, 0.0).instance_id == "far"
@@ -204,19 +230,23 @@ def test_memory_skips_and_exhaustion() -> None:
 def test_round_robin_cycles_and_least_loaded_counts_requests() -> None:
     cost = cost_model(near_far_topology())
     request = PlacementRequest("r", "p", 10)
-    candidates = [InstanceState("near", Role.DECODE, queue_depth=3),
-                  InstanceState("far", Role.DECODE, running_requests=1, wait_s=5.0)]
+    candidates = [
+        InstanceState("near", Role.DECODE, queue_depth=3),
+        InstanceState("far", Role.DECODE, running_requests=1, wait_s=5.0),
+    ]
     policy = RoundRobin()
     assert [policy.select(request, candidates, cost, 0.0).instance_id for _ in range(3)] == [
-        "near", "far", "near"]
+        "near",
+        "far",
+        "near",
+    ]
     least = make_placement_policy("least_loaded").select(request, candidates, cost, 0.0)
     assert least.instance_id == "far"
 
 
 def test_score_candidates_lists_feasible_best_first() -> None:
     cost = cost_model(near_far_topology())
-    candidates = [InstanceState("near", Role.DECODE, wait_s=0.5),
-                  InstanceState("far", Role.DECODE)]
+    candidates = [InstanceState("near", Role.DECODE, wait_s=0.5), InstanceState("far", Role.DECODE)]
     scores = score_candidates(PlacementRequest("r", "p", 100), candidates, cost, 0.0)
     assert [s.instance_id for s in scores] == ["far", "near"]
     assert scores[1].score_s == pytest.approx(scores[1].transfer_s + 0.5)
@@ -234,18 +264,25 @@ def test_bad_inputs_name_the_field() -> None:
     assert info.value.field == "policy"
     cost = cost_model(near_far_topology())
     with pytest.raises(NotFound) as info:
-        NetKv().select(PlacementRequest("r", "ghost", 10),
-                       [InstanceState("near", Role.DECODE)], cost, 0.0)
+        NetKv().select(
+            PlacementRequest("r", "ghost", 10), [InstanceState("near", Role.DECODE)], cost, 0.0
+        )
     assert info.value.field == "instance_id"
     with pytest.raises(NotFound):
-        NetKv().select(PlacementRequest("r", "p", 10),
-                       [InstanceState("ghost", Role.DECODE)], cost, 0.0)
+        NetKv().select(
+            PlacementRequest("r", "p", 10), [InstanceState("ghost", Role.DECODE)], cost, 0.0
+        )
 
 
 def test_columns_follow_network_changes() -> None:
     cost = cost_model(near_far_topology())
-    view = ClusterView({"near": InstanceState("near", Role.DECODE, wait_s=0.010),
-                        "far": InstanceState("far", Role.DECODE, wait_s=0.005)}, now_s=0.0)
+    view = ClusterView(
+        {
+            "near": InstanceState("near", Role.DECODE, wait_s=0.010),
+            "far": InstanceState("far", Role.DECODE, wait_s=0.005),
+        },
+        now_s=0.0,
+    )
     request = PlacementRequest("r", "p", 4096)
     assert NetKv().select(request, view.decode_instances(), cost, 0.0).instance_id == "far"
     cost.network.set_flows({("rack-up", "r0"): 3})

@@ -16,8 +16,15 @@ from kvrs.profile import (
 
 OPT13B = compute_profile("opt-13b")
 # A noisy measured table: the 1024-token point is *below* the 512-token one.
-NOISY_TABLE = ((16, 0.018), (128, 0.029), (512, 0.066), (1024, 0.060), (2048, 0.240),
-               (4096, 0.520), (8192, 1.250))
+NOISY_TABLE = (
+    (16, 0.018),
+    (128, 0.029),
+    (512, 0.066),
+    (1024, 0.060),
+    (2048, 0.240),
+    (4096, 0.520),
+    (8192, 1.250),
+)
 
 
 def test_distserve_prefill_512() -> None:
@@ -74,8 +81,12 @@ def test_extrapolation_is_quadratic_not_flat_at_100k() -> None:
     assert at_100k > 10 * last
     # A quadratic more than doubles when L doubles (a linear model would exactly double).
     assert at_100k - last > 2.0 * (at_50k - last)
-    fit_only = ComputeProfile("noisy", a_s=profile.a_s, b_s_per_token=profile.b_s_per_token,
-                              c_s_per_token2=profile.c_s_per_token2)
+    fit_only = ComputeProfile(
+        "noisy",
+        a_s=profile.a_s,
+        b_s_per_token=profile.b_s_per_token,
+        c_s_per_token2=profile.c_s_per_token2,
+    )
     assert at_100k == pytest.approx(last + fit_only.fit_s(100_000) - fit_only.fit_s(8192))
 
 
@@ -89,8 +100,9 @@ def test_extend_matches_prefill_from_zero_and_grows() -> None:
 
 def test_extend_fit_formula() -> None:
     l0, g = 1000, 50
-    expected = (OPT13B.a_s + OPT13B.b_s_per_token * g
-                + OPT13B.c_s_per_token2 * ((l0 + g) ** 2 - l0**2))
+    expected = (
+        OPT13B.a_s + OPT13B.b_s_per_token * g + OPT13B.c_s_per_token2 * ((l0 + g) ** 2 - l0**2)
+    )
     assert OPT13B.extend_s(l0, g) == pytest.approx(expected)
 
 

@@ -31,19 +31,22 @@ from kvrs.topology import InstanceSpec, Location, Role, Tier, TierSpec, Topology
 MODEL = model_spec("opt-13b")
 PROFILE = compute_profile("opt-13b")
 TABLE_PROFILE = ComputeProfile.fit(
-    "opt-13b", [(n, PROFILE.fit_s(n) * 1.05) for n in (64, 256, 1024, 4096, 16384)])
+    "opt-13b", [(n, PROFILE.fit_s(n) * 1.05) for n in (64, 256, 1024, 4096, 16384)]
+)
 
 
-def two_node_cluster(gbps: float, profile: ComputeProfile = PROFILE,
-                     rtt_s: float = 0.0) -> CostModel:
+def two_node_cluster(
+    gbps: float, profile: ComputeProfile = PROFILE, rtt_s: float = 0.0
+) -> CostModel:
     """p0 and d0 on node n0; p1 and d1 on node n1, same rack; rack links at `gbps`."""
     tiers = {tier: TierSpec(capacity_bps=gbps * 1e9, hop_latency_s=0.0) for tier in Tier}
     tiers[Tier.NODE] = TierSpec(capacity_bps=3600e9, hop_latency_s=0.0)
     topology = Topology(tiers, setup_latency_s=rtt_s)
     for node in (0, 1):
         topology.add_instance(InstanceSpec(f"p{node}", Role.PREFILL, Location(f"n{node}", "r0")))
-        topology.add_instance(InstanceSpec(f"d{node}", Role.DECODE,
-                                           Location(f"n{node}", "r0", gpu_index=1)))
+        topology.add_instance(
+            InstanceSpec(f"d{node}", Role.DECODE, Location(f"n{node}", "r0", gpu_index=1))
+        )
     return CostModel(MODEL, profile, NetworkModel(topology))
 
 
@@ -73,13 +76,16 @@ def test_option_formulas() -> None:
     # p1 sits next to d1 (NVLink) and waits less: the cheapest recompute.
     assert (recompute.source_id, recompute.target_id) == ("p1", "d1")
     assert recompute.cost_s == pytest.approx(
-        0.01 + PROFILE.prefill_s(1507) + cost.transfer("p1", "d1", 1507, 0.0).transfer_s)
+        0.01 + PROFILE.prefill_s(1507) + cost.transfer("p1", "d1", 1507, 0.0).transfer_s
+    )
     hybrid = option(decision, Action.HYBRID)
     k = hybrid.split_tokens
     assert 0 < k < 1477
-    assert hybrid.cost_s == pytest.approx(0.2 + max(
-        PROFILE.prefill_s(k), cost.transfer("p0", "d1", 1477 - k, 0.0).transfer_s)
-        + PROFILE.extend_s(1477, 30))
+    assert hybrid.cost_s == pytest.approx(
+        0.2
+        + max(PROFILE.prefill_s(k), cost.transfer("p0", "d1", 1477 - k, 0.0).transfer_s)
+        + PROFILE.extend_s(1477, 30)
+    )
     assert decision.cost_s == min(o.cost_s for o in decision.options)
     assert decision.slack_s == float("inf")
     assert decision.runner_up is not None and decision.runner_up.action is not decision.action
@@ -95,7 +101,8 @@ def test_tie_goes_to_migrate() -> None:
     view = view_of(d0=1.0, p0=1.0 - PROFILE.prefill_s(2000), p1=5.0)
     decision = Kvrs().decide(request, view, cost, 0.0)
     assert option(decision, Action.RECOMPUTE).cost_s == pytest.approx(
-        option(decision, Action.MIGRATE).cost_s, abs=1e-12)
+        option(decision, Action.MIGRATE).cost_s, abs=1e-12
+    )
     assert option(decision, Action.HYBRID).cost_s == option(decision, Action.MIGRATE).cost_s
     assert decision.action is Action.MIGRATE
     assert decision.cost_s == pytest.approx(1.0 + migrate_transfer)
@@ -127,7 +134,11 @@ def test_abort_when_cheapest_misses_deadline() -> None:
     tabled=st.booleans(),
 )
 def test_hybrid_never_worse_than_migrate_or_recompute(
-    prompt_tokens: int, gbps: float, rtt_ms: float, generated: int, tabled: bool,
+    prompt_tokens: int,
+    gbps: float,
+    rtt_ms: float,
+    generated: int,
+    tabled: bool,
 ) -> None:
     profile = TABLE_PROFILE if tabled else PROFILE
     cost = two_node_cluster(gbps, profile, rtt_s=rtt_ms * 1e-3)
@@ -140,8 +151,7 @@ def test_hybrid_never_worse_than_migrate_or_recompute(
     assert term == pytest.approx(max(profile.prefill_s(k), moved))
     # The decision: HYBRID to a target never costs more than MIGRATE to it, and the
     # chosen option is the cheapest of all.
-    request = RecoveryRequest("r", prompt_tokens, generated, "p0",
-                              exclude_ids=frozenset({"d0"}))
+    request = RecoveryRequest("r", prompt_tokens, generated, "p0", exclude_ids=frozenset({"d0"}))
     decision = Kvrs().decide(request, view_of(), cost, 0.0)
     hybrid, migrate = option(decision, Action.HYBRID), option(decision, Action.MIGRATE)
     recompute = option(decision, Action.RECOMPUTE)
@@ -158,9 +168,12 @@ def test_split_is_optimal_by_brute_force(profile: ComputeProfile) -> None:
         for prompt_tokens in (1, 7, 300, 1477):
             k, term = hybrid_split(cost, "p0", "d1", prompt_tokens, 0.0)
             best = min(
-                max(profile.prefill_s(j), cost.transfer("p0", "d1", prompt_tokens - j,
-                                                        0.0).transfer_s)
-                for j in range(prompt_tokens + 1))
+                max(
+                    profile.prefill_s(j),
+                    cost.transfer("p0", "d1", prompt_tokens - j, 0.0).transfer_s,
+                )
+                for j in range(prompt_tokens + 1)
+            )
             assert term == pytest.approx(best, rel=1e-12)
 
 
@@ -196,11 +209,11 @@ def test_migration_impossible_falls_back_to_recompute(blocker: str) -> None:
     if blocker == "kv_lost":
         request = replace(request, source_kv_available=False)
     if blocker == "source_dead":
-        view = ClusterView({**view.instances,
-                            "p0": InstanceState("p0", Role.PREFILL, alive=False)}, 0.0)
+        view = ClusterView(
+            {**view.instances, "p0": InstanceState("p0", Role.PREFILL, alive=False)}, 0.0
+        )
     for policy in (Kvrs(), Rom(), AlwaysMigrate()):
-        decision = policy.decide(request, view, cost, 0.0,
-                                 migration_slot_free=blocker != "no_slot")
+        decision = policy.decide(request, view, cost, 0.0, migration_slot_free=blocker != "no_slot")
         assert decision.action is Action.RECOMPUTE, policy.name
         if blocker == "source_dead":
             assert decision.source_id == "p1"
@@ -211,8 +224,13 @@ def test_migration_impossible_falls_back_to_recompute(blocker: str) -> None:
 
 def test_no_feasible_option_aborts() -> None:
     cost = two_node_cluster(25.0)
-    view = ClusterView({"p0": InstanceState("p0", Role.PREFILL, alive=False),
-                        "d1": InstanceState("d1", Role.DECODE)}, 0.0)
+    view = ClusterView(
+        {
+            "p0": InstanceState("p0", Role.PREFILL, alive=False),
+            "d1": InstanceState("d1", Role.DECODE),
+        },
+        0.0,
+    )
     request = RecoveryRequest("r", 100, 0, "p0", source_kv_available=False)
     for name in RECOVERY_POLICY_NAMES:
         decision = make_recovery_policy(name).decide(request, view, cost, 0.0)
@@ -264,18 +282,27 @@ def test_extra_wait_and_flows_shift_the_choice() -> None:
     busy = Kvrs().decide(request, view_of(d1=0.001), cost, 0.0, extra_wait_s={"d0": 5.0})
     assert busy.target_id == "d1"
     flows = {("node-up", "n0"): 3}
-    shared = Kvrs().decide(request, view_of(), cost, 0.0, extra_flows=flows,
-                           extra_wait_s={"d0": 5.0})
+    shared = Kvrs().decide(
+        request, view_of(), cost, 0.0, extra_flows=flows, extra_wait_s={"d0": 5.0}
+    )
     assert option(shared, Action.MIGRATE).transfer_s == pytest.approx(
-        4 * option(busy, Action.MIGRATE).transfer_s)
+        4 * option(busy, Action.MIGRATE).transfer_s
+    )
 
 
 def test_bad_inputs_name_the_field() -> None:
-    for kwargs, field in (({"prompt_tokens": -1}, "prompt_tokens"),
-                          ({"generated_tokens": -2}, "generated_tokens"),
-                          ({"source_prefill_id": ""}, "source_prefill_id")):
-        args = {"request_id": "r", "prompt_tokens": 10, "generated_tokens": 0,
-                "source_prefill_id": "p0", **kwargs}
+    for kwargs, field in (
+        ({"prompt_tokens": -1}, "prompt_tokens"),
+        ({"generated_tokens": -2}, "generated_tokens"),
+        ({"source_prefill_id": ""}, "source_prefill_id"),
+    ):
+        args = {
+            "request_id": "r",
+            "prompt_tokens": 10,
+            "generated_tokens": 0,
+            "source_prefill_id": "p0",
+            **kwargs,
+        }
         with pytest.raises(InvalidArgument) as info:
             RecoveryRequest(**args)
         assert info.value.field == field
@@ -287,8 +314,12 @@ def test_bad_inputs_name_the_field() -> None:
         Kvrs().decide(RecoveryRequest("r", 10, 0, "ghost"), view_of(), cost, 0.0)
     assert not_found.value.field == "instance_id"
     with pytest.raises(FailedPrecondition):
-        Kvrs().decide(RecoveryRequest("r", 10, 0, "p0", exclude_ids=frozenset({"d0", "d1"})),
-                      view_of(), cost, 0.0)
+        Kvrs().decide(
+            RecoveryRequest("r", 10, 0, "p0", exclude_ids=frozenset({"d0", "d1"})),
+            view_of(),
+            cost,
+            0.0,
+        )
     with pytest.raises(InvalidArgument):
         hybrid_split(cost, "p0", "d1", -1, 0.0)
 
@@ -301,15 +332,25 @@ def test_bad_inputs_name_the_field() -> None:
     planned=st.booleans(),
 )
 def test_pruned_search_finds_the_exhaustive_optimum(
-    seed: int, model: str, prompt_tokens: int, planned: bool,
+    seed: int,
+    model: str,
+    prompt_tokens: int,
+    planned: bool,
 ) -> None:
     rng = random.Random(seed)
-    topology = Topology.fat_tree(nodes=4, gpus_per_node=4, nodes_per_rack=2, racks_per_pod=1,
-                                 setup_latency_s=rng.choice([0.0, 5e-3]))
+    topology = Topology.fat_tree(
+        nodes=4,
+        gpus_per_node=4,
+        nodes_per_rack=2,
+        racks_per_pod=1,
+        setup_latency_s=rng.choice([0.0, 5e-3]),
+    )
     cost = CostModel(model_spec(model), compute_profile(model), NetworkModel(topology))
     cost.network.set_flows({("node-up", "n0"): rng.randrange(4), ("rack-up", "r1"): 2})
-    states = {i: InstanceState(i, spec.role, wait_s=rng.uniform(0.0, 0.3))
-              for i, spec in topology.instances.items()}
+    states = {
+        i: InstanceState(i, spec.role, wait_s=rng.uniform(0.0, 0.3))
+        for i, spec in topology.instances.items()
+    }
     view = ClusterView(states, 0.0)
     flows = {("node-down", "n1"): rng.randrange(1, 5)} if planned else None
     waits = {"decode-1": 0.1, "prefill-2": 0.2} if planned else None
@@ -322,14 +363,20 @@ def test_pruned_search_finds_the_exhaustive_optimum(
     ext_s = cost.extend_s(prompt_tokens, request.generated_tokens)
     decodes = [i for i, s in topology.instances.items() if s.role is Role.DECODE]
     prefills = [i for i, s in topology.instances.items() if s.role is Role.PREFILL]
-    migrate = min(wait(d) + cost.transfer("prefill-0", d, prompt_tokens, 0.0, flows).transfer_s
-                  + ext_s for d in decodes)
-    hybrid = min(wait(d) + hybrid_split(cost, "prefill-0", d, prompt_tokens, 0.0, flows)[1]
-                 + ext_s for d in decodes)
+    migrate = min(
+        wait(d) + cost.transfer("prefill-0", d, prompt_tokens, 0.0, flows).transfer_s + ext_s
+        for d in decodes
+    )
+    hybrid = min(
+        wait(d) + hybrid_split(cost, "prefill-0", d, prompt_tokens, 0.0, flows)[1] + ext_s
+        for d in decodes
+    )
     tokens = prompt_tokens + request.generated_tokens
-    recompute = min(wait(p) + cost.prefill_s(tokens)
-                    + cost.transfer(p, d, tokens, 0.0, flows).transfer_s
-                    for p in prefills for d in decodes)
+    recompute = min(
+        wait(p) + cost.prefill_s(tokens) + cost.transfer(p, d, tokens, 0.0, flows).transfer_s
+        for p in prefills
+        for d in decodes
+    )
     assert option(decision, Action.MIGRATE).cost_s == pytest.approx(migrate, rel=1e-9)
     assert option(decision, Action.HYBRID).cost_s == pytest.approx(hybrid, rel=1e-9)
     assert option(decision, Action.RECOMPUTE).cost_s == pytest.approx(recompute, rel=1e-9)

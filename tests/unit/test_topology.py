@@ -51,15 +51,22 @@ def test_tiers_from_yaml(topology: Topology) -> None:
 
 def test_paths_from_yaml(topology: Topology) -> None:
     assert topology.path_links("prefill-0", "decode-0") == (("nvlink", "n0"),)
-    assert topology.path_links("prefill-0", "decode-1") == (
-        ("node-up", "n0"), ("node-down", "n1"))
+    assert topology.path_links("prefill-0", "decode-1") == (("node-up", "n0"), ("node-down", "n1"))
     assert topology.path_links("prefill-0", "decode-2") == (
-        ("node-up", "n0"), ("rack-up", "r0"), ("rack-down", "r1"), ("node-down", "n2"))
+        ("node-up", "n0"),
+        ("rack-up", "r0"),
+        ("rack-down", "r1"),
+        ("node-down", "n2"),
+    )
     assert topology.path_links("prefill-0", "decode-3") == (
-        ("node-up", "n0"), ("rack-up", "r0"), ("pod-up", "p0"),
-        ("pod-down", "p1"), ("rack-down", "r2"), ("node-down", "n3"))
-    assert topology.path_links("decode-1", "prefill-0") == (
-        ("node-up", "n1"), ("node-down", "n0"))
+        ("node-up", "n0"),
+        ("rack-up", "r0"),
+        ("pod-up", "p0"),
+        ("pod-down", "p1"),
+        ("rack-down", "r2"),
+        ("node-down", "n3"),
+    )
+    assert topology.path_links("decode-1", "prefill-0") == (("node-up", "n1"), ("node-down", "n0"))
 
 
 def test_capacities_and_overrides(topology: Topology) -> None:
@@ -89,8 +96,9 @@ def test_runtime_instance_takes_rack_from_its_node(topology: Topology) -> None:
 
 
 def test_copy_keeps_paths_and_diverges_independently(topology: Topology) -> None:
-    paths = {(s, d): topology.path_links(s, d) for s in topology.instances
-             for d in topology.instances}
+    paths = {
+        (s, d): topology.path_links(s, d) for s in topology.instances for d in topology.instances
+    }
     twin = topology.copy()
     assert {pair: twin.path_links(*pair) for pair in paths} == paths
     assert (twin.version, twin.paths_version) == (topology.version, topology.paths_version)
@@ -128,14 +136,19 @@ def test_unknown_instance_is_not_found(topology: Topology) -> None:
     assert "ghost" in str(info.value)
 
 
-@pytest.mark.parametrize(("patch", "field"), [
-    ({"tiers": {"rack": {"capacity_gbps": "fast"}}}, "tiers.rack.capacity_gbps"),
-    ({"tiers": {"moon": {"capacity_gbps": 1}}}, "tiers.moon"),
-    ({"instances": [{"id": "x", "role": "router", "node": "n0"}]}, "instances[0].role"),
-    ({"instances": [{"id": "x", "role": "decode"}]}, "instances[0].node"),
-    ({"nodes": [{"name": "n0"}], "instances": [{"id": "x", "role": "decode", "node": "n9"}]},
-     "instances[0].node"),
-])
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"tiers": {"rack": {"capacity_gbps": "fast"}}}, "tiers.rack.capacity_gbps"),
+        ({"tiers": {"moon": {"capacity_gbps": 1}}}, "tiers.moon"),
+        ({"instances": [{"id": "x", "role": "router", "node": "n0"}]}, "instances[0].role"),
+        ({"instances": [{"id": "x", "role": "decode"}]}, "instances[0].node"),
+        (
+            {"nodes": [{"name": "n0"}], "instances": [{"id": "x", "role": "decode", "node": "n9"}]},
+            "instances[0].node",
+        ),
+    ],
+)
 def test_bad_yaml_names_the_field(patch: dict, field: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         Topology.from_dict(patch)

@@ -9,14 +9,26 @@ from typing import Any
 
 # name -> (module, function, one-line description); modules load only when run.
 EXPERIMENTS: dict[str, tuple[str, str, str]] = {
-    "netkv": ("kvrs.sim.experiments.netkv", "run_experiment",
-              "64-GPU fat-tree: placement policies under load, congestion, caps, staleness"),
-    "rom-crossover": ("kvrs.sim.experiments.rom", "run_crossover",
-                      "queue-depth crossover of local wait vs migration (Q* = 6.45)"),
-    "rom-goodput": ("kvrs.sim.experiments.rom", "run_goodput",
-                    "goodput under load skew: static, always-*, rom, kvrs"),
-    "recovery": ("kvrs.sim.experiments.recovery", "run_experiment",
-                 "HYBRID at the crossover; node failure: per-request rom vs batch plan"),
+    "netkv": (
+        "kvrs.sim.experiments.netkv",
+        "run_experiment",
+        "64-GPU fat-tree: placement policies under load, congestion, caps, staleness",
+    ),
+    "rom-crossover": (
+        "kvrs.sim.experiments.rom",
+        "run_crossover",
+        "queue-depth crossover of local wait vs migration (Q* = 6.45)",
+    ),
+    "rom-goodput": (
+        "kvrs.sim.experiments.rom",
+        "run_goodput",
+        "goodput under load skew: static, always-*, rom, kvrs",
+    ),
+    "recovery": (
+        "kvrs.sim.experiments.recovery",
+        "run_experiment",
+        "HYBRID at the crossover; node failure: per-request rom vs batch plan",
+    ),
 }
 
 

@@ -49,10 +49,12 @@ class Workload:
     source: str
     stats: TraceStats
 
-    def scaled(self, rate_scale: float = 1.0, context_cap: int | None = None,
-               cap_mode: str = "truncate") -> list[TraceRequest]:
-        requests = cap_context(self.requests, context_cap, cap_mode) if context_cap else \
-            self.requests
+    def scaled(
+        self, rate_scale: float = 1.0, context_cap: int | None = None, cap_mode: str = "truncate"
+    ) -> list[TraceRequest]:
+        requests = (
+            cap_context(self.requests, context_cap, cap_mode) if context_cap else self.requests
+        )
         return scale_arrivals(requests, rate_scale) if rate_scale != 1.0 else requests
 
 
@@ -68,8 +70,11 @@ def load_workload(spec: Mapping[str, Any]) -> Workload:
     path = SHARED_TRACE if trace == "shared" else (Path(trace) if trace else None)
     if path is not None and path.exists():
         requests = load_mooncake(path, limit=limit)
-        source = str(path.relative_to(REPO_ROOT.parent)) if path.is_relative_to(
-            REPO_ROOT.parent) else str(path)
+        source = (
+            str(path.relative_to(REPO_ROOT.parent))
+            if path.is_relative_to(REPO_ROOT.parent)
+            else str(path)
+        )
     else:
         if path is not None:
             log.warning("trace %s not found: using the synthetic generator", path)
@@ -85,14 +90,20 @@ def sim_config(overrides: Mapping[str, Any]) -> SimConfig:
     return SimConfig.from_dict(overrides)
 
 
-def run(config: SimConfig, requests: Sequence[TraceRequest], policy: PolicySpec | Mapping,
-        label: str = "", show_progress: bool = False) -> RunResult:
+def run(
+    config: SimConfig,
+    requests: Sequence[TraceRequest],
+    policy: PolicySpec | Mapping,
+    label: str = "",
+    show_progress: bool = False,
+) -> RunResult:
     """One simulated run, with a progress bar on stderr when asked."""
     spec = policy if isinstance(policy, PolicySpec) else PolicySpec.from_dict(policy)
     progress = Progress(len(requests), label or spec.name) if show_progress else None
     try:
-        return run_policy(config, requests, spec,
-                          on_request_done=progress.advance if progress else None)
+        return run_policy(
+            config, requests, spec, on_request_done=progress.advance if progress else None
+        )
     finally:
         if progress is not None:
             progress.close()
@@ -106,15 +117,24 @@ def attainment(records: Iterable[RequestRecord], slo: SloSpec) -> float:
 def brief(summary: RunSummary) -> dict[str, Any]:
     """The numbers of a run worth keeping in an experiment's JSON."""
     return {
-        "requests": summary.requests, "completed": summary.completed,
-        "aborted": summary.aborted, "lost": summary.lost,
-        "ttft_s": summary.ttft_s, "tbt_s": summary.tbt_s, "tpot_s": summary.tpot_s,
-        "transfer_s": summary.transfer_s, "slo_attainment": summary.slo_attainment,
-        "tier_share": summary.tier_share, "prefill_hit_ratio": summary.prefill_hit_ratio,
-        "decode_hit_ratio": summary.decode_hit_ratio, "recovery": summary.recovery,
+        "requests": summary.requests,
+        "completed": summary.completed,
+        "aborted": summary.aborted,
+        "lost": summary.lost,
+        "ttft_s": summary.ttft_s,
+        "tbt_s": summary.tbt_s,
+        "tpot_s": summary.tpot_s,
+        "transfer_s": summary.transfer_s,
+        "slo_attainment": summary.slo_attainment,
+        "tier_share": summary.tier_share,
+        "prefill_hit_ratio": summary.prefill_hit_ratio,
+        "decode_hit_ratio": summary.decode_hit_ratio,
+        "recovery": summary.recovery,
         "recovery_restore": summary.recovery_restore,
-        "aborted_by_reason": summary.aborted_by_reason, "wall_s": summary.wall_s,
-        "sim_time_s": summary.sim_time_s, "events": summary.events,
+        "aborted_by_reason": summary.aborted_by_reason,
+        "wall_s": summary.wall_s,
+        "sim_time_s": summary.sim_time_s,
+        "events": summary.events,
     }
 
 
@@ -156,8 +176,9 @@ class Output:
         path.write_text(text.rstrip() + "\n")
         return path
 
-    def figure(self, suffix: str, draw: Callable[[Any], None], size=(7.0, 4.0),
-               ncols: int | None = None) -> Path:
+    def figure(
+        self, suffix: str, draw: Callable[[Any], None], size=(7.0, 4.0), ncols: int | None = None
+    ) -> Path:
         """Draw with matplotlib's Agg backend (no display needed) and save a PNG.
 
         `draw` gets one axes, or a list of `ncols` axes side by side when ncols is given.

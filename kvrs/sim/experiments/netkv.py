@@ -30,8 +30,10 @@ from kvrs.sim.metrics import SloSpec
 
 DEFAULTS: dict[str, Any] = {
     "workload": {"trace": "shared", "limit": None, "synthetic": {"requests": 4000}},
-    "sim": {"slo": {"ttft_s": 10.0, "tbt_s": 0.1, "mode": "ttft+tbt"},
-            "telemetry": {"state_period_s": 0.1, "link_period_s": 1.0}},
+    "sim": {
+        "slo": {"ttft_s": 10.0, "tbt_s": 0.1, "mode": "ttft+tbt"},
+        "telemetry": {"state_period_s": 0.1, "link_period_s": 1.0},
+    },
     "policies": [
         {"name": "round_robin", "policy": "round_robin"},
         {"name": "cache_load", "policy": "cache_load"},
@@ -39,16 +41,25 @@ DEFAULTS: dict[str, Any] = {
         {"name": "netkv", "policy": "netkv", "network_view": "telemetry"},
         {"name": "kvrs", "policy": "netkv", "network_view": "live"},
     ],
-    "tuning": {"cache_weight": [0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6],
-               "load_weight": [0.5, 1.0, 2.0], "rate_scale": 1.0, "background": 0.0},
+    "tuning": {
+        "cache_weight": [0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6],
+        "load_weight": [0.5, 1.0, 2.0],
+        "rate_scale": 1.0,
+        "background": 0.0,
+    },
     "load_scales": [0.5, 1.0, 1.5, 2.0],
     "background_levels": [0.0, 0.3, 0.6],
     "context": {"caps": [8192, 32768, 131072, None], "rate_scale": 1.0, "background": 0.3},
-    "staleness": {"periods_s": [0.0, 0.1, 1.0, 10.0, math.inf], "rate_scale": 1.0,
-                  "background": 0.3, "layout": "segregated", "policies": ["netkv", "kvrs"]},
+    "staleness": {
+        "periods_s": [0.0, 0.1, 1.0, 10.0, math.inf],
+        "rate_scale": 1.0,
+        "background": 0.3,
+        "layout": "segregated",
+        "policies": ["netkv", "kvrs"],
+    },
     "segregated": {"rate_scales": [0.5, 1.0], "background_levels": [0.0, 0.3]},
     "ttft_slos_s": [2.0, 5.0, 10.0, 30.0],
-    "attainment_scenarios": [[1.0, 0.0], [1.0, 0.3], [2.0, 0.6]],   # (rate scale, background)
+    "attainment_scenarios": [[1.0, 0.0], [1.0, 0.3], [2.0, 0.6]],  # (rate scale, background)
 }
 
 
@@ -71,12 +82,17 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
 
     def one(name: str, scenario: dict[str, Any], policy: dict[str, Any]) -> dict[str, Any]:
         requests = workload.scaled(scenario.get("rate_scale", 1.0), scenario.get("context_cap"))
-        result = run(config(scenario), requests, policy,
-                     label=f"{name} {policy['name']}", show_progress=show_progress)
+        result = run(
+            config(scenario),
+            requests,
+            policy,
+            label=f"{name} {policy['name']}",
+            show_progress=show_progress,
+        )
         row = brief(result.summary)
         row["attainment_by_ttft_slo"] = {
-            str(slo): attainment(result.records, SloSpec(ttft_s=slo, tbt_s=tbt_slo))
-            for slo in slos}
+            str(slo): attainment(result.records, SloSpec(ttft_s=slo, tbt_s=tbt_slo)) for slo in slos
+        }
         return row
 
     # 1. Tune cache_load's weights (grid search, lowest mean TTFT).
@@ -86,14 +102,24 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
         scenario = {"rate_scale": tuning["rate_scale"], "background": tuning["background"]}
         for cache_weight in tuning["cache_weight"]:
             for load_weight in tuning["load_weight"]:
-                spec = {"name": "cache_load", "policy": "cache_load",
-                        "params": {"cache_weight": cache_weight, "load_weight": load_weight}}
+                spec = {
+                    "name": "cache_load",
+                    "policy": "cache_load",
+                    "params": {"cache_weight": cache_weight, "load_weight": load_weight},
+                }
                 row = one("tune", scenario, spec)
-                grid.append({"cache_weight": cache_weight, "load_weight": load_weight,
-                             "ttft_mean_s": row["ttft_s"]["mean"]})
+                grid.append(
+                    {
+                        "cache_weight": cache_weight,
+                        "load_weight": load_weight,
+                        "ttft_mean_s": row["ttft_s"]["mean"],
+                    }
+                )
         best = min(grid, key=lambda g: (g["ttft_mean_s"], g["cache_weight"], g["load_weight"]))
-        policies["cache_load"]["params"] = {"cache_weight": best["cache_weight"],
-                                            "load_weight": best["load_weight"]}
+        policies["cache_load"]["params"] = {
+            "cache_weight": best["cache_weight"],
+            "load_weight": best["load_weight"],
+        }
 
     def sweep(kind: str, scenarios: list[dict[str, Any]], names: list[str]) -> list[dict]:
         rows = []
@@ -103,24 +129,49 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
         return rows
 
     names = list(policies)
-    load_rows = sweep("load", [{"rate_scale": s, "background": u}
-                               for u in p["background_levels"] for s in p["load_scales"]], names)
+    load_rows = sweep(
+        "load",
+        [
+            {"rate_scale": s, "background": u}
+            for u in p["background_levels"]
+            for s in p["load_scales"]
+        ],
+        names,
+    )
     ctx = p["context"]
-    context_rows = sweep("context", [{"rate_scale": ctx["rate_scale"],
-                                      "background": ctx["background"], "context_cap": cap}
-                                     for cap in ctx["caps"]], names)
+    context_rows = sweep(
+        "context",
+        [
+            {"rate_scale": ctx["rate_scale"], "background": ctx["background"], "context_cap": cap}
+            for cap in ctx["caps"]
+        ],
+        names,
+    )
     stale = p["staleness"]
     stale_names = [n for n in stale["policies"] if n in policies]
-    staleness_rows = sweep("staleness", [{"rate_scale": stale["rate_scale"],
-                                          "background": stale["background"],
-                                          "layout": stale.get("layout", "interleaved"),
-                                          "link_period_s": float(t)}
-                                         for t in stale["periods_s"]], stale_names)
+    staleness_rows = sweep(
+        "staleness",
+        [
+            {
+                "rate_scale": stale["rate_scale"],
+                "background": stale["background"],
+                "layout": stale.get("layout", "interleaved"),
+                "link_period_s": float(t),
+            }
+            for t in stale["periods_s"]
+        ],
+        stale_names,
+    )
     seg = p["segregated"]
-    segregated_rows = sweep("segregated", [{"rate_scale": s, "background": u,
-                                            "layout": "segregated"}
-                                           for u in seg["background_levels"]
-                                           for s in seg["rate_scales"]], names)
+    segregated_rows = sweep(
+        "segregated",
+        [
+            {"rate_scale": s, "background": u, "layout": "segregated"}
+            for u in seg["background_levels"]
+            for s in seg["rate_scales"]
+        ],
+        names,
+    )
 
     data = {
         "experiment": "netkv",
@@ -143,6 +194,7 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
 
 def _headline(rows: list[dict], slos: list[float]) -> dict[str, Any]:
     """Best and typical gains of netkv and kvrs over the baselines, and TBT overheads."""
+
     def mean_ttft(row: dict, name: str) -> float:
         return row["results"][name]["ttft_s"]["mean"] if name in row["results"] else math.nan
 
@@ -154,21 +206,30 @@ def _headline(rows: list[dict], slos: list[float]) -> dict[str, Any]:
             deltas = [pct_change(mean_ttft(r, ours), mean_ttft(r, base)) for r in rows]
             deltas = [d for d in deltas if not math.isnan(d)]
             if deltas:
-                out[f"{ours}_vs_{base}_ttft_pct"] = {"best": min(deltas), "worst": max(deltas),
-                                                     "median": sorted(deltas)[len(deltas) // 2]}
+                out[f"{ours}_vs_{base}_ttft_pct"] = {
+                    "best": min(deltas),
+                    "worst": max(deltas),
+                    "median": sorted(deltas)[len(deltas) // 2],
+                }
         gains = []
         for r in rows:
             for slo in slos:
                 a = r["results"].get(ours, {}).get("attainment_by_ttft_slo", {}).get(str(slo))
-                b = [r["results"][n]["attainment_by_ttft_slo"][str(slo)]
-                     for n in ("round_robin", "cache_load") if n in r["results"]]
+                b = [
+                    r["results"][n]["attainment_by_ttft_slo"][str(slo)]
+                    for n in ("round_robin", "cache_load")
+                    if n in r["results"]
+                ]
                 if a is not None and b:
                     gains.append(100.0 * (a - max(b)))
         if gains:
             out[f"{ours}_attainment_gain_pp_max"] = max(gains)
-        tbt = [abs(r["results"][ours]["tbt_s"]["mean"] - r["results"][n]["tbt_s"]["mean"]) * 1e3
-               for r in rows for n in ("round_robin", "cache_load")
-               if ours in r["results"] and n in r["results"]]
+        tbt = [
+            abs(r["results"][ours]["tbt_s"]["mean"] - r["results"][n]["tbt_s"]["mean"]) * 1e3
+            for r in rows
+            for n in ("round_robin", "cache_load")
+            if ours in r["results"] and n in r["results"]
+        ]
         if tbt:
             out[f"{ours}_tbt_delta_ms_max"] = max(tbt)
     return out
@@ -181,9 +242,12 @@ def _figures(out: Output, data: dict, names: list[str]) -> None:
         for ax, level in zip(axes, levels, strict=True):
             rows = [r for r in data["load"] if r["scenario"]["background"] == level]
             for name in names:
-                ax.plot([r["scenario"]["rate_scale"] for r in rows],
-                        [r["results"][name]["ttft_s"]["mean"] for r in rows], marker="o",
-                        label=name)
+                ax.plot(
+                    [r["scenario"]["rate_scale"] for r in rows],
+                    [r["results"][name]["ttft_s"]["mean"] for r in rows],
+                    marker="o",
+                    label=name,
+                )
             ax.set_title(f"background {level:.0%}")
             ax.set_xlabel("arrival rate scale")
             ax.set_ylabel("mean TTFT (s)")
@@ -198,10 +262,18 @@ def _figures(out: Output, data: dict, names: list[str]) -> None:
         labels = [str(r["scenario"]["context_cap"] or "native") for r in rows]
         x = range(len(rows))
         for offset, base in ((-0.2, "round_robin"), (0.2, "cache_load")):
-            ax.bar([i + offset for i in x],
-                   [-pct_change(r["results"]["netkv"]["ttft_s"]["mean"],
-                                r["results"][base]["ttft_s"]["mean"]) for r in rows],
-                   width=0.4, label=f"netkv vs {base}")
+            ax.bar(
+                [i + offset for i in x],
+                [
+                    -pct_change(
+                        r["results"]["netkv"]["ttft_s"]["mean"],
+                        r["results"][base]["ttft_s"]["mean"],
+                    )
+                    for r in rows
+                ],
+                width=0.4,
+                label=f"netkv vs {base}",
+            )
         ax.set_xticks(list(x), labels)
         ax.set_xlabel("context cap (tokens)")
         ax.set_ylabel("mean TTFT reduction (%)")
@@ -218,11 +290,11 @@ def _figures(out: Output, data: dict, names: list[str]) -> None:
         lo, hi = (min(finite) / 10, max(finite) * 10) if finite else (0.01, 100)
         xs = [lo if t == 0 else hi if t == math.inf else t for t in periods]
         for name in rows[0]["results"]:
-            ax.plot(xs, [r["results"][name]["ttft_s"]["mean"] for r in rows], marker="o",
-                    label=name)
+            ax.plot(
+                xs, [r["results"][name]["ttft_s"]["mean"] for r in rows], marker="o", label=name
+            )
         ax.set_xscale("log")
-        ax.set_xticks(xs, ["0" if t == 0 else "∞" if t == math.inf else f"{t:g}"
-                           for t in periods])
+        ax.set_xticks(xs, ["0" if t == 0 else "∞" if t == math.inf else f"{t:g}" for t in periods])
         ax.set_xlabel("link telemetry period T_tel (s)")
         ax.set_ylabel("mean TTFT (s)")
         ax.legend()
@@ -232,9 +304,11 @@ def _figures(out: Output, data: dict, names: list[str]) -> None:
         out.figure("staleness", draw_staleness)
 
     wanted = [tuple(x) for x in data["parameters"].get("attainment_scenarios", [])]
-    shown = [r for r in data["load"]
-             if (r["scenario"]["rate_scale"], r["scenario"]["background"]) in wanted] \
-        or data["load"][-1:]
+    shown = [
+        r
+        for r in data["load"]
+        if (r["scenario"]["rate_scale"], r["scenario"]["background"]) in wanted
+    ] or data["load"][-1:]
 
     def draw_attainment(axes: Any) -> None:
         for ax, row in zip(axes, shown, strict=True):
@@ -243,13 +317,14 @@ def _figures(out: Output, data: dict, names: list[str]) -> None:
                 ax.plot([float(k) for k in by], list(by.values()), marker="o", label=name)
             ax.set_xlabel("TTFT SLO (s), TBT SLO 100 ms")
             ax.set_ylabel("SLO attainment")
-            ax.set_title(f"rate ×{row['scenario']['rate_scale']:g}, "
-                         f"background {row['scenario']['background']:.0%}")
+            ax.set_title(
+                f"rate ×{row['scenario']['rate_scale']:g}, "
+                f"background {row['scenario']['background']:.0%}"
+            )
             ax.grid(alpha=0.3)
         axes[0].legend()
 
-    out.figure("attainment", draw_attainment, size=(4.5 * len(shown), 3.8),
-               ncols=len(shown))
+    out.figure("attainment", draw_attainment, size=(4.5 * len(shown), 3.8), ncols=len(shown))
 
 
 def _scenario_rows(rows: list[dict], names: list[str], keys: list[str]) -> list[list[Any]]:
@@ -260,27 +335,34 @@ def _scenario_rows(rows: list[dict], names: list[str], keys: list[str]) -> list[
         line: list[Any] = [s.get(k) if s.get(k) is not None else "native" for k in keys]
         line += [res[n]["ttft_s"]["mean"] for n in names]
         if "netkv" in res and "round_robin" in res:
-            line.append(pct_change(res["netkv"]["ttft_s"]["mean"],
-                                   res["round_robin"]["ttft_s"]["mean"]))
+            line.append(
+                pct_change(res["netkv"]["ttft_s"]["mean"], res["round_robin"]["ttft_s"]["mean"])
+            )
         if "netkv" in res and "cache_load" in res:
-            line.append(pct_change(res["netkv"]["ttft_s"]["mean"],
-                                   res["cache_load"]["ttft_s"]["mean"]))
+            line.append(
+                pct_change(res["netkv"]["ttft_s"]["mean"], res["cache_load"]["ttft_s"]["mean"])
+            )
         if "kvrs" in res and "netkv" in res:
             line.append(pct_change(res["kvrs"]["ttft_s"]["mean"], res["netkv"]["ttft_s"]["mean"]))
         if "kvrs" in res and "netkv_tiers" in res:
-            line.append(pct_change(res["kvrs"]["ttft_s"]["mean"],
-                                   res["netkv_tiers"]["ttft_s"]["mean"]))
+            line.append(
+                pct_change(res["kvrs"]["ttft_s"]["mean"], res["netkv_tiers"]["ttft_s"]["mean"])
+            )
         if "netkv" in res and "round_robin" in res:
-            line.append((res["netkv"]["tbt_s"]["mean"] - res["round_robin"]["tbt_s"]["mean"])
-                        * 1e3)
+            line.append((res["netkv"]["tbt_s"]["mean"] - res["round_robin"]["tbt_s"]["mean"]) * 1e3)
         table.append(line)
     return table
 
 
 def _markdown(data: dict, names: list[str], out: Output) -> str:
     keys_load = ["background", "rate_scale"]
-    extra = ["netkv vs RR %", "netkv vs tuned %", "kvrs vs netkv %", "kvrs vs netkv_tiers %",
-             "ΔTBT netkv−RR (ms)"]
+    extra = [
+        "netkv vs RR %",
+        "netkv vs tuned %",
+        "kvrs vs netkv %",
+        "kvrs vs netkv_tiers %",
+        "ΔTBT netkv−RR (ms)",
+    ]
     head = [*keys_load, *[f"{n} TTFT (s)" for n in names], *extra]
     parts = [
         "# netkv experiment",
@@ -288,7 +370,8 @@ def _markdown(data: dict, names: list[str], out: Output) -> str:
         f"requests, mean input {data['workload']['stats']['mean_input_tokens']:.0f} / output "
         f"{data['workload']['stats']['mean_output_tokens']:.0f} tokens.",
         f"cache_load weights (grid search): {data['policies'].get('cache_load', {}).get('params')}",
-        "## Load × background", md_table(head, _scenario_rows(data["load"], names, keys_load)),
+        "## Load × background",
+        md_table(head, _scenario_rows(data["load"], names, keys_load)),
         "## Context caps",
         md_table(["cap", *head[2:]], _scenario_rows(data["context"], names, ["context_cap"])),
         "## Segregated layout",
@@ -296,11 +379,19 @@ def _markdown(data: dict, names: list[str], out: Output) -> str:
     ]
     if data["staleness"]:
         stale_names = list(data["staleness"][0]["results"])
-        parts += ["## Telemetry staleness",
-                  md_table(["T_tel (s)", *[f"{n} TTFT (s)" for n in stale_names]],
-                           [[r["scenario"]["link_period_s"],
-                             *[r["results"][n]["ttft_s"]["mean"] for n in stale_names]]
-                            for r in data["staleness"]])]
+        parts += [
+            "## Telemetry staleness",
+            md_table(
+                ["T_tel (s)", *[f"{n} TTFT (s)" for n in stale_names]],
+                [
+                    [
+                        r["scenario"]["link_period_s"],
+                        *[r["results"][n]["ttft_s"]["mean"] for n in stale_names],
+                    ]
+                    for r in data["staleness"]
+                ],
+            ),
+        ]
     parts += ["## Headline", "```", _dump(data["headline"]), "```"]
     parts += [f"![{f.stem}]({f.name})" for f in out.figures]
     return "\n\n".join(parts)

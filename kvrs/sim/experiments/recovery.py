@@ -30,20 +30,33 @@ DEFAULTS: dict[str, Any] = {
     "single": {
         # Failures before the first decode step (nothing generated: no extend needed)
         # and mid-generation (the generated tokens' KV must be extended on the target).
-        "prompt_tokens": 1477, "output_tokens": 200, "fail_at_s": [0.11, 0.6],
+        "prompt_tokens": 1477,
+        "output_tokens": 200,
+        "fail_at_s": [0.11, 0.6],
         "bandwidth_factors": [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0],
         "policies": ["always_migrate", "always_recompute", "kvrs"],
     },
     "node_failure": {
-        "fail_at_s": 60.0, "node": "n2",
-        "workload": {"requests": 4000, "rate_per_s": 50.0, "input_median_tokens": 1000.0,
-                     "input_sigma": 0.6, "max_input_tokens": 8192,
-                     "output_median_tokens": 800.0, "output_sigma": 0.3,
-                     "max_output_tokens": 2048, "continue_prob": 0.0,
-                     "system_prompt_prob": 0.0, "seed": 3},
-        "sim": {"cluster": {"layout": "segregated"},
-                "telemetry": {"state_period_s": 0.1, "link_period_s": 1.0},
-                "slo": {"ttft_s": 10.0, "tbt_s": 0.1}},
+        "fail_at_s": 60.0,
+        "node": "n2",
+        "workload": {
+            "requests": 4000,
+            "rate_per_s": 50.0,
+            "input_median_tokens": 1000.0,
+            "input_sigma": 0.6,
+            "max_input_tokens": 8192,
+            "output_median_tokens": 800.0,
+            "output_sigma": 0.3,
+            "max_output_tokens": 2048,
+            "continue_prob": 0.0,
+            "system_prompt_prob": 0.0,
+            "seed": 3,
+        },
+        "sim": {
+            "cluster": {"layout": "segregated"},
+            "telemetry": {"state_period_s": 0.1, "link_period_s": 1.0},
+            "slo": {"ttft_s": 10.0, "tbt_s": 0.1},
+        },
         "variants": [
             {"name": "rom per request", "policy": "rom", "planner": "per_request"},
             {"name": "kvrs per request", "policy": "kvrs", "planner": "per_request"},
@@ -55,8 +68,11 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def crossover_bandwidth_gbps(config: SimConfig, prompt_tokens: int, generated_tokens: int,
-                             ) -> float:
+def crossover_bandwidth_gbps(
+    config: SimConfig,
+    prompt_tokens: int,
+    generated_tokens: int,
+) -> float:
     """B* where the cost model prices MIGRATE (over Ethernet) and RECOMPUTE the same."""
     model = config.serving.model_spec()
     compute = config.serving.compute()
@@ -67,12 +83,12 @@ def crossover_bandwidth_gbps(config: SimConfig, prompt_tokens: int, generated_to
         "decode-0": InstanceState("decode-0", Role.DECODE, alive=False),
         "decode-1": InstanceState("decode-1", Role.DECODE),
     }
-    request = RecoveryRequest("r", prompt_tokens, generated_tokens, "prefill-0",
-                              exclude_ids=frozenset({"decode-0"}))
+    request = RecoveryRequest(
+        "r", prompt_tokens, generated_tokens, "prefill-0", exclude_ids=frozenset({"decode-0"})
+    )
 
     def gap(gbps: float) -> float:
-        cost = CostModel(model, compute, NetworkModel(Topology.from_dict(
-            two_node_topology(gbps))))
+        cost = CostModel(model, compute, NetworkModel(Topology.from_dict(two_node_topology(gbps))))
         # A fresh view per network model: decisions cache path terms on the view.
         view = ClusterView(instances=states, now_s=0.0)
         options = {o.action: o.cost_s for o in policy.decide(request, view, cost, 0.0).options}
@@ -90,19 +106,31 @@ def _singles(p: dict[str, Any], show_progress: bool) -> list[dict[str, Any]]:
 
 
 def _single(p: dict[str, Any], show_progress: bool) -> dict[str, Any]:
-    base = deep_merge(GOODPUT_DEFAULTS["sim"], {
-        "serving": {"prefill_weights": {"prefill-0": 1.0, "prefill-1": 0.0}},
-        "telemetry": {"state_period_s": 0.0, "link_period_s": 0.0},
-        "recovery": {"planner": "batch", "network_view": "live"}})
-    probe_config = sim_config(deep_merge(base, {"cluster": {
-        "topology": two_node_topology(25.0)}}))
+    base = deep_merge(
+        GOODPUT_DEFAULTS["sim"],
+        {
+            "serving": {"prefill_weights": {"prefill-0": 1.0, "prefill-1": 0.0}},
+            "telemetry": {"state_period_s": 0.0, "link_period_s": 0.0},
+            "recovery": {"planner": "batch", "network_view": "live"},
+        },
+    )
+    probe_config = sim_config(deep_merge(base, {"cluster": {"topology": two_node_topology(25.0)}}))
     request = TraceRequest(0, 0.0, int(p["prompt_tokens"]), int(p["output_tokens"]))
     # The tokens generated before the failure do not depend on the Ethernet bandwidth
     # (prefill and decode share a node until then): read them from one run.
-    probe = run(sim_config(deep_merge(base, {
-        "cluster": {"topology": two_node_topology(25.0)},
-        "failures": [{"at_s": p["fail_at_s"], "instance": "decode-0"}]})), [request],
-        {"name": "static", "policy": "least_loaded", "candidates": "same_node"})
+    probe = run(
+        sim_config(
+            deep_merge(
+                base,
+                {
+                    "cluster": {"topology": two_node_topology(25.0)},
+                    "failures": [{"at_s": p["fail_at_s"], "instance": "decode-0"}],
+                },
+            )
+        ),
+        [request],
+        {"name": "static", "policy": "least_loaded", "candidates": "same_node"},
+    )
     generated = probe.records[0].recoveries[0].generated_tokens
     b_star = crossover_bandwidth_gbps(probe_config, request.input_tokens, generated)
     rows = []
@@ -110,59 +138,96 @@ def _single(p: dict[str, Any], show_progress: bool) -> dict[str, Any]:
         gbps = b_star * factor
         row: dict[str, Any] = {"factor": factor, "bandwidth_gbps": gbps}
         for name in p["policies"]:
-            config = sim_config(deep_merge(base, {
-                "cluster": {"topology": two_node_topology(gbps)},
-                "failures": [{"at_s": p["fail_at_s"], "instance": "decode-0"}],
-                "recovery": {"policy": name}}))
-            result = run(config, [request], {"name": "static", "policy": "least_loaded",
-                                             "candidates": "same_node"},
-                         label=f"single {name} {gbps:.1f} Gbps", show_progress=show_progress)
+            config = sim_config(
+                deep_merge(
+                    base,
+                    {
+                        "cluster": {"topology": two_node_topology(gbps)},
+                        "failures": [{"at_s": p["fail_at_s"], "instance": "decode-0"}],
+                        "recovery": {"policy": name},
+                    },
+                )
+            )
+            result = run(
+                config,
+                [request],
+                {"name": "static", "policy": "least_loaded", "candidates": "same_node"},
+                label=f"single {name} {gbps:.1f} Gbps",
+                show_progress=show_progress,
+            )
             rec = result.records[0].recoveries[0]
-            row[name] = {"action": rec.action, "restore_s": rec.restore_s,
-                         "resume_s": rec.latency_s, "predicted_s": rec.predicted_s,
-                         "generated_at_failure": rec.generated_tokens}
+            row[name] = {
+                "action": rec.action,
+                "restore_s": rec.restore_s,
+                "resume_s": rec.latency_s,
+                "predicted_s": rec.predicted_s,
+                "generated_at_failure": rec.generated_tokens,
+            }
         rows.append(row)
-    at_star = next(r for r in rows if r["factor"] == 1.0) if any(
-        r["factor"] == 1.0 for r in rows) else rows[len(rows) // 2]
+    at_star = (
+        next(r for r in rows if r["factor"] == 1.0)
+        if any(r["factor"] == 1.0 for r in rows)
+        else rows[len(rows) // 2]
+    )
     singles = [n for n in p["policies"] if n != "kvrs"]
 
     def ratio(key: str) -> float:
         best = min(at_star[n][key] for n in singles)
         return at_star["kvrs"][key] / best if best else math.nan
 
-    return {"fail_at_s": p["fail_at_s"], "b_star_gbps": b_star,
-            "generated_at_failure": generated, "rows": rows,
-            "kvrs_action_at_b_star": at_star["kvrs"]["action"],
-            "hybrid_over_best_single_restore": ratio("restore_s"),
-            "hybrid_over_best_single_resume": ratio("resume_s")}
+    return {
+        "fail_at_s": p["fail_at_s"],
+        "b_star_gbps": b_star,
+        "generated_at_failure": generated,
+        "rows": rows,
+        "kvrs_action_at_b_star": at_star["kvrs"]["action"],
+        "hybrid_over_best_single_restore": ratio("restore_s"),
+        "hybrid_over_best_single_resume": ratio("resume_s"),
+    }
 
 
 def _node_failure(p: dict[str, Any], show_progress: bool) -> dict[str, Any]:
     requests = SyntheticWorkload(**p["workload"]).generate()
     results = []
     for variant in p["variants"]:
-        config = sim_config(deep_merge(p["sim"], {
-            "failures": [{"at_s": p["fail_at_s"], "node": p["node"]}],
-            "recovery": {"policy": variant["policy"], "planner": variant["planner"]}}))
-        result = run(config, requests, p["placement"], label=variant["name"],
-                     show_progress=show_progress)
+        config = sim_config(
+            deep_merge(
+                p["sim"],
+                {
+                    "failures": [{"at_s": p["fail_at_s"], "node": p["node"]}],
+                    "recovery": {"policy": variant["policy"], "planner": variant["planner"]},
+                },
+            )
+        )
+        result = run(
+            config, requests, p["placement"], label=variant["name"], show_progress=show_progress
+        )
         recovered = [r for r in result.records if r.recoveries]
-        latencies = sorted(r.recoveries[0].latency_s for r in recovered
-                           if not math.isnan(r.recoveries[0].latency_s))
+        latencies = sorted(
+            r.recoveries[0].latency_s
+            for r in recovered
+            if not math.isnan(r.recoveries[0].latency_s)
+        )
         actions: dict[str, int] = {}
         for r in recovered:
             actions[r.recoveries[0].action] = actions.get(r.recoveries[0].action, 0) + 1
-        results.append({
-            "variant": variant, "summary": brief(result.summary),
-            "recovered_requests": len(recovered), "actions": actions,
-            "recovery_latency_s": {
-                "mean": sum(latencies) / len(latencies) if latencies else math.nan,
-                "p50": latencies[len(latencies) // 2] if latencies else math.nan,
-                "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
-                if latencies else math.nan,
-                "max": latencies[-1] if latencies else math.nan},
-            "batches": result.recovery_batches,
-        })
+        results.append(
+            {
+                "variant": variant,
+                "summary": brief(result.summary),
+                "recovered_requests": len(recovered),
+                "actions": actions,
+                "recovery_latency_s": {
+                    "mean": sum(latencies) / len(latencies) if latencies else math.nan,
+                    "p50": latencies[len(latencies) // 2] if latencies else math.nan,
+                    "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+                    if latencies
+                    else math.nan,
+                    "max": latencies[-1] if latencies else math.nan,
+                },
+                "batches": result.recovery_batches,
+            }
+        )
     return {"results": results}
 
 
@@ -171,9 +236,13 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
     out = Output(out_dir, "recovery")
     singles = _singles(p["single"], show_progress)
     node = _node_failure(p["node_failure"], show_progress)
-    data = {"experiment": "recovery", "parameters": p, "single": singles,
-            "node_failure": node,
-            "opt13b_kv_bytes_per_token": model_spec("opt-13b").kv_bytes_per_token}
+    data = {
+        "experiment": "recovery",
+        "parameters": p,
+        "single": singles,
+        "node_failure": node,
+        "opt13b_kv_bytes_per_token": model_spec("opt-13b").kv_bytes_per_token,
+    }
     out.write_json(data)
     names = p["single"]["policies"]
 
@@ -181,14 +250,23 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
         for ax, single in zip(axes, singles, strict=True):
             rows = single["rows"]
             for name in names:
-                ax.plot([r["bandwidth_gbps"] for r in rows],
-                        [r[name]["restore_s"] * 1e3 for r in rows], marker="o", label=name)
-            ax.axvline(single["b_star_gbps"], color="gray", linestyle="--",
-                       label=f"B* = {single['b_star_gbps']:.0f} Gbps")
+                ax.plot(
+                    [r["bandwidth_gbps"] for r in rows],
+                    [r[name]["restore_s"] * 1e3 for r in rows],
+                    marker="o",
+                    label=name,
+                )
+            ax.axvline(
+                single["b_star_gbps"],
+                color="gray",
+                linestyle="--",
+                label=f"B* = {single['b_star_gbps']:.0f} Gbps",
+            )
             ax.set_xscale("log")
             ax.minorticks_off()
-            ax.set_xticks([r["bandwidth_gbps"] for r in rows],
-                          [f"{r['bandwidth_gbps']:.0f}" for r in rows])
+            ax.set_xticks(
+                [r["bandwidth_gbps"] for r in rows], [f"{r['bandwidth_gbps']:.0f}" for r in rows]
+            )
             ax.set_title(f"{single['generated_at_failure']} tokens generated at failure")
             ax.set_xlabel("inter-node bandwidth (Gbps)")
             ax.set_ylabel("failure → KV restored (ms)")
@@ -201,9 +279,13 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
         for res in node["results"]:
             recovered = res["recovery_latency_s"]
             ax.bar(res["variant"]["name"], recovered["mean"], alpha=0.6)
-            ax.errorbar(res["variant"]["name"], recovered["mean"],
-                        yerr=[[0], [max(0.0, recovered["p99"] - recovered["mean"])]],
-                        color="black", capsize=4)
+            ax.errorbar(
+                res["variant"]["name"],
+                recovered["mean"],
+                yerr=[[0], [max(0.0, recovered["p99"] - recovered["mean"])]],
+                color="black",
+                capsize=4,
+            )
         ax.set_ylabel("recovery latency, mean (bar) to p99 (s)")
         ax.tick_params(axis="x", labelrotation=15)
         ax.grid(alpha=0.3, axis="y")
@@ -211,31 +293,65 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
     out.figure("node_failure", draw_node, size=(7.5, 4.0))
     single_parts = []
     for single in singles:
-        rows = [[r["factor"], r["bandwidth_gbps"],
-                 *[f"{r[n]['action']} {r[n]['restore_s'] * 1e3:.0f} / "
-                   f"{r[n]['resume_s'] * 1e3:.0f}" for n in names]] for r in single["rows"]]
+        rows = [
+            [
+                r["factor"],
+                r["bandwidth_gbps"],
+                *[
+                    f"{r[n]['action']} {r[n]['restore_s'] * 1e3:.0f} / {r[n]['resume_s'] * 1e3:.0f}"
+                    for n in names
+                ],
+            ]
+            for r in single["rows"]
+        ]
         single_parts += [
             f"### Failure at {single['fail_at_s']} s ({single['generated_at_failure']} tokens "
             f"generated), B* = {single['b_star_gbps']:.1f} Gbps",
             md_table(["× B*", "Gbps", *names], rows),
             f"HYBRID / best single mode at B*: restore "
             f"{single['hybrid_over_best_single_restore']:.3f}, first token "
-            f"{single['hybrid_over_best_single_resume']:.3f}."]
-    node_rows = [[r["variant"]["name"], r["recovered_requests"],
-                  ", ".join(f"{k} {v}" for k, v in sorted(r["actions"].items())),
-                  r["recovery_latency_s"]["mean"], r["recovery_latency_s"]["p50"],
-                  r["recovery_latency_s"]["p99"], r["recovery_latency_s"]["max"],
-                  r["summary"]["aborted"], r["summary"]["lost"],
-                  max((b["plan_wall_s"] for b in r["batches"]), default=math.nan) * 1e3]
-                 for r in node["results"]]
-    out.write_markdown("\n\n".join([
-        "# recovery",
-        "## One request at the crossover",
-        "Cells: action, failure → KV restored / → first token after recovery (ms).",
-        *single_parts,
-        "## Node failure",
-        md_table(["planner", "recovered", "actions", "mean (s)", "p50 (s)", "p99 (s)",
-                  "max (s)", "aborted", "lost", "plan wall (ms)"], node_rows),
-        *[f"![{f.stem}]({f.name})" for f in out.figures],
-    ]))
+            f"{single['hybrid_over_best_single_resume']:.3f}.",
+        ]
+    node_rows = [
+        [
+            r["variant"]["name"],
+            r["recovered_requests"],
+            ", ".join(f"{k} {v}" for k, v in sorted(r["actions"].items())),
+            r["recovery_latency_s"]["mean"],
+            r["recovery_latency_s"]["p50"],
+            r["recovery_latency_s"]["p99"],
+            r["recovery_latency_s"]["max"],
+            r["summary"]["aborted"],
+            r["summary"]["lost"],
+            max((b["plan_wall_s"] for b in r["batches"]), default=math.nan) * 1e3,
+        ]
+        for r in node["results"]
+    ]
+    out.write_markdown(
+        "\n\n".join(
+            [
+                "# recovery",
+                "## One request at the crossover",
+                "Cells: action, failure → KV restored / → first token after recovery (ms).",
+                *single_parts,
+                "## Node failure",
+                md_table(
+                    [
+                        "planner",
+                        "recovered",
+                        "actions",
+                        "mean (s)",
+                        "p50 (s)",
+                        "p99 (s)",
+                        "max (s)",
+                        "aborted",
+                        "lost",
+                        "plan wall (ms)",
+                    ],
+                    node_rows,
+                ),
+                *[f"![{f.stem}]({f.name})" for f in out.figures],
+            ]
+        )
+    )
     return data

@@ -39,17 +39,24 @@ from kvrs.sim.trace import SyntheticWorkload
 from kvrs.topology import Role, Topology
 
 
-def two_node_topology(bandwidth_gbps: float, nvlink_gbps: float = 4800.0,
-                      setup_latency_ms: float = 0.0) -> dict[str, Any]:
+def two_node_topology(
+    bandwidth_gbps: float, nvlink_gbps: float = 4800.0, setup_latency_ms: float = 0.0
+) -> dict[str, Any]:
     """Two DistServe nodes, each a prefill (TP2) and a decode (TP1) instance, one Ethernet hop
     apart at `bandwidth_gbps` (NVLink 600 GB/s inside a node)."""
     link = {"capacity_gbps": bandwidth_gbps, "hop_latency_us": 0}
     return {
         "setup_latency_ms": setup_latency_ms,
-        "tiers": {"node": {"capacity_gbps": nvlink_gbps, "hop_latency_us": 0},
-                  "rack": link, "pod": link, "spine": link},
-        "nodes": [{"name": "n0", "rack": "r0", "pod": "p0"},
-                  {"name": "n1", "rack": "r0", "pod": "p0"}],
+        "tiers": {
+            "node": {"capacity_gbps": nvlink_gbps, "hop_latency_us": 0},
+            "rack": link,
+            "pod": link,
+            "spine": link,
+        },
+        "nodes": [
+            {"name": "n0", "rack": "r0", "pod": "p0"},
+            {"name": "n1", "rack": "r0", "pod": "p0"},
+        ],
         "instances": [
             {"id": "prefill-0", "role": "prefill", "node": "n0", "gpu_index": 0},
             {"id": "decode-0", "role": "decode", "node": "n0", "gpu_index": 2},
@@ -67,8 +74,10 @@ CROSSOVER_DEFAULTS: dict[str, Any] = {
     "bandwidth_gbps": 25.0,
     "service_s": 0.060,
     "queue_depths": list(range(16)),
-    "surface": {"tokens": [64, 128, 256, 512, 1024, 1477, 2048],
-                "bandwidth_gbps": [0.5, 1, 2, 5, 10, 25, 40, 100]},
+    "surface": {
+        "tokens": [64, 128, 256, 512, 1024, 1477, 2048],
+        "bandwidth_gbps": [0.5, 1, 2, 5, 10, 25, 40, 100],
+    },
 }
 
 
@@ -79,8 +88,9 @@ _JOBS_ONLY = DecodeProfile(a_s=0.0, b_s_per_context_token=0.0, c_s_per_request=0
 def simulate_local_wait_s(queue_depth: int, service_s: float) -> float:
     """Time until a request behind `queue_depth` jobs of `service_s` starts, simulated."""
     loop = EventLoop()
-    instance = DecodeInstance("local", "n0", loop, _JOBS_ONLY, 1, 1, PrefixCache(0),
-                              lambda member: None)
+    instance = DecodeInstance(
+        "local", "n0", loop, _JOBS_ONLY, 1, 1, PrefixCache(0), lambda member: None
+    )
     started: list[float] = []
     for _ in range(queue_depth):
         instance.add_job(ComputeJob(service_s, lambda job: None))
@@ -94,9 +104,12 @@ def simulate_migration_s(topology: Topology, src_id: str, dst_id: str, kv_bytes:
     loop = EventLoop()
     network = FlowNetwork(loop, topology.link_capacity_bps)
     done: list[float] = []
-    network.start(topology.path_links(src_id, dst_id), kv_bytes,
-                  lambda flow: done.append(loop.now_s),
-                  setup_s=topology.base_rtt_s(src_id, dst_id))
+    network.start(
+        topology.path_links(src_id, dst_id),
+        kv_bytes,
+        lambda flow: done.append(loop.now_s),
+        setup_s=topology.base_rtt_s(src_id, dst_id),
+    )
     loop.run()
     return done[0]
 
@@ -133,41 +146,62 @@ def run_crossover(params: dict[str, Any], out_dir: Path, show_progress: bool = F
         policy = make_recovery_policy(name)
         choices = []
         for q in depths:
-            view = ClusterView(instances={
-                "prefill-0": InstanceState("prefill-0", Role.PREFILL),
-                "prefill-1": InstanceState("prefill-1", Role.PREFILL),
-                "decode-0": InstanceState("decode-0", Role.DECODE, wait_s=q * service_s),
-                "decode-1": InstanceState("decode-1", Role.DECODE),
-            }, now_s=0.0)
-            decision = policy.decide(RecoveryRequest("r", tokens, 0, "prefill-0"), view, cost,
-                                     0.0)
-            choices.append({"q": q, "action": decision.action.value,
-                            "target": decision.target_id, "cost_s": decision.cost_s})
+            view = ClusterView(
+                instances={
+                    "prefill-0": InstanceState("prefill-0", Role.PREFILL),
+                    "prefill-1": InstanceState("prefill-1", Role.PREFILL),
+                    "decode-0": InstanceState("decode-0", Role.DECODE, wait_s=q * service_s),
+                    "decode-1": InstanceState("decode-1", Role.DECODE),
+                },
+                now_s=0.0,
+            )
+            decision = policy.decide(RecoveryRequest("r", tokens, 0, "prefill-0"), view, cost, 0.0)
+            choices.append(
+                {
+                    "q": q,
+                    "action": decision.action.value,
+                    "target": decision.target_id,
+                    "cost_s": decision.cost_s,
+                }
+            )
         policy_choice[name] = choices
-    switch = next((c["q"] for c in policy_choice["always_migrate"]
-                   if c["target"] != "decode-0"), None)
+    switch = next(
+        (c["q"] for c in policy_choice["always_migrate"] if c["target"] != "decode-0"), None
+    )
     surface = []
     for bw in p["surface"]["bandwidth_gbps"]:
         net = NetworkModel(Topology.from_dict(two_node_topology(bw)))
         c = CostModel(model, compute, net)
         for length in p["surface"]["tokens"]:
             mig_s = c.transfer("prefill-0", "decode-1", length, 0.0).transfer_s
-            surface.append({"bandwidth_gbps": bw, "tokens": length,
-                            "c_mig_s": mig_s, "c_recomp_s": c.prefill_s(length),
-                            "q_star_migrate": mig_s / service_s,
-                            "q_star_recompute": c.prefill_s(length) / service_s})
+            surface.append(
+                {
+                    "bandwidth_gbps": bw,
+                    "tokens": length,
+                    "c_mig_s": mig_s,
+                    "c_recomp_s": c.prefill_s(length),
+                    "q_star_migrate": mig_s / service_s,
+                    "q_star_recompute": c.prefill_s(length) / service_s,
+                }
+            )
     # Lowest bandwidth at which Q* reaches 250 for the longest prompt, analytically.
     longest = max(p["surface"]["tokens"])
     bw_for_250 = 8 * model.kv_bytes(longest) / (250 * service_s) / 1e9
     data = {
-        "experiment": "rom-crossover", "parameters": p,
-        "kv_bytes": kv_bytes, "c_mig_s": c_mig_s, "c_mig_simulated_s": c_mig_sim_s,
+        "experiment": "rom-crossover",
+        "parameters": p,
+        "kv_bytes": kv_bytes,
+        "c_mig_s": c_mig_s,
+        "c_mig_simulated_s": c_mig_sim_s,
         "c_recomp_s": compute.prefill_s(tokens),
-        "q_star_analytic": q_analytic, "q_star_simulated": q_sim,
+        "q_star_analytic": q_analytic,
+        "q_star_simulated": q_sim,
         "q_star_error_pct": 100.0 * (q_sim - q_analytic) / q_analytic,
         "local_latency_s": dict(zip(depths, local, strict=True)),
-        "policy_switch_q": switch, "policy_choices": policy_choice,
-        "surface": surface, "bandwidth_gbps_for_q_star_250_at_longest": bw_for_250,
+        "policy_switch_q": switch,
+        "policy_choices": policy_choice,
+        "surface": surface,
+        "bandwidth_gbps_for_q_star_250_at_longest": bw_for_250,
     }
     out.write_json(data)
 
@@ -185,9 +219,19 @@ def run_crossover(params: dict[str, Any], out_dir: Path, show_progress: bool = F
     def draw_surface(ax: Any) -> None:
         bws = p["surface"]["bandwidth_gbps"]
         lengths = p["surface"]["tokens"]
-        grid = np.array([[next(s["q_star_migrate"] for s in surface
-                               if s["bandwidth_gbps"] == bw and s["tokens"] == length)
-                          for bw in bws] for length in lengths])
+        grid = np.array(
+            [
+                [
+                    next(
+                        s["q_star_migrate"]
+                        for s in surface
+                        if s["bandwidth_gbps"] == bw and s["tokens"] == length
+                    )
+                    for bw in bws
+                ]
+                for length in lengths
+            ]
+        )
         image = ax.imshow(np.log10(grid), origin="lower", aspect="auto", cmap="viridis")
         ax.set_xticks(range(len(bws)), [f"{b:g}" for b in bws])
         ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
@@ -195,28 +239,50 @@ def run_crossover(params: dict[str, Any], out_dir: Path, show_progress: bool = F
         ax.set_ylabel("prompt tokens L")
         for i in range(len(lengths)):
             for j in range(len(bws)):
-                ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7,
-                        color="white")
+                ax.text(
+                    j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7, color="white"
+                )
         ax.set_title("Q*(L, B) = C_mig / 60 ms (log colour)")
         ax.figure.colorbar(image, ax=ax, label="log10 Q*")
 
     out.figure("surface", draw_surface, size=(7.5, 4.5))
-    rows = [[c["q"], local[i], c_mig_sim_s, c["target"], policy_choice["kvrs"][i]["action"],
-             policy_choice["kvrs"][i]["target"]]
-            for i, c in enumerate(policy_choice["always_migrate"])]
-    out.write_markdown("\n\n".join([
-        "# rom-crossover",
-        f"KV of {tokens} tokens ({model.name}): {kv_bytes:,} B; C_mig at "
-        f"{p['bandwidth_gbps']:g} Gbps = {c_mig_s * 1e3:.1f} ms (cost model), "
-        f"{c_mig_sim_s * 1e3:.1f} ms (flow simulation); C_recomp = T_pf = "
-        f"{compute.prefill_s(tokens) * 1e3:.1f} ms.",
-        f"Q* analytic {q_analytic:.3f}, simulated {q_sim:.3f} "
-        f"({data['q_star_error_pct']:+.2f} %); AlwaysMigrate switches to the remote node "
-        f"at Q = {switch}.",
-        md_table(["Q", "local (s)", "migrate (s)", "always_migrate target", "kvrs action",
-                  "kvrs target"], rows),
-        *[f"![{f.stem}]({f.name})" for f in out.figures],
-    ]))
+    rows = [
+        [
+            c["q"],
+            local[i],
+            c_mig_sim_s,
+            c["target"],
+            policy_choice["kvrs"][i]["action"],
+            policy_choice["kvrs"][i]["target"],
+        ]
+        for i, c in enumerate(policy_choice["always_migrate"])
+    ]
+    out.write_markdown(
+        "\n\n".join(
+            [
+                "# rom-crossover",
+                f"KV of {tokens} tokens ({model.name}): {kv_bytes:,} B; C_mig at "
+                f"{p['bandwidth_gbps']:g} Gbps = {c_mig_s * 1e3:.1f} ms (cost model), "
+                f"{c_mig_sim_s * 1e3:.1f} ms (flow simulation); C_recomp = T_pf = "
+                f"{compute.prefill_s(tokens) * 1e3:.1f} ms.",
+                f"Q* analytic {q_analytic:.3f}, simulated {q_sim:.3f} "
+                f"({data['q_star_error_pct']:+.2f} %); AlwaysMigrate switches to the remote node "
+                f"at Q = {switch}.",
+                md_table(
+                    [
+                        "Q",
+                        "local (s)",
+                        "migrate (s)",
+                        "always_migrate target",
+                        "kvrs action",
+                        "kvrs target",
+                    ],
+                    rows,
+                ),
+                *[f"![{f.stem}]({f.name})" for f in out.figures],
+            ]
+        )
+    )
     return data
 
 
@@ -230,33 +296,63 @@ GOODPUT_DEFAULTS: dict[str, Any] = {
     "high_rate": 4.0,
     "tolerance": 0.1,
     "target_attainment": 0.9,
-    "workload": {"input_median_tokens": 400.0, "input_sigma": 0.8, "max_input_tokens": 1536,
-                 "output_median_tokens": 150.0, "output_sigma": 0.7, "max_output_tokens": 512,
-                 "continue_prob": 0.0, "system_prompt_prob": 0.0, "seed": 0},
+    "workload": {
+        "input_median_tokens": 400.0,
+        "input_sigma": 0.8,
+        "max_input_tokens": 1536,
+        "output_median_tokens": 150.0,
+        "output_sigma": 0.7,
+        "max_output_tokens": 512,
+        "continue_prob": 0.0,
+        "system_prompt_prob": 0.0,
+        "seed": 0,
+    },
     "sim": {
-        "serving": {"model": "opt-13b",
-                    # DistServe's OPT-13B fit is for TP1; its chatbot placement prefills
-                    # on TP2, taken here as 1.8x faster per token (fixed cost unchanged).
-                    "prefill_profile": {"a_s": 0.01646, "b_s_per_token": 5.14e-5,
-                                        "c_s_per_token2": 3.59e-9},
-                    # step(1, 512) = 20.3 ms as DistServe's fit; the split into a, b, c
-                    # is an HBM-bandwidth estimate (819,200 B of KV per context token).
-                    "decode_profile": {"a_s": 0.020, "b_s_per_context_token": 5.0e-7,
-                                       "c_s_per_request": 5.0e-5},
-                    "prefill_budget_tokens": 2048,
-                    "prefix_pool_tokens": 0, "decode_kv_tokens": 60_000,
-                    "decode_cache_tokens": 0, "decode_max_batch": 128,
-                    "prefill_router": "weighted"},
+        "serving": {
+            "model": "opt-13b",
+            # DistServe's OPT-13B fit is for TP1; its chatbot placement prefills
+            # on TP2, taken here as 1.8x faster per token (fixed cost unchanged).
+            "prefill_profile": {
+                "a_s": 0.01646,
+                "b_s_per_token": 5.14e-5,
+                "c_s_per_token2": 3.59e-9,
+            },
+            # step(1, 512) = 20.3 ms as DistServe's fit; the split into a, b, c
+            # is an HBM-bandwidth estimate (819,200 B of KV per context token).
+            "decode_profile": {
+                "a_s": 0.020,
+                "b_s_per_context_token": 5.0e-7,
+                "c_s_per_request": 5.0e-5,
+            },
+            "prefill_budget_tokens": 2048,
+            "prefix_pool_tokens": 0,
+            "decode_kv_tokens": 60_000,
+            "decode_cache_tokens": 0,
+            "decode_max_batch": 128,
+            "prefill_router": "weighted",
+        },
         "slo": {"ttft_s": 0.25, "tpot_s": 0.1, "mode": "ttft+tpot"},
         "telemetry": {"state_period_s": 0.0, "link_period_s": 1.0},
     },
     "policies": [
-        {"name": "static", "policy": "least_loaded", "candidates": "same_node",
-         "network_view": "live"},
-        {"name": "always_migrate", "policy": "always_migrate", "mode": "recovery",
-         "network_view": "live"},
-        {"name": "always_recompute", "policy": "always_recompute", "mode": "recovery",
-         "network_view": "live"},
+        {
+            "name": "static",
+            "policy": "least_loaded",
+            "candidates": "same_node",
+            "network_view": "live",
+        },
+        {
+            "name": "always_migrate",
+            "policy": "always_migrate",
+            "mode": "recovery",
+            "network_view": "live",
+        },
+        {
+            "name": "always_recompute",
+            "policy": "always_recompute",
+            "mode": "recovery",
+            "network_view": "live",
+        },
         {"name": "rom", "policy": "rom", "mode": "recovery", "network_view": "live"},
         {"name": "kvrs", "policy": "kvrs", "mode": "recovery", "network_view": "live"},
     ],
@@ -268,44 +364,76 @@ def run_goodput(params: dict[str, Any], out_dir: Path, show_progress: bool = Fal
     out = Output(out_dir, "rom-goodput")
     rows = []
     for skew in p["skews"]:
-        sim = deep_merge(p["sim"], {
-            "cluster": {"topology": two_node_topology(p["bandwidth_gbps"])},
-            "serving": {"prefill_weights": {"prefill-0": skew, "prefill-1": 1.0 - skew}}})
+        sim = deep_merge(
+            p["sim"],
+            {
+                "cluster": {"topology": two_node_topology(p["bandwidth_gbps"])},
+                "serving": {"prefill_weights": {"prefill-0": skew, "prefill-1": 1.0 - skew}},
+            },
+        )
         config = sim_config(sim)
         for policy in p["policies"]:
             at_rate: dict[float, dict] = {}
 
-            def attainment_at(rate: float, policy=policy, config=config, at_rate=at_rate,
-                              skew=skew) -> float:
-                requests = SyntheticWorkload(requests=int(p["requests"]), rate_per_s=rate,
-                                             **p["workload"]).generate()
-                result = run(config, requests, policy,
-                             label=f"skew {skew:.0%} {policy['name']} {rate:.2f}/s",
-                             show_progress=show_progress)
+            def attainment_at(
+                rate: float, policy=policy, config=config, at_rate=at_rate, skew=skew
+            ) -> float:
+                requests = SyntheticWorkload(
+                    requests=int(p["requests"]), rate_per_s=rate, **p["workload"]
+                ).generate()
+                result = run(
+                    config,
+                    requests,
+                    policy,
+                    label=f"skew {skew:.0%} {policy['name']} {rate:.2f}/s",
+                    show_progress=show_progress,
+                )
                 at_rate[rate] = brief(result.summary)
-                at_rate[rate]["placed"] = {k: v for k, v in result.stats.items()
-                                           if k.startswith("placed_")}
+                at_rate[rate]["placed"] = {
+                    k: v for k, v in result.stats.items() if k.startswith("placed_")
+                }
                 return result.summary.slo_attainment
 
             goodput, probes = goodput_by_bisection(
-                attainment_at, p["low_rate"], p["high_rate"], p["target_attainment"],
-                p["tolerance"])
+                attainment_at, p["low_rate"], p["high_rate"], p["target_attainment"], p["tolerance"]
+            )
             at_goodput = at_rate.get(goodput, {})
-            rows.append({"skew": skew, "policy": policy["name"], "goodput_per_s": goodput,
-                         "probes": probes, "at_goodput": at_goodput})
-    data = {"experiment": "rom-goodput", "parameters": p,
-            "effective_config": sim_config(deep_merge(p["sim"], {"cluster": {
-                "topology": two_node_topology(p["bandwidth_gbps"])}, "serving": {
-                "prefill_weights": {"prefill-0": 0.9, "prefill-1": 0.1}}})).to_dict(),
-            "results": rows, "headline": _goodput_headline(rows)}
+            rows.append(
+                {
+                    "skew": skew,
+                    "policy": policy["name"],
+                    "goodput_per_s": goodput,
+                    "probes": probes,
+                    "at_goodput": at_goodput,
+                }
+            )
+    data = {
+        "experiment": "rom-goodput",
+        "parameters": p,
+        "effective_config": sim_config(
+            deep_merge(
+                p["sim"],
+                {
+                    "cluster": {"topology": two_node_topology(p["bandwidth_gbps"])},
+                    "serving": {"prefill_weights": {"prefill-0": 0.9, "prefill-1": 0.1}},
+                },
+            )
+        ).to_dict(),
+        "results": rows,
+        "headline": _goodput_headline(rows),
+    }
     out.write_json(data)
     names = [policy["name"] for policy in p["policies"]]
 
     def draw(ax: Any) -> None:
         for name in names:
             mine = [r for r in rows if r["policy"] == name]
-            ax.plot([100 * r["skew"] for r in mine], [r["goodput_per_s"] for r in mine],
-                    marker="o", label=name)
+            ax.plot(
+                [100 * r["skew"] for r in mine],
+                [r["goodput_per_s"] for r in mine],
+                marker="o",
+                label=name,
+            )
         ax.set_xlabel("share of arrivals at node 0 (%)")
         ax.set_ylabel("goodput (req/s, ≥ 90 % attainment)")
         ax.legend()
@@ -321,16 +449,28 @@ def run_goodput(params: dict[str, Any], out_dir: Path, show_progress: bool = Fal
         if "static" in by and "kvrs" in by and by["static"]:
             line.append(100.0 * (by["kvrs"] - by["static"]) / by["static"])
         table.append(line)
-    out.write_markdown("\n\n".join([
-        "# rom-goodput",
-        f"Two OPT-13B nodes, {p['bandwidth_gbps']:g} Gbps apart; {p['requests']} Poisson "
-        f"requests per probe; goodput = highest rate with ≥ {p['target_attainment']:.0%} "
-        f"meeting TTFT {p['sim']['slo']['ttft_s']} s and TPOT {p['sim']['slo']['tpot_s']} s "
-        f"(bisection to {p['tolerance']} req/s).",
-        md_table(["skew", *[f"{n} (req/s)" for n in names], "rom vs static %",
-                  "kvrs vs static %"], table),
-        *[f"![{f.stem}]({f.name})" for f in out.figures],
-    ]))
+    out.write_markdown(
+        "\n\n".join(
+            [
+                "# rom-goodput",
+                f"Two OPT-13B nodes, {p['bandwidth_gbps']:g} Gbps apart; {p['requests']} Poisson "
+                f"requests per probe; goodput = highest rate with ≥ {p['target_attainment']:.0%} "
+                f"meeting TTFT {p['sim']['slo']['ttft_s']} s and "
+                f"TPOT {p['sim']['slo']['tpot_s']} s "
+                f"(bisection to {p['tolerance']} req/s).",
+                md_table(
+                    [
+                        "skew",
+                        *[f"{n} (req/s)" for n in names],
+                        "rom vs static %",
+                        "kvrs vs static %",
+                    ],
+                    table,
+                ),
+                *[f"![{f.stem}]({f.name})" for f in out.figures],
+            ]
+        )
+    )
     return data
 
 

@@ -14,17 +14,21 @@ SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
 
 def test_netkv_experiment_writes_json_markdown_and_figures(tmp_path):
     config = tmp_path / "netkv.yaml"
-    config.write_text(yaml.safe_dump({
-        "workload": {"trace": str(SAMPLE), "limit": 60},
-        "tuning": {"cache_weight": [0.0, 0.4], "load_weight": [1.0]},
-        "load_scales": [1.0], "background_levels": [0.0, 0.3],
-        "context": {"caps": [8192]},
-        "staleness": {"periods_s": [0.0, "inf"]},
-        "segregated": {"rate_scales": [1.0], "background_levels": [0.3]},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "workload": {"trace": str(SAMPLE), "limit": 60},
+                "tuning": {"cache_weight": [0.0, 0.4], "load_weight": [1.0]},
+                "load_scales": [1.0],
+                "background_levels": [0.0, 0.3],
+                "context": {"caps": [8192]},
+                "staleness": {"periods_s": [0.0, "inf"]},
+                "segregated": {"rate_scales": [1.0], "background_levels": [0.3]},
+            }
+        )
+    )
     out = tmp_path / "out"
-    assert main(["sim", "netkv", "--config", str(config), "--out", str(out),
-                 "--no-progress"]) == 0
+    assert main(["sim", "netkv", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
     data = json.loads((out / "netkv.json").read_text())
     assert len(data["cache_load_tuning"]) == 2
     assert set(data["policies"]["cache_load"]["params"]) == {"cache_weight", "load_weight"}
@@ -40,8 +44,10 @@ def test_netkv_experiment_writes_json_markdown_and_figures(tmp_path):
 
 
 def test_single_run_prints_a_summary(tmp_path, capsys):
-    assert main(["sim", "run", "--trace", str(SAMPLE), "--policy", "round_robin",
-                 "--no-progress"]) == 0
+    assert (
+        main(["sim", "run", "--trace", str(SAMPLE), "--policy", "round_robin", "--no-progress"])
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out)["summary"]
     assert summary["completed"] == 200 and summary["lost"] == 0
 
@@ -49,6 +55,7 @@ def test_single_run_prints_a_summary(tmp_path, capsys):
 def test_a_bad_config_key_is_named(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump({"serving": {"no_such_key": 1}}))
-    assert main(["sim", "run", "--trace", str(SAMPLE), "--config", str(config),
-                 "--no-progress"]) == 2
+    assert (
+        main(["sim", "run", "--trace", str(SAMPLE), "--config", str(config), "--no-progress"]) == 2
+    )
     assert "no_such_key" in capsys.readouterr().err

@@ -75,10 +75,10 @@ def test_water_filling_gives_leftover_to_unconstrained_flows():
 
 def test_background_takes_capacity_and_rates_recover_when_it_stops():
     loop, net, done = _network({"s": 8.0})
-    flow = net.start(["s"], 10.0, lambda f: done.append(loop.now_s))   # 80 bits
+    flow = net.start(["s"], 10.0, lambda f: done.append(loop.now_s))  # 80 bits
     net.set_background("s", 6.0)
     assert flow.rate_bps == pytest.approx(2.0)
-    loop.at(5.0, net.set_background, "s", 0.0)   # 10 bits sent by t=5, 70 left at 8 b/s
+    loop.at(5.0, net.set_background, "s", 0.0)  # 10 bits sent by t=5, 70 left at 8 b/s
     loop.run()
     assert done == [pytest.approx(5.0 + 70 / 8)]
 

@@ -64,8 +64,16 @@ def test_decode_runs_match_a_step_by_step_reference(seed):
         arrivals.append((t, i, int(rng.integers(10, 5000)), int(rng.integers(2, 60))))
     loop = EventLoop()
     finished = []
-    decode = DecodeInstance("d", "n", loop, PROFILE, 10**9, 64, PrefixCache(0),
-                            lambda m: finished.append(m.record.index))
+    decode = DecodeInstance(
+        "d",
+        "n",
+        loop,
+        PROFILE,
+        10**9,
+        64,
+        PrefixCache(0),
+        lambda m: finished.append(m.record.index),
+    )
     records = {}
     for at, i, context, out in arrivals:
         records[i] = RequestRecord(i, at, context, out)
@@ -114,33 +122,38 @@ def test_prefill_batches_by_token_budget_and_skips_cached_blocks():
     profile = ComputeProfile("m", a_s=0.02, b_s_per_token=1e-4, c_s_per_token2=1e-9)
     loop = EventLoop()
     pool = PrefixCache(100)
-    prefill = PrefillInstance("p", "n", loop, profile, pool, block_tokens=512,
-                              budget_tokens=2048)
+    prefill = PrefillInstance("p", "n", loop, profile, pool, block_tokens=512, budget_tokens=2048)
     ends = {}
 
     def submit(i, tokens, blocks):
         record = RequestRecord(i, loop.now_s, tokens, 1)
-        prefill.submit(PrefillJob(record, tokens, blocks,
-                                  lambda job: ends.setdefault(job.record.index, loop.now_s)))
+        prefill.submit(
+            PrefillJob(
+                record, tokens, blocks, lambda job: ends.setdefault(job.record.index, loop.now_s)
+            )
+        )
 
-    submit(0, 1024, (1, 2))                      # runs alone, at once
-    submit(1, 1024, (1, 2, 3))                   # queued
-    submit(2, 1024, (7, 8))                      # fits the budget with #1
+    submit(0, 1024, (1, 2))  # runs alone, at once
+    submit(1, 1024, (1, 2, 3))  # queued
+    submit(2, 1024, (7, 8))  # fits the budget with #1
     loop.run()
     first = profile.prefill_s(1024)
     assert ends[0] == pytest.approx(first)
     # Batch 2: #1 hits its first two blocks (cached by #0) and computes 0 new... capped at
     # one token less than the prompt; #2 computes all 1024.
     hit = 1023
-    second = (profile.a_s + (profile.extend_s(hit, 1) - profile.a_s)
-              + (profile.prefill_s(1024) - profile.a_s))
+    second = (
+        profile.a_s
+        + (profile.extend_s(hit, 1) - profile.a_s)
+        + (profile.prefill_s(1024) - profile.a_s)
+    )
     assert ends[1] == ends[2] == pytest.approx(first + second)
 
 
 def test_prefix_cache_is_lru_and_remembers_the_past():
     cache = PrefixCache(3)
     cache.insert([1, 2, 3], now_s=1.0)
-    cache.insert([1, 4], now_s=2.0)          # evicts 2 (least recent)
+    cache.insert([1, 4], now_s=2.0)  # evicts 2 (least recent)
     assert list(cache) == [3, 1, 4]
     assert cache.leading_hits([1, 2, 3]) == 1
     past = cache.as_of(1.5)
@@ -149,7 +162,8 @@ def test_prefix_cache_is_lru_and_remembers_the_past():
 
 
 def test_goodput_bisection_finds_the_threshold():
-    rate, probes = goodput_by_bisection(lambda r: 1.0 if r <= 7.3 else 0.5, 1.0, 4.0,
-                                        tolerance=0.05)
+    rate, probes = goodput_by_bisection(
+        lambda r: 1.0 if r <= 7.3 else 0.5, 1.0, 4.0, tolerance=0.05
+    )
     assert 7.25 <= rate <= 7.3
     assert all(value in (1.0, 0.5) for _, value in probes)

@@ -18,15 +18,28 @@ KVRS = PolicySpec("kvrs", "netkv", network_view="live")
 
 
 def _fingerprint(result):
-    return [(r.index, r.status, r.decode_id, round(r.first_token_s, 9), round(r.finish_s, 9),
-             None if math.isnan(r.tbt_s) else round(r.tbt_s, 9)) for r in result.records]
+    return [
+        (
+            r.index,
+            r.status,
+            r.decode_id,
+            round(r.first_token_s, 9),
+            round(r.finish_s, 9),
+            None if math.isnan(r.tbt_s) else round(r.tbt_s, 9),
+        )
+        for r in result.records
+    ]
 
 
 def test_same_seed_same_run_even_with_background_and_failures():
     requests = scale_arrivals(load_mooncake(SAMPLE), 3.0)
-    config = SimConfig.from_dict({
-        "background": {"utilisation": 0.3}, "seed": 5,
-        "failures": [{"at_s": 8.0, "instance": "decode-3"}, {"at_s": 12.0, "node": "n5"}]})
+    config = SimConfig.from_dict(
+        {
+            "background": {"utilisation": 0.3},
+            "seed": 5,
+            "failures": [{"at_s": 8.0, "instance": "decode-3"}, {"at_s": 12.0, "node": "n5"}],
+        }
+    )
     first = run_policy(config, requests, KVRS)
     second = run_policy(config, requests, KVRS)
     assert _fingerprint(first) == _fingerprint(second)
@@ -36,21 +49,42 @@ def test_same_seed_same_run_even_with_background_and_failures():
 
 
 def _busy_chat(requests: int = 300, rate: float = 30.0):
-    return SyntheticWorkload(requests=requests, rate_per_s=rate, input_median_tokens=2000.0,
-                             input_sigma=0.5, output_median_tokens=300.0, output_sigma=0.3,
-                             continue_prob=0.0, system_prompt_prob=0.0, seed=1).generate()
+    return SyntheticWorkload(
+        requests=requests,
+        rate_per_s=rate,
+        input_median_tokens=2000.0,
+        input_sigma=0.5,
+        output_median_tokens=300.0,
+        output_sigma=0.3,
+        continue_prob=0.0,
+        system_prompt_prob=0.0,
+        seed=1,
+    ).generate()
 
 
-@pytest.mark.parametrize("planner,policy", [("batch", "kvrs"), ("per_request", "rom"),
-                                            ("batch", "always_migrate"),
-                                            ("per_request", "always_recompute")])
+@pytest.mark.parametrize(
+    "planner,policy",
+    [
+        ("batch", "kvrs"),
+        ("per_request", "rom"),
+        ("batch", "always_migrate"),
+        ("per_request", "always_recompute"),
+    ],
+)
 def test_every_request_ends_completed_or_aborted_through_failures(planner, policy):
     requests = _busy_chat()
-    config = SimConfig.from_dict({
-        "cluster": {"layout": "segregated"},
-        "failures": [{"at_s": 4.0, "node": "n2"}, {"at_s": 5.0, "instance": "decode-7"},
-                     {"at_s": 6.0, "instance": "prefill-0"}, {"at_s": 6.5, "node": "n4"}],
-        "recovery": {"policy": policy, "planner": planner}})
+    config = SimConfig.from_dict(
+        {
+            "cluster": {"layout": "segregated"},
+            "failures": [
+                {"at_s": 4.0, "node": "n2"},
+                {"at_s": 5.0, "instance": "decode-7"},
+                {"at_s": 6.0, "instance": "prefill-0"},
+                {"at_s": 6.5, "node": "n4"},
+            ],
+            "recovery": {"policy": policy, "planner": planner},
+        }
+    )
     result = run_policy(config, requests, KVRS)
     summary = result.summary
     assert summary.lost == 0
@@ -72,10 +106,13 @@ def test_every_request_ends_completed_or_aborted_through_failures(planner, polic
 
 def test_a_recovery_deadline_aborts_early_and_still_conserves():
     requests = _busy_chat()
-    config = SimConfig.from_dict({
-        "cluster": {"layout": "segregated"},
-        "failures": [{"at_s": 4.0, "node": "n2"}],
-        "recovery": {"policy": "kvrs", "planner": "batch", "deadline_s": 0.05}})
+    config = SimConfig.from_dict(
+        {
+            "cluster": {"layout": "segregated"},
+            "failures": [{"at_s": 4.0, "node": "n2"}],
+            "recovery": {"policy": "kvrs", "planner": "batch", "deadline_s": 0.05},
+        }
+    )
     result = run_policy(config, requests, KVRS)
     assert result.summary.lost == 0
     aborted = [r for r in result.records if r.status == ABORTED]
@@ -87,12 +124,18 @@ def test_batch_plan_spreads_a_node_failure_and_shares_links():
     requests = _busy_chat(400, 40.0)
     results = {}
     for planner, policy in (("per_request", "rom"), ("batch", "kvrs")):
-        config = SimConfig.from_dict({
-            "cluster": {"layout": "segregated"}, "failures": [{"at_s": 6.0, "node": "n2"}],
-            "recovery": {"policy": policy, "planner": planner}})
+        config = SimConfig.from_dict(
+            {
+                "cluster": {"layout": "segregated"},
+                "failures": [{"at_s": 6.0, "node": "n2"}],
+                "recovery": {"policy": policy, "planner": planner},
+            }
+        )
         results[planner] = run_policy(config, requests, KVRS)
-    targets = {planner: {rec.target_id for r in res.records for rec in r.recoveries}
-               for planner, res in results.items()}
+    targets = {
+        planner: {rec.target_id for r in res.records for rec in r.recoveries}
+        for planner, res in results.items()
+    }
     assert len(targets["batch"]) > len(targets["per_request"])
     mean = {p: res.summary.recovery for p, res in results.items()}
     assert mean["batch"] and mean["per_request"]
@@ -101,10 +144,8 @@ def test_batch_plan_spreads_a_node_failure_and_shares_links():
 
 def test_stale_telemetry_reaches_decisions():
     requests = scale_arrivals(load_mooncake(SAMPLE), 4.0)
-    fresh = run_policy(SimConfig.from_dict({"telemetry": {"state_period_s": 0.0}}), requests,
-                       NETKV)
-    stale = run_policy(SimConfig.from_dict({"telemetry": {"state_period_s": 5.0}}), requests,
-                       NETKV)
+    fresh = run_policy(SimConfig.from_dict({"telemetry": {"state_period_s": 0.0}}), requests, NETKV)
+    stale = run_policy(SimConfig.from_dict({"telemetry": {"state_period_s": 5.0}}), requests, NETKV)
     assert stale.stats["telemetry_samples"] < fresh.stats["telemetry_samples"]
     assert _fingerprint(stale) != _fingerprint(fresh)
     assert stale.summary.lost == fresh.summary.lost == 0

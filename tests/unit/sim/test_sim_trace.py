@@ -64,10 +64,11 @@ def test_bad_lines_name_the_file_and_line(tmp_path):
 def test_synthetic_workload_is_deterministic_and_round_trips(tmp_path):
     workload = SyntheticWorkload(requests=500, seed=7)
     first, second = workload.generate(), workload.generate()
-    assert [(r.arrival_s, r.input_tokens, r.hash_ids) for r in first] == \
-        [(r.arrival_s, r.input_tokens, r.hash_ids) for r in second]
+    assert [(r.arrival_s, r.input_tokens, r.hash_ids) for r in first] == [
+        (r.arrival_s, r.input_tokens, r.hash_ids) for r in second
+    ]
     stats = TraceStats.of(first)
-    assert 0.2 < stats.cache_ratio < 0.9          # sessions share prefixes
+    assert 0.2 < stats.cache_ratio < 0.9  # sessions share prefixes
     assert 2.5 < stats.rate_per_s < 5.5
     path = tmp_path / "gen.jsonl"
     write_mooncake(path, first)

@@ -28,14 +28,14 @@ def test_kv_sizes():
 
 def test_migration_of_1_21_gb_at_25_gbps_takes_387_ms_on_the_flow_network():
     topology = Topology.from_dict(two_node_topology(25.0))
-    seconds = simulate_migration_s(topology, "prefill-0", "decode-1",
-                                   model_spec("opt-13b").kv_bytes(1477))
+    seconds = simulate_migration_s(
+        topology, "prefill-0", "decode-1", model_spec("opt-13b").kv_bytes(1477)
+    )
     assert seconds == pytest.approx(0.387, abs=1e-3)
 
 
 def test_simulated_crossover_is_within_2_percent_of_6_45(tmp_path):
-    data = run_crossover({"surface": {"tokens": [512, 2048], "bandwidth_gbps": [1, 25]}},
-                         tmp_path)
+    data = run_crossover({"surface": {"tokens": [512, 2048], "bandwidth_gbps": [1, 25]}}, tmp_path)
     assert data["q_star_analytic"] == pytest.approx(6.45, rel=0.01)
     assert abs(data["q_star_simulated"] - 6.45) / 6.45 <= 0.02
     # The core policy, given the same queue in its view, moves off at the next integer.
@@ -48,13 +48,16 @@ def test_distserve_fit_through_the_executors():
     assert compute_profile("opt-13b").prefill_s(512) == pytest.approx(65.6e-3, abs=0.1e-3)
     assert decode_profile("opt-13b").step_s(1, 512) == pytest.approx(20.3e-3, abs=0.1e-3)
     loop = EventLoop()
-    prefill = PrefillInstance("p", "n", loop, compute_profile("opt-13b"), PrefixCache(0), 512,
-                              budget_tokens=2048)
+    prefill = PrefillInstance(
+        "p", "n", loop, compute_profile("opt-13b"), PrefixCache(0), 512, budget_tokens=2048
+    )
     done = []
-    prefill.submit(PrefillJob(RequestRecord(0, 0.0, 512, 1), 512, (),
-                              lambda job: done.append(loop.now_s)))
-    decode = DecodeInstance("d", "n", loop, decode_profile("opt-13b"), 10**6, 8, PrefixCache(0),
-                            lambda member: None)
+    prefill.submit(
+        PrefillJob(RequestRecord(0, 0.0, 512, 1), 512, (), lambda job: done.append(loop.now_s))
+    )
+    decode = DecodeInstance(
+        "d", "n", loop, decode_profile("opt-13b"), 10**6, 8, PrefixCache(0), lambda member: None
+    )
     record = RequestRecord(1, 0.0, 512, 1)
     loop.at(1.0, decode.admit, DecodeMember(record, 512, 1, 513))
     loop.run()
@@ -63,17 +66,28 @@ def test_distserve_fit_through_the_executors():
 
 
 def _free_network() -> dict:
-    fast = 1e9   # Gbps: transfers take nanoseconds
-    return {"cluster": {"nvlink_gbps": fast, "rack_gbps": fast, "pod_gbps": fast,
-                        "spine_gbps": fast, "hop_latency_us": 0, "setup_latency_ms": 0}}
+    fast = 1e9  # Gbps: transfers take nanoseconds
+    return {
+        "cluster": {
+            "nvlink_gbps": fast,
+            "rack_gbps": fast,
+            "pod_gbps": fast,
+            "spine_gbps": fast,
+            "hop_latency_us": 0,
+            "setup_latency_ms": 0,
+        }
+    }
 
 
 def test_netkv_matches_the_load_only_baseline_when_the_network_is_free():
     requests = load_mooncake(SAMPLE)
     config = SimConfig.from_dict({**_free_network(), "telemetry": {"state_period_s": 0.0}})
     netkv = run_policy(config, requests, PolicySpec("netkv", "netkv"))
-    tuned = run_policy(config, requests, PolicySpec(
-        "cache_load", "cache_load", params={"cache_weight": 0.0, "load_weight": 1.0}))
+    tuned = run_policy(
+        config,
+        requests,
+        PolicySpec("cache_load", "cache_load", params={"cache_weight": 0.0, "load_weight": 1.0}),
+    )
     # Same score (W(d)) for both; only ties between idle instances break differently.
     assert netkv.summary.ttft_s["mean"] == pytest.approx(tuned.summary.ttft_s["mean"], rel=0.01)
     assert netkv.summary.transfer_s["max"] < 1e-3
