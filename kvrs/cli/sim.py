@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from kvrs.errors import KvrsError
-from kvrs.sim.experiments import EXPERIMENTS, experiment
+from kvrs.errors import InvalidArgument, KvrsError
+from kvrs.sim.experiments import EXPERIMENTS, PARALLEL_EXPERIMENTS, experiment
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,15 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", type=Path, help="output directory (default runs/sim/NAME)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "-j",
+        "--jobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="simulations run side by side, each in its own process (default: the cores "
+        f"available); experiments: {', '.join(sorted(PARALLEL_EXPERIMENTS))}",
+    )
     parser.add_argument("--trace", type=Path, help="run: a Mooncake-format trace")
     parser.add_argument("--policy", default="netkv", help="run: a placement policy")
     parser.add_argument(
@@ -56,7 +65,14 @@ def run(args: argparse.Namespace) -> int:
         if args.experiment == "run":
             return _single_run(args, params)
         out = args.out or Path("runs") / "sim" / args.experiment
-        experiment(args.experiment)(params, out, not args.no_progress)
+        if args.jobs < 0:
+            raise InvalidArgument("jobs", f"must be >= 1 (0: the cores available), got {args.jobs}")
+        extra = {}
+        if args.experiment in PARALLEL_EXPERIMENTS:
+            from kvrs.sim.experiments.common import available_cores
+
+            extra["workers"] = args.jobs or available_cores()
+        experiment(args.experiment)(params, out, not args.no_progress, **extra)
     except KvrsError as exc:
         print(f"kvrs sim: {exc}", file=sys.stderr)
         return 2

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 # name -> (module, function, one-line description); modules load only when run.
 EXPERIMENTS: dict[str, tuple[str, str, str]] = {
@@ -32,6 +30,10 @@ EXPERIMENTS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def experiment(name: str) -> Callable[[dict[str, Any], Path, bool], dict]:
+PARALLEL_EXPERIMENTS = frozenset({"netkv"})
+"""Experiments whose runs are independent, taking `workers=N` to run N at a time."""
+
+
+def experiment(name: str) -> Callable[..., dict]:
     module, function, _ = EXPERIMENTS[name]
     return getattr(importlib.import_module(module), function)

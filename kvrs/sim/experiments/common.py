@@ -6,7 +6,10 @@ import copy
 import json
 import logging
 import math
+import multiprocessing
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +110,41 @@ def run(
     finally:
         if progress is not None:
             progress.close()
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (the default number of parallel runs)."""
+    return len(os.sched_getaffinity(0))
+
+
+_TASK: Callable[[Any], Any] | None = None
+"""The function `map_runs` applies, inherited by its forked workers (never pickled)."""
+
+
+def _call_task(job: Any) -> Any:
+    assert _TASK is not None
+    return _TASK(job)
+
+
+def map_runs(task: Callable[[Any], Any], jobs: Iterable[Any], workers: int = 1) -> list[Any]:
+    """`task(job)` for every job, in the jobs' order, in up to `workers` processes.
+
+    Runs are independent and each is deterministic given its config (its seed included),
+    so the results do not depend on how many processes computed them. Workers are
+    forked: they inherit `task` and what it closes over (the workload), and only the
+    jobs and their results cross process boundaries, pickled, which keeps floats exact.
+    """
+    global _TASK
+    jobs = list(jobs)
+    if workers <= 1 or len(jobs) <= 1:
+        return [task(job) for job in jobs]
+    _TASK = task
+    try:
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
+            return list(pool.map(_call_task, jobs))
+    finally:
+        _TASK = None
 
 
 def attainment(records: Iterable[RequestRecord], slo: SloSpec) -> float:

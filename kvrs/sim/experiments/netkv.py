@@ -21,6 +21,7 @@ from kvrs.sim.experiments.common import (
     brief,
     deep_merge,
     load_workload,
+    map_runs,
     md_table,
     pct_change,
     run,
@@ -63,7 +64,14 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = False) -> dict:
+def run_experiment(
+    params: dict[str, Any], out_dir: Path, show_progress: bool = False, workers: int = 1
+) -> dict:
+    """Every sweep of the experiment; `workers` processes run its simulations side by side.
+
+    Runs are independent (the tuning grid first, since the sweeps use its winner), so the
+    results are the same for any number of workers; only `wall_s` differs run to run.
+    """
     p = deep_merge(DEFAULTS, params)
     out = Output(out_dir, "netkv")
     workload = load_workload(p["workload"])
@@ -71,6 +79,8 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
     policies = {spec["name"]: dict(spec) for spec in p["policies"]}
     slos = [float(x) for x in p["ttft_slos_s"]]
     tbt_slo = float(base.get("slo", {}).get("tbt_s", 0.1))
+    # Progress bars of parallel runs would overwrite each other.
+    progress = show_progress and workers <= 1
 
     def config(rate_bg_layout: dict[str, Any]) -> Any:
         extra: dict[str, Any] = {"background": {"utilisation": rate_bg_layout["background"]}}
@@ -80,14 +90,15 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
             extra["telemetry"] = {"link_period_s": rate_bg_layout["link_period_s"]}
         return sim_config(deep_merge(base, extra))
 
-    def one(name: str, scenario: dict[str, Any], policy: dict[str, Any]) -> dict[str, Any]:
+    def one(job: tuple[str, dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
+        name, scenario, policy = job
         requests = workload.scaled(scenario.get("rate_scale", 1.0), scenario.get("context_cap"))
         result = run(
             config(scenario),
             requests,
             policy,
             label=f"{name} {policy['name']}",
-            show_progress=show_progress,
+            show_progress=progress,
         )
         row = brief(result.summary)
         row["attainment_by_ttft_slo"] = {
@@ -100,78 +111,92 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
     grid = []
     if "cache_load" in policies and not policies["cache_load"].get("params"):
         scenario = {"rate_scale": tuning["rate_scale"], "background": tuning["background"]}
-        for cache_weight in tuning["cache_weight"]:
-            for load_weight in tuning["load_weight"]:
-                spec = {
+        weights = [(c, w) for c in tuning["cache_weight"] for w in tuning["load_weight"]]
+        jobs = [
+            (
+                "tune",
+                scenario,
+                {
                     "name": "cache_load",
                     "policy": "cache_load",
                     "params": {"cache_weight": cache_weight, "load_weight": load_weight},
+                },
+            )
+            for cache_weight, load_weight in weights
+        ]
+        for (cache_weight, load_weight), row in zip(
+            weights, map_runs(one, jobs, workers), strict=True
+        ):
+            grid.append(
+                {
+                    "cache_weight": cache_weight,
+                    "load_weight": load_weight,
+                    "ttft_mean_s": row["ttft_s"]["mean"],
                 }
-                row = one("tune", scenario, spec)
-                grid.append(
-                    {
-                        "cache_weight": cache_weight,
-                        "load_weight": load_weight,
-                        "ttft_mean_s": row["ttft_s"]["mean"],
-                    }
-                )
+            )
         best = min(grid, key=lambda g: (g["ttft_mean_s"], g["cache_weight"], g["load_weight"]))
         policies["cache_load"]["params"] = {
             "cache_weight": best["cache_weight"],
             "load_weight": best["load_weight"],
         }
 
-    def sweep(kind: str, scenarios: list[dict[str, Any]], names: list[str]) -> list[dict]:
-        rows = []
-        for scenario in scenarios:
-            results = {n: one(kind, scenario, policies[n]) for n in names}
-            rows.append({"scenario": scenario, "results": results})
-        return rows
-
+    # 2. Every sweep's runs at once, then regrouped by sweep and scenario.
     names = list(policies)
-    load_rows = sweep(
-        "load",
-        [
-            {"rate_scale": s, "background": u}
-            for u in p["background_levels"]
-            for s in p["load_scales"]
-        ],
-        names,
-    )
     ctx = p["context"]
-    context_rows = sweep(
-        "context",
-        [
-            {"rate_scale": ctx["rate_scale"], "background": ctx["background"], "context_cap": cap}
-            for cap in ctx["caps"]
-        ],
-        names,
-    )
     stale = p["staleness"]
-    stale_names = [n for n in stale["policies"] if n in policies]
-    staleness_rows = sweep(
-        "staleness",
-        [
-            {
-                "rate_scale": stale["rate_scale"],
-                "background": stale["background"],
-                "layout": stale.get("layout", "interleaved"),
-                "link_period_s": float(t),
-            }
-            for t in stale["periods_s"]
-        ],
-        stale_names,
-    )
     seg = p["segregated"]
-    segregated_rows = sweep(
-        "segregated",
-        [
-            {"rate_scale": s, "background": u, "layout": "segregated"}
-            for u in seg["background_levels"]
-            for s in seg["rate_scales"]
-        ],
-        names,
-    )
+    sweeps: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
+        "load": (
+            [
+                {"rate_scale": s, "background": u}
+                for u in p["background_levels"]
+                for s in p["load_scales"]
+            ],
+            names,
+        ),
+        "context": (
+            [
+                {"rate_scale": ctx["rate_scale"], "background": ctx["background"], "context_cap": c}
+                for c in ctx["caps"]
+            ],
+            names,
+        ),
+        "staleness": (
+            [
+                {
+                    "rate_scale": stale["rate_scale"],
+                    "background": stale["background"],
+                    "layout": stale.get("layout", "interleaved"),
+                    "link_period_s": float(t),
+                }
+                for t in stale["periods_s"]
+            ],
+            [n for n in stale["policies"] if n in policies],
+        ),
+        "segregated": (
+            [
+                {"rate_scale": s, "background": u, "layout": "segregated"}
+                for u in seg["background_levels"]
+                for s in seg["rate_scales"]
+            ],
+            names,
+        ),
+    }
+    jobs = [
+        (kind, scenario, policies[n])
+        for kind, (scenarios, run_names) in sweeps.items()
+        for scenario in scenarios
+        for n in run_names
+    ]
+    results = iter(map_runs(one, jobs, workers))
+    rows: dict[str, list[dict]] = {}
+    for kind, (scenarios, run_names) in sweeps.items():
+        rows[kind] = [
+            {"scenario": scenario, "results": {n: next(results) for n in run_names}}
+            for scenario in scenarios
+        ]
+    load_rows, context_rows = rows["load"], rows["context"]
+    staleness_rows, segregated_rows = rows["staleness"], rows["segregated"]
 
     data = {
         "experiment": "netkv",

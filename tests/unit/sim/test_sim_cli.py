@@ -59,3 +59,42 @@ def test_a_bad_config_key_is_named(tmp_path, capsys):
         main(["sim", "run", "--trace", str(SAMPLE), "--config", str(config), "--no-progress"]) == 2
     )
     assert "no_such_key" in capsys.readouterr().err
+
+
+def _without_wall_time(value):
+    """The value with every `wall_s` (the one figure that differs run to run) removed."""
+    if isinstance(value, dict):
+        return {k: _without_wall_time(v) for k, v in value.items() if k != "wall_s"}
+    if isinstance(value, list):
+        return [_without_wall_time(v) for v in value]
+    return value
+
+
+def test_netkv_in_parallel_processes_writes_what_a_serial_run_writes(tmp_path):
+    config = tmp_path / "netkv.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "workload": {"trace": str(SAMPLE), "limit": 40},
+                "tuning": {"cache_weight": [0.0, 0.4], "load_weight": [1.0]},
+                "load_scales": [1.0],
+                "background_levels": [0.3],
+                "context": {"caps": [8192]},
+                "staleness": {"periods_s": [1.0]},
+                "segregated": {"rate_scales": [1.0], "background_levels": [0.3]},
+            }
+        )
+    )
+    outputs = {}
+    for jobs in ("1", "3"):
+        out = tmp_path / f"j{jobs}"
+        argv = ["sim", "netkv", "--config", str(config), "--out", str(out), "--no-progress"]
+        assert main([*argv, "-j", jobs]) == 0
+        outputs[jobs] = (
+            json.loads((out / "netkv.json").read_text()),
+            (out / "netkv.md").read_text(),
+        )
+    (serial, serial_md), (parallel, parallel_md) = outputs["1"], outputs["3"]
+    assert parallel_md == serial_md
+    assert _without_wall_time(parallel) == _without_wall_time(serial)
+    assert serial["load"][0]["results"]["netkv"]["wall_s"] > 0
