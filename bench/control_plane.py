@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import redis
 
-from kvrs.localcluster import free_ports, spawn, stop_processes
+from kvrs.cli.launcher import free_ports, spawn, stop_processes
 from kvrs.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, slots_pb2, slots_pb2_grpc
 from services.common import GrpcSettings, open_channel, setup_tracing, start_server
 from services.common.healthcheck import SERVING, check_health

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import grpc
 
+from kvrs.cli.launcher import SERVICES, ClusterOptions, start_cluster, stop_cluster
 from kvrs.client import KvrsClient
-from kvrs.localcluster import SERVICES, ClusterOptions, start_cluster, stop_cluster
 from kvrs.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 BENCH_SERVICES = (

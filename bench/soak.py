@@ -36,7 +36,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from kvrs.localcluster import (
+from kvrs.cli.launcher import (
     SERVICES,
     ClusterOptions,
     ClusterState,

@@ -12,9 +12,11 @@ a call that fails with UNAVAILABLE or DEADLINE_EXCEEDED is retried with the same
 the next scheduler address when several are configured (the address that answered
 becomes the preferred one), after a short backoff once every address has been tried.
 Other failures, and the last retryable one, raise the `kvrs.errors` exception matching
-the status code, with the `grpc.aio.AioRpcError` chained as its cause.
+the status code (`kvrs.rpc.error_from_rpc`), with the `grpc.aio.AioRpcError` chained as
+its cause.
 
-Unlike the rest of `kvrs/`, this module speaks gRPC: it is the package's network edge.
+Unlike the core of `kvrs/`, this module speaks gRPC, through `kvrs.rpc`; it imports nothing
+from `services`, so a caller that only wants the client loads no server code.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ from google.protobuf.message import Message
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs import errors
+from kvrs.rpc import (
+    DEFAULT_RPC_TIMEOUT_S,
+    ConfigError,
+    GrpcSettings,
+    env_float,
+    env_int,
+    error_from_rpc,
+    open_channel,
+)
 from kvrs.v1 import (
     common_pb2,
     gossip_pb2,
@@ -42,26 +53,13 @@ from kvrs.v1 import (
     slots_pb2,
     slots_pb2_grpc,
 )
-from services.common.channels import DEFAULT_RPC_TIMEOUT_S, open_channel
-from services.common.config import ConfigError, GrpcSettings, env_float, env_int
 
-__all__ = ["KvrsClient", "RETRYABLE_CODES", "error_from_rpc", "parse_addresses"]
+__all__ = ["KvrsClient", "RETRYABLE_CODES", "parse_addresses"]
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 """Status codes after which an idempotent call is tried again (elsewhere when possible)."""
-
-_ERRORS_BY_CODE: dict[grpc.StatusCode, type[errors.KvrsError]] = {
-    grpc.StatusCode[cls.code]: cls
-    for cls in (
-        errors.NotFound,
-        errors.FailedPrecondition,
-        errors.ResourceExhausted,
-        errors.Unavailable,
-        errors.DeadlineExceeded,
-    )
-}
 
 _ROLES = {
     "": common_pb2.ROLE_UNSPECIFIED,
@@ -70,19 +68,6 @@ _ROLES = {
 }
 
 Response = TypeVar("Response", bound=Message)
-
-
-def error_from_rpc(exc: grpc.aio.AioRpcError, address: str) -> errors.KvrsError:
-    """The `kvrs.errors` exception a failed RPC stands for; the message names the server."""
-    details = exc.details() or exc.code().name
-    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-        field, sep, message = details.partition(": ")
-        if sep and field and " " not in field:
-            return errors.InvalidArgument(field, f"{message} (from {address})")
-        return errors.InvalidArgument("request", f"{details} (from {address})")
-    cls = _ERRORS_BY_CODE.get(exc.code(), errors.KvrsError)
-    prefix = "" if cls is not errors.KvrsError else f"{exc.code().name}: "
-    return cls(f"{prefix}{details} (from {address})")
 
 
 def parse_addresses(value: str, name: str) -> tuple[str, ...]:

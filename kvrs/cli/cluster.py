@@ -1,6 +1,6 @@
 """`kvrs up`, `kvrs down` and `kvrs status`: a local cluster of processes, and a look inside one.
 
-`up` and `down` drive `kvrs.localcluster`; `status` reads any cluster through its gossip
+`up` and `down` drive `kvrs.cli.launcher`; `status` reads any cluster through its gossip
 and slot-broker gRPC APIs (the local one by default, or the addresses given as flags or
 GOSSIP_ADDR / SLOT_BROKER_ADDR, e.g. a compose deployment).
 """
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvrs.localcluster import DEFAULT_RUN_DIR
+from kvrs.cli.launcher import DEFAULT_RUN_DIR
 
 _BPS_PER_GBPS = 1e9
 
@@ -106,7 +106,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrs.localcluster import ClusterError
+    from kvrs.cli.launcher import ClusterError
 
     handlers = {"up": _up, "down": _down, "status": _status}
     try:
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from kvrs.localcluster import (
+    from kvrs.cli.launcher import (
         DEFAULT_TOPOLOGY_FILE,
         ENVOY_SERVICES,
         SERVICES,
@@ -177,7 +177,7 @@ def calibrate_into(run_dir: Path, model: str) -> Path:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from kvrs.localcluster import stop_cluster
+    from kvrs.cli.launcher import stop_cluster
 
     state, killed = stop_cluster(args.dir, args.grace_s)
     print(f"stopped {len(state.processes)} processes from {state.run_dir}")
@@ -187,7 +187,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvrs.localcluster import ClusterError, ClusterState
+    from kvrs.cli.launcher import ClusterError, ClusterState
 
     state: ClusterState | None = None
     try:
@@ -205,9 +205,9 @@ def _status(args: argparse.Namespace) -> int:
 
 async def _collect(args: argparse.Namespace, state: Any) -> dict[str, Any]:
     from kvrs import errors
+    from kvrs.cli.launcher import is_running
     from kvrs.client import KvrsClient
-    from kvrs.localcluster import is_running
-    from services.common.config import GrpcSettings, TlsConfig
+    from kvrs.rpc import GrpcSettings, TlsConfig
 
     env = dict(os.environ)
     if state is not None:

@@ -84,7 +84,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrs.localcluster import ClusterError
+    from kvrs.cli.launcher import ClusterError
 
     if args.requests < 1 or args.max_new_tokens < 2:
         print("kvrs demo: --requests must be >= 1 and --max-new-tokens >= 2", file=sys.stderr)
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(_demo(args, state))
     finally:
         if owned:
-            from kvrs.localcluster import stop_cluster
+            from kvrs.cli.launcher import stop_cluster
 
             stop_cluster(Path(state.run_dir), grace_s=5.0)
             print(f"cluster stopped ({state.run_dir})")
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 def _cluster(args: argparse.Namespace):
     """The cluster to use and whether this command started it (and so stops it)."""
     from kvrs.cli.cluster import calibrate_into
-    from kvrs.localcluster import SERVICES, ClusterOptions, ClusterState, start_cluster
+    from kvrs.cli.launcher import SERVICES, ClusterOptions, ClusterState, start_cluster
 
     if args.cluster_dir is not None:
         state = ClusterState.load(args.cluster_dir)
@@ -142,9 +142,9 @@ class Stream:
 
 
 async def _demo(args: argparse.Namespace, state) -> int:
+    from kvrs.rpc import GrpcSettings, TlsConfig, open_channel
     from kvrs.tokenizer import encode
     from kvrs.v1 import router_pb2_grpc
-    from services.common import GrpcSettings, TlsConfig, open_channel
 
     env = {**os.environ, **state.client_env()}
     settings = GrpcSettings(tls=TlsConfig.from_env(env))
@@ -215,8 +215,8 @@ async def _wait_for_workers(state, settings, timeout_s: float = 30.0) -> None:
 
 async def _kill_busiest_decode(state, settings, streams, tasks) -> str:
     """Once every stream is under way, kill -9 the decode worker running the most."""
+    from kvrs.rpc import open_channel
     from kvrs.v1 import worker_pb2, worker_pb2_grpc
-    from services.common import open_channel
 
     deadline = time.monotonic() + 60.0
     while min(len(s.tokens) for s in streams) < 5 and time.monotonic() < deadline:

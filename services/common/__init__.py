@@ -1,7 +1,8 @@
-"""Bootstrap, errors, telemetry, channels and config shared by every kvrs service."""
+"""Bootstrap, errors, telemetry and Redis shared by every kvrs service, over `kvrs.rpc`
+(channels, TLS and settings, re-exported here so a service imports one package)."""
 
-from services.common.channels import DEFAULT_RPC_TIMEOUT_S, open_channel
-from services.common.config import (
+from kvrs.rpc import (
+    DEFAULT_RPC_TIMEOUT_S,
     ConfigError,
     GrpcSettings,
     TlsConfig,
@@ -9,6 +10,7 @@ from services.common.config import (
     env_float,
     env_int,
     env_str,
+    open_channel,
     require_positive,
 )
 from services.common.errors import ErrorInterceptor, status_for

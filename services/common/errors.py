@@ -1,9 +1,8 @@
-"""One mapping from exceptions to gRPC status codes, shared by every kvrs server.
+"""The server interceptor every kvrs server shares: exceptions become status codes.
 
     request bytes that do not parse    -> INVALID_ARGUMENT ("request: cannot be parsed as ...")
-    KvrsError (kvrs.errors)            -> its own `code` (INVALID_ARGUMENT, NOT_FOUND, ...)
+    KvrsError, a peer's AioRpcError    -> `kvrs.rpc.status_for_error` (the one mapping)
     redis ConnectionError/TimeoutError -> UNAVAILABLE   ("redis unreachable")
-    grpc.aio.AioRpcError from a peer   -> UNAVAILABLE or DEADLINE_EXCEEDED, else INTERNAL
     anything else                      -> INTERNAL with a generic message; traceback logged
 
 Servicers raise domain errors; they never build status codes themselves.
@@ -19,29 +18,16 @@ from typing import Any
 import grpc
 import redis.exceptions
 
-from kvrs.errors import KvrsError
+from kvrs.rpc import status_for_error
 
 log = logging.getLogger(__name__)
-
-_PEER_CODES_PASSED_THROUGH = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.FAILED_PRECONDITION,
-)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The status and message an exception maps to; None when it is unexpected."""
-    if isinstance(exc, KvrsError):
-        return grpc.StatusCode[exc.code], str(exc)
     if isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
         return grpc.StatusCode.UNAVAILABLE, f"redis unreachable: {exc}"
-    if isinstance(exc, grpc.aio.AioRpcError):
-        if exc.code() in _PEER_CODES_PASSED_THROUGH:
-            return exc.code(), f"peer: {exc.details()}"
-    return None
+    return status_for_error(exc)
 
 
 async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:

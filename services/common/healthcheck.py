@@ -1,8 +1,6 @@
 """`python -m services.common.healthcheck HOST:PORT`: exit 0 when the server reports SERVING.
 
-A container healthcheck and the local launcher both ask the standard gRPC health service,
-over TLS when KVRS_TLS_* is set, so "healthy" means what each service decided it means
-(workers: after their canary forward pass), not that a port is open.
+The container healthcheck of every service (see `kvrs.rpc.health`).
 """
 
 from __future__ import annotations
@@ -11,29 +9,7 @@ import argparse
 import asyncio
 import sys
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from services.common.channels import open_channel
-from services.common.config import GrpcSettings
-
-SERVING = "SERVING"
-
-
-async def check_health(
-    address: str, settings: GrpcSettings, service: str = "", timeout_s: float = 1.0
-) -> str:
-    """The server's health status name (SERVING, NOT_SERVING, ...), or the status code name
-    of the failed check (UNAVAILABLE when nothing listens, DEADLINE_EXCEEDED, ...)."""
-    async with open_channel(address, settings) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = await stub.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            return exc.code().name
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+from kvrs.rpc import SERVING, GrpcSettings, check_health
 
 
 def main(argv: list[str] | None = None) -> int:

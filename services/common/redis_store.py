@@ -13,7 +13,7 @@ from typing import Any
 
 import redis.asyncio as redis_async
 
-from services.common.config import ConfigError, env_str
+from kvrs.rpc import ConfigError, env_str
 
 DEFAULT_KEY_PREFIX = "{kvrs}:"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -21,7 +21,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.config import GrpcSettings
+from kvrs.rpc import GrpcSettings
 from services.common.errors import ErrorInterceptor
 from services.common.telemetry import server_interceptors
 

@@ -12,17 +12,21 @@ import os
 from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
-from opentelemetry.instrumentation.grpc import (
-    aio_client_interceptors,
-    aio_server_interceptor,
-    filters,
-)
+from opentelemetry.instrumentation.grpc import aio_server_interceptor
 from opentelemetry.propagate import extract, inject
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 
-NOT_HEALTH_CHECK = filters.negate(filters.health_check())
+from kvrs.rpc.channels import NOT_HEALTH_CHECK, client_interceptors
+
+__all__ = [
+    "client_interceptors",
+    "context_from_traceparent",
+    "server_interceptors",
+    "setup_tracing",
+    "traceparent",
+]
 
 
 def setup_tracing(
@@ -58,11 +62,6 @@ def setup_tracing(
 def server_interceptors(provider: TracerProvider) -> list:
     """The tracing interceptor for a grpc.aio server, health checks left out."""
     return [aio_server_interceptor(tracer_provider=provider, filter_=NOT_HEALTH_CHECK)]
-
-
-def client_interceptors(provider: TracerProvider) -> list:
-    """Tracing interceptors for a grpc.aio channel, health checks left out."""
-    return aio_client_interceptors(tracer_provider=provider, filter_=NOT_HEALTH_CHECK)
 
 
 def traceparent() -> str:

@@ -8,8 +8,8 @@
         await loop.stop()
 
 Callers deal only in `services.gossip.records` types and `kvrs.errors` exceptions: a
-failed RPC raises the `KvrsError` subclass matching its status code (NotFound,
-FailedPrecondition, InvalidArgument, Unavailable, DeadlineExceeded, ...), with the
+failed RPC raises the `KvrsError` subclass matching its status code (`kvrs.rpc.error_from_rpc`:
+NotFound, FailedPrecondition, InvalidArgument, Unavailable, DeadlineExceeded, ...), with the
 `grpc.aio.AioRpcError` chained as its cause. Every call carries a deadline; the channel
 retries UNAVAILABLE, since every gossip RPC is idempotent.
 """
@@ -28,6 +28,7 @@ import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs import errors
+from kvrs.rpc import error_from_rpc
 from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
 from services.common import DEFAULT_RPC_TIMEOUT_S, GrpcSettings, open_channel
 from services.gossip import convert
@@ -46,35 +47,12 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = gossip_pb2.DESCRIPTOR.services_by_name["GossipService"].full_name
 
-_ERRORS_BY_CODE = {
-    cls.code: cls
-    for cls in (
-        errors.InvalidArgument,
-        errors.NotFound,
-        errors.FailedPrecondition,
-        errors.ResourceExhausted,
-        errors.Unavailable,
-        errors.DeadlineExceeded,
-    )
-}
 _WATCH_RECONNECT_CODES = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
 )
 _MAX_RECONNECT_BACKOFF_S = 2.0
-
-
-def domain_error(exc: grpc.aio.AioRpcError) -> errors.KvrsError:
-    """The `kvrs.errors` exception matching a failed RPC's status code."""
-    cls = _ERRORS_BY_CODE.get(exc.code().name)
-    details = exc.details() or exc.code().name
-    if cls is errors.InvalidArgument:
-        field, _, message = details.partition(": ")
-        return errors.InvalidArgument(field, message) if message else errors.KvrsError(details)
-    if cls is None:
-        return errors.KvrsError(f"{exc.code().name}: {details}")
-    return cls(details)
 
 
 def _request_id() -> str:
@@ -118,7 +96,7 @@ class GossipClient:
         try:
             return await method(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise domain_error(exc) from exc
+            raise error_from_rpc(exc) from exc
 
     async def register(self, registration: Registration) -> NodeRecord:
         """Registers or refreshes an instance; returns it as stored (TTL resolved)."""
@@ -194,7 +172,7 @@ class GossipClient:
                 if self._closed:
                     return
                 if exc.code() not in _WATCH_RECONNECT_CODES:
-                    raise domain_error(exc) from exc
+                    raise error_from_rpc(exc) from exc
                 log.debug("event stream broke (%s); reopening", exc.code().name)
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     continue

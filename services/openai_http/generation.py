@@ -17,8 +17,8 @@ from typing import Protocol
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvrs.client import error_from_rpc
 from kvrs.errors import KvrsError
+from kvrs.rpc import error_from_rpc
 from kvrs.v1 import router_pb2, router_pb2_grpc
 from services.common import GrpcSettings, open_channel
 from services.openai_http.protocol import RequestAborted

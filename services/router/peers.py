@@ -22,8 +22,9 @@ import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs import errors
-from kvrs.client import KvrsClient, error_from_rpc
+from kvrs.client import KvrsClient
 from kvrs.recovery import Action, OptionCost
+from kvrs.rpc import error_from_rpc
 from kvrs.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from services.common import GrpcSettings, open_channel
 from services.router.records import Decision, Endpoint, Placement
@@ -94,10 +95,7 @@ class WorkerPool:
     def _failed(self, exc: grpc.aio.AioRpcError, at: Endpoint) -> errors.KvrsError:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             self._drop(at.address)
-        error = error_from_rpc(exc, f"{at.instance_id} at {at.address}")
-        if exc.code() == grpc.StatusCode.CANCELLED and not isinstance(error, errors.Unavailable):
-            return errors.Unavailable(str(error))
-        return error
+        return error_from_rpc(exc, f"{at.instance_id} at {at.address}")
 
     def _drop(self, address: str) -> None:
         """New calls to `address` get a new channel; calls still running on the old one

@@ -14,8 +14,8 @@ from kvrs.errors import InvalidArgument, KvrsError
 from kvrs.estimator import StalenessPolicy
 from kvrs.model import ModelSpec, model_spec
 from kvrs.profile import ComputeProfile, compute_profile
+from kvrs.rpc import ConfigError, env_float, env_int, env_str
 from kvrs.topology import Topology
-from services.common.config import ConfigError, env_float, env_int, env_str
 
 DEFAULT_MODEL = "opt-125m"
 DEFAULT_TELEMETRY_STALE_AFTER_S = 60.0

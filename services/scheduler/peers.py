@@ -1,8 +1,9 @@
 """Adapters to the decision services' peers: the gossip store and the slot broker.
 
 They turn peer RPCs into the domain calls `view.ViewCache` and `decisions.Scheduler`
-expect, and peer failures into `kvrs.errors` (RESOURCE_EXHAUSTED stays a "no slot"
-answer; UNAVAILABLE and DEADLINE_EXCEEDED become "peer unreachable").
+expect, and peer failures into `kvrs.errors` through `kvrs.rpc.relayed` (RESOURCE_EXHAUSTED
+stays a "no slot" answer; UNAVAILABLE and DEADLINE_EXCEEDED become "peer unreachable"; a
+refusal reaches the scheduler's caller as FAILED_PRECONDITION).
 """
 
 from __future__ import annotations
@@ -16,14 +17,8 @@ from collections.abc import Callable
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvrs.errors import (
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    KvrsError,
-    ResourceExhausted,
-    Unavailable,
-)
+from kvrs.errors import DeadlineExceeded, InvalidArgument, KvrsError, Unavailable
+from kvrs.rpc import error_from_rpc, relayed
 from kvrs.v1 import slots_pb2, slots_pb2_grpc
 from services.common import GrpcSettings, open_channel
 from services.gossip.client import GossipClient
@@ -32,33 +27,6 @@ from services.scheduler.leases import Lease
 from services.scheduler.view import GossipSnapshot, ViewCache
 
 log = logging.getLogger(__name__)
-
-
-_REFUSALS = (
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.NOT_FOUND,
-)
-"""A peer that would not do what it was asked: the caller's state, not its caller's input."""
-
-
-def peer_error(exc: grpc.aio.AioRpcError, peer: str) -> KvrsError | None:
-    """The domain error a peer's status stands for; None for codes that mean a bug.
-
-    A refusal becomes FailedPrecondition, never the peer's own INVALID_ARGUMENT: the
-    scheduler's caller sent nothing wrong, and a field named by the peer is not theirs.
-    """
-    message = f"{peer}: {exc.details() or exc.code().name}"
-    code = exc.code()
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResourceExhausted(message)
-    if code in _REFUSALS:
-        return FailedPrecondition(message)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return Unavailable(message)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(message)
-    return None
 
 
 class PeerChannel:
@@ -217,7 +185,7 @@ class SlotBrokerClient:
             )
         except grpc.aio.AioRpcError as exc:
             self.broker.reopen_if_failing()
-            raise peer_error(exc, "slot broker") or exc from None
+            raise relayed(error_from_rpc(exc, "slot broker")) from None
         lease = reply.lease
         return Lease(
             lease_id=lease.lease_id,
@@ -234,7 +202,7 @@ class SlotBrokerClient:
             return await stub.GetSlotStats(slots_pb2.GetSlotStatsRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             self.broker.reopen_if_failing()
-            raise peer_error(exc, "slot broker") or exc from None
+            raise relayed(error_from_rpc(exc, "slot broker")) from None
 
     async def free_slots(self) -> int:
         stats = await self._stats()

@@ -19,8 +19,8 @@ import grpc
 import torch
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvrs.client import error_from_rpc
 from kvrs.model import model_spec
+from kvrs.rpc import error_from_rpc
 from kvrs.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from libkvxfer import AgentConfig, TransferAgent, TransferTicket
 from services.common import (

@@ -18,7 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from worker_procs import WorkerProcess, stub
 
-from kvrs.localcluster import free_ports
+from kvrs.cli.launcher import free_ports
 from kvrs.tokenizer import encode
 from kvrs.v1 import worker_pb2 as pb
 from services.worker.model import Transformer

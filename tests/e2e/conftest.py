@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvrs.localcluster import (
+from kvrs.cli.launcher import (
     SERVICES,
     ClusterOptions,
     ClusterState,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrs.localcluster import ENVOY_SERVICES, SERVICES, ClusterOptions, start_cluster, stop_cluster
+from kvrs.cli.launcher import ENVOY_SERVICES, SERVICES, ClusterOptions, start_cluster, stop_cluster
 
 CORE = {"gossip", "slot-broker", "scheduler-1", "prefill-0", "decode-0", "decode-1", "router"}
 

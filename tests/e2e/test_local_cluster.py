@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrs.localcluster import (
+from kvrs.cli.launcher import (
     SERVICES,
     ClusterError,
     ClusterState,
@@ -147,8 +147,10 @@ def test_private_redis_starts_answers_and_stops(tmp_path):
 
 
 def test_without_any_redis_the_error_says_what_to_install(monkeypatch):
-    monkeypatch.setattr("kvrs.localcluster.shutil.which", lambda name: None)
-    monkeypatch.setattr("kvrs.localcluster.importlib.util.find_spec", lambda name: None)
+    monkeypatch.setattr("kvrs.cli.launcher.redis_server.shutil.which", lambda name: None)
+    monkeypatch.setattr(
+        "kvrs.cli.launcher.redis_server.importlib.util.find_spec", lambda name: None
+    )
     with pytest.raises(ClusterError) as caught:
         find_redis_server()
     message = str(caught.value)

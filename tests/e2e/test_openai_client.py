@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from kvrs import tokenizer
-from kvrs.localcluster import free_ports, is_running, log_tail
+from kvrs.cli.launcher import free_ports, is_running, log_tail
 from kvrs.v1 import worker_pb2, worker_pb2_grpc
 from services.common import GrpcSettings, open_channel
 from services.openai_http import chat

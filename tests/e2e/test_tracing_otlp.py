@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvrs.localcluster import SERVICES, ClusterOptions, start_cluster, stop_cluster
+from kvrs.cli.launcher import SERVICES, ClusterOptions, start_cluster, stop_cluster
 from kvrs.tokenizer import encode
 from kvrs.v1 import router_pb2, router_pb2_grpc
 from tests.e2e.otlp_receiver import OtlpReceiver, ReceivedSpan

@@ -17,7 +17,7 @@ import uuid
 import grpc
 import pytest
 
-from kvrs.localcluster import (
+from kvrs.cli.launcher import (
     SERVICES,
     ClusterOptions,
     is_running,

@@ -24,7 +24,7 @@ from reliability_stack import (
 )
 from reliability_strategies import PROPERTY_SETTINGS, doubles, ids, int32s, int64s, mutated
 
-from kvrs.localcluster import SERVICES, ClusterOptions, start_cluster, stop_cluster
+from kvrs.cli.launcher import SERVICES, ClusterOptions, start_cluster, stop_cluster
 from kvrs.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from libkvxfer import PROTOCOL_VERSION
 

@@ -8,8 +8,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvrs.errors import InvalidArgument, NotFound
+from kvrs.rpc import ConfigError, TlsConfig
 from services.common import GrpcSettings, open_channel, setup_tracing, start_server
-from services.common.config import ConfigError, TlsConfig
 
 SERVICE = "kvrs.test.Probe"
 Request = health_pb2.HealthCheckRequest

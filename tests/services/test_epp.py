@@ -28,7 +28,7 @@ from google.protobuf import struct_pb2
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvrs import tokenizer
-from kvrs.localcluster import free_ports
+from kvrs.cli.launcher import free_ports
 from services.common import GrpcSettings, Metrics, open_channel, setup_tracing
 from services.epp.config import Config
 from services.epp.envoy_config import find_envoy, render

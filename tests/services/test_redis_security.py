@@ -13,7 +13,7 @@ import redis
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvrs import errors
-from kvrs.localcluster import find_redis_server, free_ports
+from kvrs.cli.launcher import find_redis_server, free_ports
 from kvrs.v1 import slots_pb2, slots_pb2_grpc
 from services.common import ConfigError, GrpcSettings, RedisTls, open_channel, setup_tracing
 from services.gossip.client import GossipClient

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvrs.client import KvrsClient
-from kvrs.localcluster import (
+from kvrs.cli.launcher import (
     PEER_ADDR_ENV,
     SERVICES,
     ClusterOptions,
@@ -24,6 +23,7 @@ from kvrs.localcluster import (
     has_main,
     tls_env,
 )
+from kvrs.client import KvrsClient
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "docker-compose.yml"

@@ -1,4 +1,4 @@
-"""Environment-variable helpers and the TLS / message-size settings every service shares.
+"""Environment-variable helpers and the TLS / message-size settings every gRPC process shares.
 
 Required values fail fast and name the variable, so a misconfigured container dies at
 start with a readable message instead of at its first request.

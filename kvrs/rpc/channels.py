@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 
 import grpc
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.config import GrpcSettings
-from services.common.telemetry import client_interceptors
+from kvrs.rpc.settings import GrpcSettings
 
 DEFAULT_RPC_TIMEOUT_S = 5.0
+
+NOT_HEALTH_CHECK = filters.negate(filters.health_check())
+"""Tracing filter: health checks (probed every few seconds) would drown real spans."""
+
+
+def client_interceptors(provider: TracerProvider) -> list:
+    """Tracing interceptors for a grpc.aio channel, health checks left out."""
+    return aio_client_interceptors(tracer_provider=provider, filter_=NOT_HEALTH_CHECK)
 
 
 def _retry_service_config(idempotent_services: tuple[str, ...]) -> str:
@@ -36,6 +44,7 @@ def _retry_service_config(idempotent_services: tuple[str, ...]) -> str:
 
 
 def channel_credentials(settings: GrpcSettings) -> grpc.ChannelCredentials | None:
+    """Client TLS credentials from `settings`; None for plaintext."""
     tls = settings.tls
     if not tls.enabled:
         return None
