@@ -13,6 +13,7 @@ from kvrs.sim.config import (
     ServingSpec,
     SimConfig,
 )
+from kvrs.sim.generators import GENERATORS, GeneratedWorkload, make_generator
 from kvrs.sim.metrics import RequestRecord, RunSummary, SloSpec, goodput_by_bisection
 from kvrs.sim.simulator import RunResult, Simulator, run_policy
 from kvrs.sim.trace import (
@@ -28,6 +29,8 @@ from kvrs.sim.trace import (
 __all__ = [
     "ClusterSpec",
     "FailureSpec",
+    "GENERATORS",
+    "GeneratedWorkload",
     "PolicySpec",
     "RecoverySpec",
     "RequestRecord",
@@ -43,6 +46,7 @@ __all__ = [
     "cap_context",
     "goodput_by_bisection",
     "load_mooncake",
+    "make_generator",
     "run_policy",
     "scale_arrivals",
     "write_mooncake",

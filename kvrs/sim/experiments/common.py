@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrs.sim.config import PolicySpec, SimConfig
+from kvrs.sim.generators import make_generator
 from kvrs.sim.metrics import RequestRecord, RunSummary, SloSpec
 from kvrs.sim.progress import Progress
 from kvrs.sim.simulator import RunResult, run_policy
@@ -64,12 +65,21 @@ class Workload:
 def load_workload(spec: Mapping[str, Any]) -> Workload:
     """A trace file (Mooncake format), or a generated workload when there is none.
 
-    `trace: shared` means the synthetic Mooncake trace beside the repository
-    (../shared/data/traces); when it is absent the generator stands in, with the
-    parameters in `synthetic`, and the results say so.
+    `generator: {kind: conversation, ...}` generates the workload (see
+    `kvrs.sim.generators`; it takes precedence over `trace`). `trace: shared` means the
+    synthetic Mooncake trace beside the repository (../shared/data/traces); when it is
+    absent the generator stands in, with the parameters in `synthetic`, and the results
+    say so.
     """
     trace = spec.get("trace")
     limit = spec.get("limit")
+    generator = spec.get("generator")
+    if generator:
+        params = dict(generator)
+        if limit:
+            params["requests"] = min(int(params.get("requests", limit)), int(limit))
+        requests = make_generator(params).generate()
+        return Workload(requests, f"generated: {params}", TraceStats.of(requests))
     path = SHARED_TRACE if trace == "shared" else (Path(trace) if trace else None)
     if path is not None and path.exists():
         requests = load_mooncake(path, limit=limit)
