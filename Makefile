@@ -1,16 +1,24 @@
-PYTHON ?= python3
-STAMP := build/.installed
+# Every target runs in one virtual environment: the active one ($VIRTUAL_ENV) when a
+# shell has one, else .venv in this clone, created on first use (Debian's system Python
+# refuses pip installs: PEP 668). The install stamp lives inside that environment, so
+# another environment gets its own install instead of a stamp saying it has one.
+VENV ?= $(or $(VIRTUAL_ENV),.venv)
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.kvrs-installed
 
 .PHONY: install protos test lint bench demo
+
+$(PYTHON):
+	python3 -m venv $(VENV)
 
 # torch is pinned to 2.13.0, the CPU build; pip never pulls a CUDA torch for it here.
 # xds-protos ships its own, older copy of the OpenTelemetry protos over the files of
 # opentelemetry-proto; reinstalling the latter restores what the OTLP exporter imports.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml | $(PYTHON)
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	$(PYTHON) -m pip install -q --force-reinstall --no-deps \
 	  "opentelemetry-proto==$$($(PYTHON) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
-	@mkdir -p build && touch $(STAMP)
+	@touch $(STAMP)
 
 install: $(STAMP)
 
