@@ -122,11 +122,14 @@ def _up(args: argparse.Namespace) -> int:
         ENVOY_SERVICES,
         SERVICES,
         ClusterOptions,
+        find_redis_server,
         start_cluster,
     )
 
     logging.basicConfig(level=logging.INFO, format="kvrs up: %(message)s")
     profile_file = args.profile_file.resolve() if args.profile_file else None
+    if not os.environ.get("REDIS_URL"):
+        find_redis_server()  # a missing Redis fails now, not after calibrating
     if args.calibrate:
         profile_file = calibrate_into(args.dir, args.workers_model)
     options = ClusterOptions(

@@ -10,7 +10,10 @@ a batch of requests through the router, kill -9s the decode worker serving most 
 once every stream is under way, then prints each affected request's recovery decision and
 its cost terms, checks that every request completed, replays the prompts on the
 survivors to show the recovered streams equal undisturbed ones, and tears the cluster
-down (a reused cluster is left running, minus the killed worker).
+down (a reused cluster is left running, minus the killed worker). A fresh cluster lives in
+a temporary directory, removed afterwards unless the demo failed (then its logs stay there
+and the last line names it). Without REDIS_URL it needs a `redis-server` and says so before
+it calibrates or starts anything.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import asyncio
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -94,27 +98,47 @@ def run(args: argparse.Namespace) -> int:
     except ClusterError as exc:
         print(f"kvrs demo: {exc}", file=sys.stderr)
         return 1
+    status = 1
     try:
-        return asyncio.run(_demo(args, state))
+        status = asyncio.run(_demo(args, state))
+        return status
     finally:
         if owned:
-            from kvrs.cli.launcher import stop_cluster
+            _stop(Path(state.run_dir), keep_logs=status != 0)
 
-            stop_cluster(Path(state.run_dir), grace_s=5.0)
-            print(f"cluster stopped ({state.run_dir})")
+
+def _stop(run_dir: Path, keep_logs: bool) -> None:
+    """Stops the demo's own cluster; its temporary directory goes too unless the run failed,
+    when its logs are what a user needs to see why."""
+    from kvrs.cli.launcher import stop_cluster
+
+    stop_cluster(run_dir, grace_s=5.0)
+    if keep_logs:
+        print(f"cluster stopped; its logs are in {run_dir / 'logs'} (remove {run_dir.parent})")
+    else:
+        shutil.rmtree(run_dir.parent, ignore_errors=True)
+        print(f"cluster stopped; {run_dir.parent} removed")
 
 
 def _cluster(args: argparse.Namespace):
     """The cluster to use and whether this command started it (and so stops it)."""
     from kvrs.cli.cluster import calibrate_into
-    from kvrs.cli.launcher import SERVICES, ClusterOptions, ClusterState, start_cluster
+    from kvrs.cli.launcher import (
+        SERVICES,
+        ClusterOptions,
+        ClusterState,
+        find_redis_server,
+        start_cluster,
+    )
 
     if args.cluster_dir is not None:
         state = ClusterState.load(args.cluster_dir)
         print(f"reusing the cluster in {state.run_dir}")
         return state, False
-    run_dir = Path(tempfile.mkdtemp(prefix="kvrs-demo-")) / "cluster"
     redis_url = os.environ.get("REDIS_URL", "")
+    if not redis_url:
+        find_redis_server()  # before calibrating: a missing Redis fails in a second, not later
+    run_dir = Path(tempfile.mkdtemp(prefix="kvrs-demo-")) / "cluster"
     profile_file = None if args.no_calibrate else calibrate_into(run_dir, args.workers_model)
     options = ClusterOptions(
         run_dir=run_dir,

