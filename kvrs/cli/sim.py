@@ -1,7 +1,9 @@
 """`kvrs sim <experiment> [--config file] [--out dir]`: run a simulator experiment.
 
 `kvrs sim run --trace file --policy netkv` simulates one trace under one policy and
-prints the summary as JSON. Experiments write JSON, a markdown table and PNG figures.
+prints the summary as JSON. Experiments write JSON, a markdown table and PNG figures, and
+print that markdown (the headline numbers and the table) on stdout, figures named by path,
+so the answer is on the terminal and not only in a file.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -76,8 +79,22 @@ def run(args: argparse.Namespace) -> int:
     except KvrsError as exc:
         print(f"kvrs sim: {exc}", file=sys.stderr)
         return 2
+    print(headline(out / f"{args.experiment}.md"))
     print(f"kvrs sim {args.experiment}: results in {out}", file=sys.stderr)
     return 0
+
+
+def headline(markdown_file: Path) -> str:
+    """The experiment's markdown as a terminal shows it: text and tables as they are, each
+    figure's image link replaced by the path of its PNG."""
+    lines = []
+    for line in markdown_file.read_text().splitlines():
+        image = _IMAGE.fullmatch(line.strip())
+        lines.append(f"figure: {markdown_file.parent / image.group(1)}" if image else line)
+    return "\n".join(lines)
+
+
+_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
 
 
 def _single_run(args: argparse.Namespace, params: dict) -> int:
