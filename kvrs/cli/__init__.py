@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "down": ("kvrs.cli.cluster", "stop the local cluster"),
     "status": ("kvrs.cli.cluster", "show instances, links and slots of a cluster"),
     "demo": ("kvrs.cli.demo", "run requests through a local cluster and kill a decode worker"),
+    "rpc": ("kvrs.cli.rpc", "call any RPC of a running service through server reflection"),
 }
 
 
