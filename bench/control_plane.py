@@ -30,9 +30,9 @@ import redis
 from kvrs.cli.launcher import free_ports, spawn, stop_processes
 from kvrs.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, slots_pb2, slots_pb2_grpc
 from services.common import GrpcSettings, open_channel, setup_tracing, start_server
+from services.common.gossip_records import LinkSample, NodeLoad, Registration
 from services.common.healthcheck import SERVING, check_health
 from services.gossip.client import GossipClient
-from services.gossip.records import LinkSample, NodeLoad, Registration
 
 ECHO_SERVICE = "kvrs.bench.Echo"
 ECHO_METHOD = f"/{ECHO_SERVICE}/Echo"

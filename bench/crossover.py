@@ -83,8 +83,7 @@ def calibrate(lengths: list[int], path: Path) -> ComputeProfile:
 async def measure(lengths: list[int], rates_bps: list[float], repeats: int) -> dict:
     from services.common import GrpcSettings
     from services.common.healthcheck import SERVING, check_health
-    from services.router.peers import WorkerPool
-    from services.router.records import Endpoint
+    from services.worker.client import Endpoint, WorkerPool
 
     endpoints = {name: Endpoint(name, f"127.0.0.1:{port}") for name, port in PORTS.items()}
     for endpoint in endpoints.values():

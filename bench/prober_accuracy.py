@@ -155,8 +155,7 @@ async def inner(src_addr: str, dst_addr: str, probes: int, pacing_bps: float) ->
     from services.common.healthcheck import SERVING, check_health
     from services.prober.probing import LinkProber, ProbeSettings, payload_id
     from services.prober.transport import WorkerTransport
-    from services.router.peers import WorkerPool
-    from services.router.records import Endpoint
+    from services.worker.client import Endpoint, WorkerPool
 
     deadline = time.monotonic() + 300
     for address in (src_addr, dst_addr):

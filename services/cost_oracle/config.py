@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.common import GrpcSettings, env_float, env_str, require_positive
-from services.scheduler.inputs import InputsConfig
+from services.common.decision_inputs import InputsConfig
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The cost oracle's answers: T_x, cost matrices and T_pf / T_ext from the shared core.
 
 Prices come from the same `CostModel` the scheduler decides with, over the same cached
-gossip view (`services.scheduler.view`), so an oracle answer and a scheduler decision
+gossip view (`services.common.gossip_view`), so an oracle answer and a scheduler decision
 made at the same moment agree. Before gossip first answers, transfers are priced from
 the topology file alone (no telemetry).
 """
@@ -16,7 +16,7 @@ from kvrs.costmodel import CostModel
 from kvrs.errors import InvalidArgument, NotFound
 from kvrs.network import NetworkModel, TransferEstimate
 from kvrs.topology import Role
-from services.scheduler.view import ViewCache
+from services.common.gossip_view import ViewCache
 
 
 @dataclass(frozen=True)

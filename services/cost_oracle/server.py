@@ -12,14 +12,14 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.v1 import oracle_pb2, oracle_pb2_grpc
 from services.common import ServerHandle, run_until_signal, start_server
+from services.common.decision_inputs import load_inputs
+from services.common.gossip_source import GossipSource
+from services.common.gossip_view import ViewCache
 from services.common.metrics import Metrics, serve_metrics
 from services.cost_oracle.config import Config
 from services.cost_oracle.estimates import CostOracle
 from services.cost_oracle.servicer import CostOracleServicer
 from services.gossip.client import GossipClient
-from services.scheduler.inputs import load_inputs
-from services.scheduler.peers import GossipSource
-from services.scheduler.view import ViewCache
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import grpc
 from opentelemetry import trace
 
 from kvrs.v1 import oracle_pb2, oracle_pb2_grpc
+from services.common.core_pb import transfer_to_pb
 from services.cost_oracle.estimates import CostOracle
-from services.scheduler.transfer_pb import transfer_to_pb
 
 
 class CostOracleServicer(oracle_pb2_grpc.CostOracleServiceServicer):

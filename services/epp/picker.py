@@ -36,10 +36,10 @@ from kvrs.errors import (
     Unavailable,
 )
 from kvrs.v1 import scheduler_pb2
+from services.common import openai_chat as chat
 from services.common.metrics import Metrics
+from services.common.openai_protocol import prompt_token_ids
 from services.epp.endpoints import EndpointDirectory
-from services.openai_http import chat
-from services.openai_http.protocol import prompt_token_ids
 
 DECISION = "epp_pick"
 """The `decision` label of the picker's metrics."""

@@ -37,8 +37,8 @@ from opentelemetry.context import Context
 from opentelemetry.propagate import extract
 
 from kvrs.errors import InvalidArgument, KvrsError
+from services.common.openai_protocol import error_body, http_error, json_bytes
 from services.epp.picker import Picker, PickRequest, new_request_id, prompt_info
-from services.openai_http.protocol import error_body, http_error, json_bytes
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
         ...
         await loop.stop()
 
-Callers deal only in `services.gossip.records` types and `kvrs.errors` exceptions: a
+Callers deal only in `services.common.gossip_records` types and `kvrs.errors` exceptions: a
 failed RPC raises the `KvrsError` subclass matching its status code (`kvrs.rpc.error_from_rpc`:
 NotFound, FailedPrecondition, InvalidArgument, Unavailable, DeadlineExceeded, ...), with the
 `grpc.aio.AioRpcError` chained as its cause. Every call carries a deadline; the channel
@@ -31,8 +31,7 @@ from kvrs import errors
 from kvrs.rpc import error_from_rpc
 from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
 from services.common import DEFAULT_RPC_TIMEOUT_S, GrpcSettings, open_channel
-from services.gossip import convert
-from services.gossip.records import (
+from services.common.gossip_records import (
     LinkRecord,
     LinkSample,
     NodeEvent,
@@ -40,6 +39,7 @@ from services.gossip.records import (
     NodeRecord,
     Registration,
 )
+from services.gossip import convert
 
 __all__ = ["GossipClient", "HeartbeatLoop", "LinkSample", "NodeLoad", "Registration"]
 

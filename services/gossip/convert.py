@@ -1,13 +1,13 @@
 """Translation between gossip protobuf messages and the domain records, both directions.
 
 The servicer turns requests into records and records into responses; the client does the
-reverse, so callers of `GossipClient` only ever see `services.gossip.records` types.
+reverse, so callers of `GossipClient` only ever see `services.common.gossip_records` types.
 """
 
 from __future__ import annotations
 
 from kvrs.v1 import common_pb2, gossip_pb2
-from services.gossip.records import (
+from services.common.gossip_records import (
     ALIVE,
     FAILED,
     JOINED,

@@ -9,9 +9,9 @@ import grpc
 
 from kvrs.errors import FailedPrecondition, NotFound
 from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
+from services.common.gossip_records import ALIVE, ROLES
 from services.common.metrics import Metrics
 from services.gossip import convert
-from services.gossip.records import ALIVE, ROLES
 from services.gossip.store import GossipStore
 
 WATCH_BLOCK_S = 0.25

@@ -34,9 +34,7 @@ import redis.asyncio as redis_async
 import redis.exceptions
 
 from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.common.metrics import Metrics
-from services.common.redis_store import Keys
-from services.gossip.records import (
+from services.common.gossip_records import (
     ALIVE,
     MAX_REASON_BYTES,
     LinkRecord,
@@ -51,6 +49,8 @@ from services.gossip.records import (
     validate_load,
     validate_registration,
 )
+from services.common.metrics import Metrics
+from services.common.redis_store import Keys
 
 log = logging.getLogger(__name__)
 

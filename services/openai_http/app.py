@@ -29,8 +29,9 @@ from opentelemetry.trace import Span, SpanKind, Tracer
 
 from kvrs.errors import InvalidArgument, KvrsError
 from kvrs.tokenizer import StreamDecoder, decode
+from services.common import openai_chat as chat
+from services.common import openai_protocol as protocol
 from services.common.metrics import Metrics
-from services.openai_http import chat, protocol
 from services.openai_http.config import Config
 from services.openai_http.generation import Finished, GenerateCall, Generator, Token
 

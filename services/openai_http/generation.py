@@ -21,7 +21,7 @@ from kvrs.errors import KvrsError
 from kvrs.rpc import error_from_rpc
 from kvrs.v1 import router_pb2, router_pb2_grpc
 from services.common import GrpcSettings, open_channel
-from services.openai_http.protocol import RequestAborted
+from services.common.openai_protocol import RequestAborted
 
 FINISH_ABORT = "abort"
 

@@ -38,9 +38,8 @@ from typing import Protocol
 
 from kvrs.errors import InvalidArgument, KvrsError, Unavailable
 from kvrs.estimator import EwmaEstimator, LinkEstimate
-from services.gossip.records import LinkSample
-from services.router.peers import Pulled
-from services.router.records import Endpoint
+from services.common.gossip_records import LinkSample
+from services.worker.client import Endpoint, Pulled
 
 log = logging.getLogger(__name__)
 

@@ -12,14 +12,13 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.v1 import prober_pb2, prober_pb2_grpc
 from services.common import Metrics, ServerHandle, run_until_signal, serve_metrics, start_server
+from services.common.membership import Membership
 from services.gossip.client import GossipClient
 from services.prober.config import Config
 from services.prober.probing import LinkProber, ProbeSettings
 from services.prober.servicer import ProberServicer
 from services.prober.transport import WorkerTransport
-from services.router.membership import Membership
-from services.router.peers import WorkerPool
-from services.router.records import Endpoint
+from services.worker.client import Endpoint, WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ import grpc
 
 from kvrs.errors import InvalidArgument, NotFound
 from kvrs.v1 import prober_pb2, prober_pb2_grpc
+from services.common.membership import Membership
 from services.prober.probing import LinkProber, LinkState
-from services.router.membership import Membership
-from services.router.records import Endpoint
+from services.worker.client import Endpoint
 
 
 def link_to_pb(state: LinkState, now_s: float, now_unix_ms: int) -> prober_pb2.LinkEstimate:

@@ -3,8 +3,7 @@ prompt, a probe is the receiver's PullKv of it (the same libkvxfer path a KV tak
 
 from __future__ import annotations
 
-from services.router.peers import Pulled, WorkerPool
-from services.router.records import Endpoint
+from services.worker.client import Endpoint, Pulled, WorkerPool
 
 PAYLOAD_VOCAB = 256
 """Synthetic payload tokens cycle through the byte ids every worker model accepts."""

@@ -38,9 +38,9 @@ from kvrs.errors import (
 from kvrs.profile import ComputeProfile
 from kvrs.recovery import Action
 from kvrs.tokenizer import prefix_block_hashes
+from services.common.membership import Membership
 from services.common.metrics import Metrics
 from services.router.batcher import RecoveryBatcher
-from services.router.membership import Membership
 from services.router.peers import RecoverItem
 from services.router.prefill_choice import choose_prefill
 from services.router.records import (

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from kvrs.costmodel import prefix_hit_tokens
 from kvrs.errors import FailedPrecondition
 from kvrs.profile import ComputeProfile
-from services.router.membership import Instance
+from services.common.membership import Instance
 
 
 def choose_prefill(

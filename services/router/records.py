@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvrs.errors import InvalidArgument
 from kvrs.placement import PLACEMENT_POLICY_NAMES
 from kvrs.recovery import RECOVERY_POLICY_NAMES, Action, OptionCost
+from services.worker.client import Endpoint
 
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
@@ -61,14 +62,6 @@ class GenerateInput:
                 raise InvalidArgument(
                     field_name, f"unknown policy {value!r} (known: {', '.join(known)})"
                 )
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where an instance's WorkerService answers."""
-
-    instance_id: str
-    address: str
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from opentelemetry.trace import Tracer
 
 from kvrs.errors import InvalidArgument, KvrsError
 from kvrs.recovery import Action
-from services.router.peers import Prefilled, Pulled
 from services.router.records import DETECTED_BY_TRANSFER, Decision, Endpoint, Lost, Run
+from services.worker.client import Prefilled, Pulled
 
 log = logging.getLogger(__name__)
 

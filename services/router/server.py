@@ -21,12 +21,13 @@ from services.common import (
     serve_metrics,
     start_server,
 )
+from services.common.membership import Membership
 from services.gossip.client import GossipClient
 from services.router.config import Config
 from services.router.flow import Router, RouterSettings
-from services.router.membership import Membership
-from services.router.peers import ControlPlane, WorkerPool
+from services.router.peers import ControlPlane
 from services.router.servicer import RouterServicer
+from services.worker.client import WorkerPool
 
 log = logging.getLogger(__name__)
 

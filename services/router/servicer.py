@@ -8,9 +8,9 @@ import math
 import grpc
 
 from kvrs.v1 import router_pb2, router_pb2_grpc
+from services.common.core_pb import ACTION_TO_PB, option_to_pb
 from services.router.flow import Router
 from services.router.records import GenerateInput, RecoveryRecord, Summary, Token
-from services.scheduler.convert import ACTION_TO_PB, option_to_pb
 
 
 def generate_from_pb(request: router_pb2.GenerateRequest) -> GenerateInput:

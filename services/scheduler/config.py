@@ -11,7 +11,7 @@ from kvrs.errors import KvrsError
 from kvrs.placement import make_placement_policy
 from kvrs.recovery import make_recovery_policy
 from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str, require_positive
-from services.scheduler.inputs import InputsConfig
+from services.common.decision_inputs import InputsConfig
 
 
 def _default_holder_id() -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvrs.recovery import Action, OptionCost
-from kvrs.v1 import common_pb2, scheduler_pb2, slots_pb2
+from kvrs.v1 import scheduler_pb2, slots_pb2
+from services.common.core_pb import ACTION_TO_PB, option_to_pb, transfer_to_pb
 from services.scheduler.leases import Lease
 from services.scheduler.records import (
     BatchOutcome,
@@ -12,14 +12,6 @@ from services.scheduler.records import (
     SelectDecodeInput,
     Selection,
 )
-from services.scheduler.transfer_pb import transfer_to_pb
-
-ACTION_TO_PB = {
-    Action.MIGRATE: common_pb2.RECOVERY_ACTION_MIGRATE,
-    Action.RECOMPUTE: common_pb2.RECOVERY_ACTION_RECOMPUTE,
-    Action.HYBRID: common_pb2.RECOVERY_ACTION_HYBRID,
-    Action.ABORT: common_pb2.RECOVERY_ACTION_ABORT,
-}
 
 
 def select_decode_from_pb(request: scheduler_pb2.SelectDecodeRequest) -> SelectDecodeInput:
@@ -87,21 +79,6 @@ def recover_items_from_pb(request: scheduler_pb2.RecoverBatchRequest) -> list[Re
         )
         for item in request.items
     ]
-
-
-def option_to_pb(option: OptionCost) -> scheduler_pb2.OptionCost:
-    return scheduler_pb2.OptionCost(
-        action=ACTION_TO_PB[option.action],
-        target_instance_id=option.target_id,
-        source_instance_id=option.source_id,
-        cost_s=option.cost_s,
-        wait_s=option.wait_s,
-        transfer_s=option.transfer_s,
-        compute_s=option.compute_s,
-        split_tokens=option.split_tokens,
-        feasible=option.feasible,
-        infeasible_reason=option.infeasible_reason,
-    )
 
 
 def _lease_to_pb(lease: Lease) -> slots_pb2.SlotLease:

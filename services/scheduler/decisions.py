@@ -36,6 +36,7 @@ from kvrs.recovery import (
     make_recovery_policy,
 )
 from kvrs.topology import Role
+from services.common.gossip_view import DecisionView, ViewCache
 from services.common.metrics import Metrics
 from services.scheduler import spans
 from services.scheduler.leases import Lease, SlotBroker
@@ -50,7 +51,6 @@ from services.scheduler.records import (
     SlotOutcome,
 )
 from services.scheduler.replay import RecentRecoveries
-from services.scheduler.view import DecisionView, ViewCache
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
-"""Adapters to the decision services' peers: the gossip store and the slot broker.
+"""The scheduler's adapter to the slot broker, and a channel that reopens when stuck.
 
-They turn peer RPCs into the domain calls `view.ViewCache` and `decisions.Scheduler`
-expect, and peer failures into `kvrs.errors` through `kvrs.rpc.relayed` (RESOURCE_EXHAUSTED
-stays a "no slot" answer; UNAVAILABLE and DEADLINE_EXCEEDED become "peer unreachable"; a
-refusal reaches the scheduler's caller as FAILED_PRECONDITION).
+They turn peer RPCs into the domain calls `decisions.Scheduler` expects (the gossip side
+is `services.common.gossip_source`), and peer failures into `kvrs.errors` through
+`kvrs.rpc.relayed` (RESOURCE_EXHAUSTED stays a "no slot" answer; UNAVAILABLE and
+DEADLINE_EXCEEDED become "peer unreachable"; a refusal reaches the scheduler's caller as
+FAILED_PRECONDITION).
 """
 
 from __future__ import annotations
@@ -17,14 +18,11 @@ from collections.abc import Callable
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvrs.errors import DeadlineExceeded, InvalidArgument, KvrsError, Unavailable
+from kvrs.errors import KvrsError
 from kvrs.rpc import error_from_rpc, relayed
 from kvrs.v1 import slots_pb2, slots_pb2_grpc
 from services.common import GrpcSettings, open_channel
-from services.gossip.client import GossipClient
-from services.gossip.records import FAILED, JOINED, LEFT
 from services.scheduler.leases import Lease
-from services.scheduler.view import GossipSnapshot, ViewCache
 
 log = logging.getLogger(__name__)
 
@@ -71,91 +69,6 @@ class PeerChannel:
 
     async def close(self) -> None:
         await self.channel.close()
-        for task in list(self._closing):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
-async def _no_flows() -> dict[tuple[str, str], int]:
-    return {}
-
-
-class GossipSource:
-    """Fetches the view from gossip, plus the migrations in flight from the slot broker.
-
-    A failed fetch replaces the gossip client: a fresh channel tries to connect at once,
-    where the old one would wait out gRPC's reconnect backoff (up to two minutes), so a
-    restarted gossip store is seen again within one refresh.
-    """
-
-    def __init__(
-        self,
-        connect: Callable[[], GossipClient],
-        slots: SlotBrokerClient | None = None,
-    ) -> None:
-        self._connect = connect
-        self.client = connect()
-        self.slots = slots
-        self._closing: set[asyncio.Task] = set()
-
-    async def fetch(self) -> GossipSnapshot:
-        client = self.client
-        fetched_at_s = time.time()
-        flows = asyncio.ensure_future(
-            self.slots.pair_flows() if self.slots is not None else _no_flows()
-        )
-        try:
-            nodes, links = await asyncio.gather(
-                client.list_nodes(include_down=True), client.list_links()
-            )
-        except KvrsError as exc:
-            self._reconnect()
-            # Whatever gossip answered, there is no fresh view: the cached one keeps serving.
-            if isinstance(exc, Unavailable | DeadlineExceeded):
-                raise
-            raise Unavailable(f"gossip: {exc}") from exc
-        finally:
-            if not flows.done():
-                await asyncio.wait([flows])
-        return GossipSnapshot(
-            nodes=tuple(nodes),
-            links=tuple(links),
-            fetched_at_s=fetched_at_s,
-            flows=flows.result(),
-        )
-
-    def _reconnect(self) -> None:
-        old, self.client = self.client, self._connect()
-        task = asyncio.get_running_loop().create_task(old.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def watch(self, view: ViewCache) -> None:
-        """Applies failure events to `view` as they happen, forever.
-
-        Resumes after the last event seen (also across a reconnect), so no failure is lost
-        while gossip retains it.
-        """
-        after_event_id = ""
-        while True:
-            try:
-                async for event in self.client.watch_events(after_event_id):
-                    after_event_id = event.event_id
-                    if event.type in (FAILED, LEFT):
-                        log.info("instance %s %s: %s", event.instance_id, event.type, event.reason)
-                        view.mark_down(event.instance_id)
-                    elif event.type == JOINED:
-                        view.request_refresh()
-            except InvalidArgument as exc:
-                log.warning("gossip forgot event %r, watching from now: %s", after_event_id, exc)
-                after_event_id = ""
-            except KvrsError as exc:
-                log.debug("gossip event stream ended: %s", exc)
-            # The stream ends when the client is replaced after a failed fetch.
-            await asyncio.sleep(view.refresh_s)
-
-    async def close(self) -> None:
-        await self.client.close()
         for task in list(self._closing):
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -12,15 +12,16 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import ServerHandle, run_until_signal, start_server
+from services.common.decision_inputs import load_inputs
+from services.common.gossip_source import GossipSource
+from services.common.gossip_view import ViewCache
 from services.common.metrics import Metrics, serve_metrics
 from services.gossip.client import GossipClient
 from services.scheduler.config import Config
 from services.scheduler.decisions import Scheduler
-from services.scheduler.inputs import load_inputs
-from services.scheduler.peers import GossipSource, PeerChannel, SlotBrokerClient
+from services.scheduler.peers import PeerChannel, SlotBrokerClient
 from services.scheduler.replay import RecentRecoveries
 from services.scheduler.servicer import SchedulerServicer
-from services.scheduler.view import ViewCache
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from opentelemetry.util.types import AttributeValue
 from kvrs.network import TransferEstimate
 from kvrs.placement import Placement
 from kvrs.recovery import Action, OptionCost
+from services.common.gossip_view import DecisionView
 from services.scheduler.records import RecoverInput, RecoveryOutcome, SlotOutcome
-from services.scheduler.view import DecisionView
 
 
 def view_attributes(view: DecisionView) -> dict[str, AttributeValue]:

@@ -30,9 +30,9 @@ from services.common import (
     run_until_signal,
     start_server,
 )
+from services.common.gossip_records import NodeLoad, Registration
 from services.common.metrics import Metrics, serve_metrics
 from services.gossip.client import GossipClient, HeartbeatLoop
-from services.gossip.records import NodeLoad, Registration
 from services.worker.compute import ComputeQueue, Estimates
 from services.worker.config import Config
 from services.worker.engine import SendResult, WorkerEngine

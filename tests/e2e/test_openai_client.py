@@ -26,7 +26,7 @@ from kvrs import tokenizer
 from kvrs.cli.launcher import free_ports, is_running, log_tail
 from kvrs.v1 import worker_pb2, worker_pb2_grpc
 from services.common import GrpcSettings, open_channel
-from services.openai_http import chat
+from services.common import openai_chat as chat
 from tests.tiny_reference import reference
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -31,16 +31,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common import setup_tracing
+from services.common.decision_inputs import InputsConfig
+from services.common.gossip_records import Registration
 from services.cost_oracle.config import Config as OracleConfig
 from services.cost_oracle.server import build_server as build_oracle
 from services.gossip.client import GossipClient
 from services.gossip.config import Config as GossipConfig
-from services.gossip.records import Registration
 from services.gossip.server import build_server as build_gossip
 from services.prober.config import Config as ProberConfig
 from services.prober.server import build_server as build_prober
 from services.scheduler.config import Config as SchedulerConfig
-from services.scheduler.inputs import InputsConfig
 from services.scheduler.server import build_server as build_scheduler
 from services.slot_broker.config import Config as BrokerConfig
 from services.slot_broker.server import build_server as build_broker

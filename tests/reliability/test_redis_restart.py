@@ -17,8 +17,8 @@ import redis
 from reliability_stack import CLUSTER, ControlPlane, PrivateRedis
 
 from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.gossip_records import Registration
 from services.gossip.client import GossipClient, HeartbeatLoop
-from services.gossip.records import Registration
 
 STALE_AFTER_S = 1.0
 """The scheduler's default bound: a tighter one flags views stale on a starved machine."""

@@ -16,13 +16,13 @@ from kvrs.v1 import (
     worker_pb2_grpc,
 )
 from services.common import GrpcSettings, Metrics, open_channel, setup_tracing
+from services.common.decision_inputs import InputsConfig
 from services.gossip.client import GossipClient
 from services.gossip.config import Config as GossipConfig
 from services.gossip.server import build_server as build_gossip
 from services.router.config import Config as RouterConfig
 from services.router.server import build_server as build_router
 from services.scheduler.config import Config as SchedulerConfig
-from services.scheduler.inputs import InputsConfig
 from services.scheduler.server import build_server as build_scheduler
 from services.slot_broker.config import Config as BrokerConfig
 from services.slot_broker.server import build_server as build_broker

@@ -12,14 +12,14 @@ from kvrs import errors
 from kvrs.client import KvrsClient, parse_addresses
 from kvrs.v1 import common_pb2
 from services.common import ConfigError, setup_tracing
+from services.common.decision_inputs import InputsConfig
+from services.common.gossip_records import LinkSample, Registration
 from services.cost_oracle.config import Config as OracleConfig
 from services.cost_oracle.server import build_server as build_oracle
 from services.gossip.client import GossipClient
 from services.gossip.config import Config as GossipConfig
-from services.gossip.records import LinkSample, Registration
 from services.gossip.server import build_server as build_gossip
 from services.scheduler.config import Config as SchedulerConfig
-from services.scheduler.inputs import InputsConfig
 from services.scheduler.server import build_server as build_scheduler
 
 TOPOLOGY_YAML = """

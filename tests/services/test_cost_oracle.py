@@ -11,13 +11,13 @@ from kvrs.profile import compute_profile
 from kvrs.topology import DEFAULT_TIERS, Tier
 from kvrs.v1 import oracle_pb2, oracle_pb2_grpc
 from services.common import GrpcSettings, open_channel, setup_tracing
+from services.common.decision_inputs import InputsConfig
+from services.common.gossip_records import LinkSample, Registration
 from services.cost_oracle.config import Config
 from services.cost_oracle.server import build_server
 from services.gossip.client import GossipClient
 from services.gossip.config import Config as GossipConfig
-from services.gossip.records import LinkSample, Registration
 from services.gossip.server import build_server as build_gossip
-from services.scheduler.inputs import InputsConfig
 
 TOPOLOGY_YAML = """
 setup_latency_ms: 1.0

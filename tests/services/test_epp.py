@@ -30,15 +30,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvrs import tokenizer
 from kvrs.cli.launcher import free_ports
 from services.common import GrpcSettings, Metrics, open_channel, setup_tracing
+from services.common.decision_inputs import InputsConfig
+from services.common.gossip_records import NodeLoad, Registration
 from services.epp.config import Config
 from services.epp.envoy_config import find_envoy, render
 from services.epp.server import build_server
 from services.gossip.client import GossipClient
 from services.gossip.config import Config as GossipConfig
-from services.gossip.records import NodeLoad, Registration
 from services.gossip.server import build_server as build_gossip
 from services.scheduler.config import Config as SchedulerConfig
-from services.scheduler.inputs import InputsConfig
 from services.scheduler.server import build_server as build_scheduler
 
 BLOCK_TOKENS = 512

@@ -12,9 +12,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvrs import errors
 from kvrs.v1 import common_pb2, gossip_pb2, gossip_pb2_grpc
 from services.common import ConfigError, GrpcSettings, open_channel, setup_tracing
+from services.common.gossip_records import LinkSample, NodeLoad, Registration
 from services.gossip.client import GossipClient, HeartbeatLoop
 from services.gossip.config import Config
-from services.gossip.records import LinkSample, NodeLoad, Registration
 from services.gossip.server import build_server
 
 TTL_S = 0.4

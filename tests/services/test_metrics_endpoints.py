@@ -11,13 +11,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvrs.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, slots_pb2, slots_pb2_grpc
 from services.common import GrpcSettings, open_channel, setup_tracing
+from services.common.decision_inputs import InputsConfig
+from services.common.gossip_records import Registration
 from services.common.metrics import Metrics, serve_metrics
 from services.gossip.client import GossipClient
 from services.gossip.config import Config as GossipConfig
-from services.gossip.records import Registration
 from services.gossip.server import build_server as build_gossip
 from services.scheduler.config import Config as SchedulerConfig
-from services.scheduler.inputs import InputsConfig
 from services.scheduler.server import build_server as build_scheduler
 from services.slot_broker.config import Config as BrokerConfig
 from services.slot_broker.server import build_server as build_broker

@@ -27,7 +27,8 @@ from kvrs.errors import (
 )
 from kvrs.v1 import router_pb2, router_pb2_grpc
 from services.common import GrpcSettings, Metrics, setup_tracing
-from services.openai_http import chat, protocol
+from services.common import openai_chat as chat
+from services.common import openai_protocol as protocol
 from services.openai_http.config import Config
 from services.openai_http.generation import Finished, GenerateCall, Token
 from services.openai_http.server import build_server

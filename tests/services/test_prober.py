@@ -13,8 +13,7 @@ from kvrs.v1 import prober_pb2, prober_pb2_grpc
 from services.prober.config import Config
 from services.prober.probing import LinkProber, ProbeSettings, payload_id
 from services.prober.server import build_server
-from services.router.peers import Pulled
-from services.router.records import Endpoint
+from services.worker.client import Endpoint, Pulled
 from tests.services.router_plane import Plane
 
 pytestmark = pytest.mark.timeout(90)

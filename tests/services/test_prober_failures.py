@@ -6,8 +6,7 @@ import pytest
 
 from kvrs.errors import Unavailable
 from services.prober.probing import DOWN_BANDWIDTH_BPS, LinkProber, ProbeSettings
-from services.router.peers import Pulled
-from services.router.records import Endpoint
+from services.worker.client import Endpoint, Pulled
 
 SRC = Endpoint("prefill-0", "p0:1")
 DST = Endpoint("decode-0", "d0:1")

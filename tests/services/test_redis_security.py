@@ -16,9 +16,9 @@ from kvrs import errors
 from kvrs.cli.launcher import find_redis_server, free_ports
 from kvrs.v1 import slots_pb2, slots_pb2_grpc
 from services.common import ConfigError, GrpcSettings, RedisTls, open_channel, setup_tracing
+from services.common.gossip_records import Registration
 from services.gossip.client import GossipClient
 from services.gossip.config import Config as GossipConfig
-from services.gossip.records import Registration
 from services.gossip.server import build_server as build_gossip
 from services.slot_broker.config import Config as BrokerConfig
 from services.slot_broker.server import build_server as build_broker

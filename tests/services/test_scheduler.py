@@ -16,13 +16,13 @@ from kvrs.model import model_spec
 from kvrs.profile import compute_profile
 from kvrs.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, slots_pb2, slots_pb2_grpc
 from services.common import GrpcSettings, open_channel, setup_tracing
+from services.common.decision_inputs import InputsConfig
+from services.common.gossip_records import LinkSample, NodeLoad, Registration
 from services.gossip.client import GossipClient
 from services.gossip.config import Config as GossipConfig
-from services.gossip.records import LinkSample, NodeLoad, Registration
 from services.gossip.server import build_server as build_gossip
 from services.prober.probing import DOWN_BANDWIDTH_BPS
 from services.scheduler.config import Config
-from services.scheduler.inputs import InputsConfig
 from services.scheduler.server import build_server
 from services.slot_broker.config import Config as BrokerConfig
 from services.slot_broker.server import build_server as build_broker

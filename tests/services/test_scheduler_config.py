@@ -8,9 +8,9 @@ import pytest
 
 from kvrs.profile import compute_profile
 from services.common import ConfigError
+from services.common.decision_inputs import InputsConfig, load_inputs
 from services.cost_oracle.config import Config as OracleConfig
 from services.scheduler.config import Config
-from services.scheduler.inputs import InputsConfig, load_inputs
 
 
 def test_defaults_match_the_documented_ports_and_policies():

@@ -29,8 +29,8 @@ from kvrs.errors import DeadlineExceeded, NotFound, Unavailable
 from kvrs.estimator import LinkEstimate
 from kvrs.network import NetworkModel
 from kvrs.topology import InstanceSpec, LinkId, Location, Role
-from services.gossip.records import ALIVE, LinkRecord, NodeRecord, Registration
-from services.scheduler.inputs import DecisionInputs
+from services.common.decision_inputs import DecisionInputs
+from services.common.gossip_records import ALIVE, LinkRecord, NodeRecord, Registration
 
 log = logging.getLogger(__name__)
 

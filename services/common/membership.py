@@ -1,4 +1,6 @@
-"""The router's copy of the gossip registry: who is alive, where, how loaded; who just died.
+"""A copy of the gossip registry: who is alive, where, how loaded; who just died.
+
+The router and the prober each keep one.
 
 A background task re-reads the registry every `refresh_s`; another follows the gossip
 event stream and, on a `failed` or `left` event, marks the instance down at once and
@@ -15,8 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvrs.errors import KvrsError
-from services.gossip.client import GossipClient
-from services.gossip.records import ALIVE, FAILED, LEFT, NodeRecord
+from services.common.gossip_records import ALIVE, FAILED, LEFT, GossipReader, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def instance_from_record(record: NodeRecord) -> Instance:
 class Membership:
     """See the module docstring. `start()` launches the background tasks, `close()` ends them."""
 
-    def __init__(self, gossip: GossipClient, refresh_s: float) -> None:
+    def __init__(self, gossip: GossipReader, refresh_s: float) -> None:
         self._gossip = gossip
         self.refresh_s = refresh_s
         self._instances: dict[str, Instance] = {}

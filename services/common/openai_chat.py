@@ -21,7 +21,7 @@ from typing import Any
 
 from kvrs import tokenizer
 from kvrs.errors import InvalidArgument
-from services.openai_http.protocol import (
+from services.common.openai_protocol import (
     CompletionRequest,
     Usage,
     check_model_and_fields,

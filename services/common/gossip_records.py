@@ -8,7 +8,9 @@ gRPC nor Redis appears here, so the store, the servicer and the client share the
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvrs.errors import InvalidArgument
 
@@ -177,3 +179,18 @@ def validate_link_sample(sample: LinkSample) -> None:
     require_non_negative("rtt_s", sample.rtt_s)
     require_non_negative("probe_bytes", sample.probe_bytes)
     require_non_negative("samples", sample.samples)
+
+
+class GossipReader(Protocol):
+    """What a reader of the registry needs from gossip; `services.gossip.client.GossipClient`
+    is the implementation (a protocol, so `services.common` imports no service)."""
+
+    async def list_nodes(
+        self, role: str | None = None, include_down: bool = False
+    ) -> list[NodeRecord]: ...
+
+    async def list_links(self) -> list[LinkRecord]: ...
+
+    def watch_events(self, after_event_id: str = "") -> AsyncIterator[NodeEvent]: ...
+
+    async def close(self) -> None: ...
