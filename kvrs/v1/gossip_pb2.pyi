@@ -59,7 +59,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes")
+    __slots__ = ("request_id", "instance_id", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes", "load_unchanged", "prefix_hashes_unchanged")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class HeartbeatRequest(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     queue_depth: int
@@ -74,13 +76,27 @@ class HeartbeatRequest(_message.Message):
     running_requests: int
     free_kv_blocks: int
     resident_prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    load_unchanged: bool
+    prefix_hashes_unchanged: bool
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., load_unchanged: _Optional[bool] = ..., prefix_hashes_unchanged: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("expires_unix_ms",)
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     expires_unix_ms: int
     def __init__(self, expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class StreamHeartbeatsResponse(_message.Message):
+    __slots__ = ("instance_id", "expires_unix_ms", "code", "message")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    expires_unix_ms: int
+    code: int
+    message: str
+    def __init__(self, instance_id: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DeregisterNodeRequest(_message.Message):
     __slots__ = ("request_id", "instance_id", "reason")
@@ -203,6 +219,24 @@ class ListLinksResponse(_message.Message):
     links: _containers.RepeatedCompositeFieldContainer[LinkInfo]
     server_unix_ms: int
     def __init__(self, links: _Optional[_Iterable[_Union[LinkInfo, _Mapping]]] = ..., server_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ListChangesRequest(_message.Message):
+    __slots__ = ("after_change_id",)
+    AFTER_CHANGE_ID_FIELD_NUMBER: _ClassVar[int]
+    after_change_id: str
+    def __init__(self, after_change_id: _Optional[str] = ...) -> None: ...
+
+class ListChangesResponse(_message.Message):
+    __slots__ = ("nodes", "change_id", "full", "server_unix_ms")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_ID_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    SERVER_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    change_id: str
+    full: bool
+    server_unix_ms: int
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., change_id: _Optional[str] = ..., full: _Optional[bool] = ..., server_unix_ms: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("after_event_id",)

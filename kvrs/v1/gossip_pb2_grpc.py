@@ -44,6 +44,11 @@ class GossipServiceStub:
                 request_serializer=kvrs_dot_v1_dot_gossip__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvrs_dot_v1_dot_gossip__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.StreamHeartbeats = channel.stream_stream(
+                '/kvrs.v1.GossipService/StreamHeartbeats',
+                request_serializer=kvrs_dot_v1_dot_gossip__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=kvrs_dot_v1_dot_gossip__pb2.StreamHeartbeatsResponse.FromString,
+                _registered_method=True)
         self.DeregisterNode = channel.unary_unary(
                 '/kvrs.v1.GossipService/DeregisterNode',
                 request_serializer=kvrs_dot_v1_dot_gossip__pb2.DeregisterNodeRequest.SerializeToString,
@@ -64,6 +69,11 @@ class GossipServiceStub:
                 request_serializer=kvrs_dot_v1_dot_gossip__pb2.ListLinksRequest.SerializeToString,
                 response_deserializer=kvrs_dot_v1_dot_gossip__pb2.ListLinksResponse.FromString,
                 _registered_method=True)
+        self.ListChanges = channel.unary_unary(
+                '/kvrs.v1.GossipService/ListChanges',
+                request_serializer=kvrs_dot_v1_dot_gossip__pb2.ListChangesRequest.SerializeToString,
+                response_deserializer=kvrs_dot_v1_dot_gossip__pb2.ListChangesResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/kvrs.v1.GossipService/WatchEvents',
                 request_serializer=kvrs_dot_v1_dot_gossip__pb2.WatchEventsRequest.SerializeToString,
@@ -83,6 +93,15 @@ class GossipServiceServicer:
 
     def Heartbeat(self, request, context):
         """Reports liveness and load; an instance whose heartbeats stop for its TTL is declared failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamHeartbeats(self, request_iterator, context):
+        """Heartbeats over one long-lived stream (cheaper per beat than a unary call): every
+        request is answered, in order, by one response carrying its outcome; the stream
+        itself fails only for transport errors.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +133,15 @@ class GossipServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListChanges(self, request, context):
+        """The instances whose registration, state or load changed after a change id: what a
+        view needs to follow the registry without re-reading it; a full listing when asked
+        or when the change history no longer reaches back to that id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvents(self, request, context):
         """Streams joined / failed / left events, optionally replaying from a known event id.
         """
@@ -134,6 +162,11 @@ def add_GossipServiceServicer_to_server(servicer, server):
                     request_deserializer=kvrs_dot_v1_dot_gossip__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvrs_dot_v1_dot_gossip__pb2.HeartbeatResponse.SerializeToString,
             ),
+            'StreamHeartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamHeartbeats,
+                    request_deserializer=kvrs_dot_v1_dot_gossip__pb2.HeartbeatRequest.FromString,
+                    response_serializer=kvrs_dot_v1_dot_gossip__pb2.StreamHeartbeatsResponse.SerializeToString,
+            ),
             'DeregisterNode': grpc.unary_unary_rpc_method_handler(
                     servicer.DeregisterNode,
                     request_deserializer=kvrs_dot_v1_dot_gossip__pb2.DeregisterNodeRequest.FromString,
@@ -153,6 +186,11 @@ def add_GossipServiceServicer_to_server(servicer, server):
                     servicer.ListLinks,
                     request_deserializer=kvrs_dot_v1_dot_gossip__pb2.ListLinksRequest.FromString,
                     response_serializer=kvrs_dot_v1_dot_gossip__pb2.ListLinksResponse.SerializeToString,
+            ),
+            'ListChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListChanges,
+                    request_deserializer=kvrs_dot_v1_dot_gossip__pb2.ListChangesRequest.FromString,
+                    response_serializer=kvrs_dot_v1_dot_gossip__pb2.ListChangesResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -214,6 +252,33 @@ class GossipService:
             '/kvrs.v1.GossipService/Heartbeat',
             kvrs_dot_v1_dot_gossip__pb2.HeartbeatRequest.SerializeToString,
             kvrs_dot_v1_dot_gossip__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamHeartbeats(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvrs.v1.GossipService/StreamHeartbeats',
+            kvrs_dot_v1_dot_gossip__pb2.HeartbeatRequest.SerializeToString,
+            kvrs_dot_v1_dot_gossip__pb2.StreamHeartbeatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -322,6 +387,33 @@ class GossipService:
             '/kvrs.v1.GossipService/ListLinks',
             kvrs_dot_v1_dot_gossip__pb2.ListLinksRequest.SerializeToString,
             kvrs_dot_v1_dot_gossip__pb2.ListLinksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrs.v1.GossipService/ListChanges',
+            kvrs_dot_v1_dot_gossip__pb2.ListChangesRequest.SerializeToString,
+            kvrs_dot_v1_dot_gossip__pb2.ListChangesResponse.FromString,
             options,
             channel_credentials,
             insecure,

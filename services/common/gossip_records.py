@@ -83,6 +83,20 @@ class NodeRecord:
 
 
 @dataclass(frozen=True)
+class NodeChanges:
+    """What changed in the registry after a reader's change id (or all of it, `full`)."""
+
+    nodes: tuple[NodeRecord, ...]
+    """Each changed instance as it is now, alive or down; every instance when `full`."""
+    change_id: str
+    """Where the reader is now: its next `after_change_id`."""
+    full: bool
+    """`nodes` replaces the reader's copy (asked for, or the history had a gap)."""
+    now_ms: int
+    """Redis time of the reply."""
+
+
+@dataclass(frozen=True)
 class LinkSample:
     """A bandwidth measurement of the path src -> dst, as the prober reports it."""
 

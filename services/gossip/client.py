@@ -28,12 +28,13 @@ import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs import errors
-from kvrs.rpc import error_from_rpc
+from kvrs.rpc import error_for_code, error_from_rpc
 from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
 from services.common import DEFAULT_RPC_TIMEOUT_S, GrpcSettings, open_channel
 from services.common.gossip_records import (
     LinkRecord,
     LinkSample,
+    NodeChanges,
     NodeEvent,
     NodeLoad,
     NodeRecord,
@@ -53,6 +54,7 @@ _WATCH_RECONNECT_CODES = (
     grpc.StatusCode.CANCELLED,
 )
 _MAX_RECONNECT_BACKOFF_S = 2.0
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _request_id() -> str:
@@ -105,15 +107,34 @@ class GossipClient:
         )
         return convert.node_from_pb(reply.node)
 
-    async def heartbeat(self, instance_id: str, load: NodeLoad | None = None) -> int:
+    async def heartbeat(
+        self,
+        instance_id: str,
+        load: NodeLoad | None = None,
+        *,
+        load_unchanged: bool = False,
+        prefix_hashes_unchanged: bool = False,
+    ) -> int:
         """Reports liveness and load; returns when the instance expires (unix ms).
 
-        NotFound: the registry does not know the instance; FailedPrecondition: it was
-        declared failed or left. Register again in both cases (HeartbeatLoop does).
+        `load_unchanged` / `prefix_hashes_unchanged`: the registry keeps what an earlier
+        heartbeat stored for the load fields / the resident prefix set, and they are not
+        sent. NotFound: the registry does not know the instance; FailedPrecondition: it
+        was declared failed or left. Register again in both cases (HeartbeatLoop does).
         """
-        request = convert.heartbeat_to_pb(instance_id, load or NodeLoad(), _request_id())
+        request = convert.heartbeat_to_pb(
+            instance_id,
+            load or NodeLoad(),
+            _request_id(),
+            load_unchanged=load_unchanged,
+            prefix_hashes_unchanged=prefix_hashes_unchanged,
+        )
         reply = await self._call(self._stub.Heartbeat, request)
         return reply.expires_unix_ms
+
+    def heartbeat_stream(self) -> HeartbeatStream:
+        """A long-lived StreamHeartbeats call for one instance (or several, in turn)."""
+        return HeartbeatStream(self._stub, self._timeout_s)
 
     async def deregister(self, instance_id: str, reason: str = "") -> None:
         """Leaves cleanly (a "left" event, not "failed"); NotFound for an unknown id."""
@@ -139,6 +160,17 @@ class GossipClient:
         )
         reply = await self._call(self._stub.ListNodes, request)
         return [convert.node_from_pb(info) for info in reply.nodes]
+
+    async def list_changes(self, after_change_id: str = "") -> NodeChanges:
+        """The instances that changed after `after_change_id` ("" = every instance, `full`).
+
+        A view applies each reply's nodes over its copy (or replaces its copy when `full`:
+        the history no longer reached back) and passes `change_id` next time.
+        """
+        reply = await self._call(
+            self._stub.ListChanges, gossip_pb2.ListChangesRequest(after_change_id=after_change_id)
+        )
+        return convert.changes_from_pb(reply)
 
     async def list_links(self) -> list[LinkRecord]:
         """The newest sample of every measured link, each with its age_s."""
@@ -184,6 +216,96 @@ class GossipClient:
             backoff_s = min(2 * backoff_s, _MAX_RECONNECT_BACKOFF_S)
 
 
+class HeartbeatStream:
+    """Heartbeats over one StreamHeartbeats call, opened on first use and reopened after
+    it breaks; one beat at a time (each waits for its answer).
+
+    A beat costs the registry a message on an open stream instead of a unary call (no
+    call set-up, no span per beat). Errors are those of `GossipClient.heartbeat`.
+    """
+
+    def __init__(self, stub: gossip_pb2_grpc.GossipServiceStub, timeout_s: float) -> None:
+        self._stub = stub
+        self._timeout_s = timeout_s
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._lock = asyncio.Lock()
+
+    async def heartbeat(
+        self,
+        instance_id: str,
+        load: NodeLoad | None = None,
+        *,
+        load_unchanged: bool = False,
+        prefix_hashes_unchanged: bool = False,
+    ) -> int:
+        request = convert.heartbeat_to_pb(
+            instance_id,
+            load or NodeLoad(),
+            "",
+            load_unchanged=load_unchanged,
+            prefix_hashes_unchanged=prefix_hashes_unchanged,
+        )
+        async with self._lock:
+            if self._call is None:
+                self._call = self._stub.StreamHeartbeats()
+            call = self._call
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    await call.write(request)
+                    reply = await call.read()
+            except TimeoutError:
+                self._drop(call)
+                raise errors.DeadlineExceeded(
+                    f"no heartbeat answer within {self._timeout_s} s"
+                ) from None
+            except grpc.aio.AioRpcError as exc:
+                self._drop(call)
+                raise error_from_rpc(exc) from exc
+            except asyncio.CancelledError:
+                self._drop(call)  # its answer would be read as the next beat's
+                raise
+            if reply is grpc.aio.EOF:
+                self._drop(call)
+                raise errors.Unavailable("the gossip service ended the heartbeat stream")
+        if reply.code:
+            raise error_for_code(_STATUS_CODES[reply.code], reply.message)
+        return reply.expires_unix_ms
+
+    def _drop(self, call: grpc.aio.StreamStreamCall) -> None:
+        call.cancel()
+        if self._call is call:
+            self._call = None
+
+    async def close(self) -> None:
+        """Ends the stream; safe to call twice. A later beat opens a new one."""
+        async with self._lock:
+            if self._call is not None:
+                call, self._call = self._call, None
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await call.done_writing()
+                call.cancel()
+
+
+WORK_THRESHOLD_S = 0.001
+"""A change of `queued_work_s` below this is not worth a load update (W(x) within 1 ms)."""
+FREE_KV_THRESHOLD = 0.01
+"""A change of free KV blocks below this share of the capacity is not worth an update."""
+FULL_LOAD_EVERY = 10
+"""Every this many beats the whole load is sent, whatever changed: what the thresholds
+held back reaches the registry within this many intervals."""
+
+
+def load_changed(sent: NodeLoad, load: NodeLoad, kv_capacity_blocks: int) -> bool:
+    """Whether `load`'s scalar fields differ from `sent` by more than the thresholds."""
+    return (
+        load.queue_depth != sent.queue_depth
+        or load.running_requests != sent.running_requests
+        or abs(load.queued_work_s - sent.queued_work_s) >= WORK_THRESHOLD_S
+        or abs(load.free_kv_blocks - sent.free_kv_blocks)
+        > FREE_KV_THRESHOLD * max(0, kv_capacity_blocks)
+    )
+
+
 LoadSource = Callable[[], "NodeLoad | Awaitable[NodeLoad]"]
 
 
@@ -197,6 +319,11 @@ class HeartbeatLoop:
     longer knows the instance), the loop registers again at once and then calls
     `on_reregistered`, where the instance drops the work the cluster gave up on. Other
     errors are logged and retried at the next beat; the loop itself never dies of one.
+
+    Beats go over one StreamHeartbeats stream, and carry only what changed since the
+    registry last stored it: the load fields when they moved past the thresholds
+    (`load_changed`), the prefix set when it differs, and everything every
+    `FULL_LOAD_EVERY` beats and after each (re-)registration.
     """
 
     def __init__(
@@ -215,6 +342,10 @@ class HeartbeatLoop:
         self._interval_s = interval_s
         self._on_reregistered = on_reregistered
         self._last_load = NodeLoad()
+        self._stream = client.heartbeat_stream()
+        self._sent: NodeLoad | None = None
+        """The load the registry holds for the instance; None = unknown, send it all."""
+        self._beats_since_full = 0
         self._task: asyncio.Task[None] | None = None
         self.registrations = 0
         """Successful registrations: 1 after `start`, +1 per re-registration."""
@@ -244,6 +375,7 @@ class HeartbeatLoop:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+            await self._stream.close()
             if deregister:
                 try:
                     await self._client.deregister(self._registration.instance_id, reason)
@@ -252,8 +384,37 @@ class HeartbeatLoop:
 
     async def _register(self) -> NodeRecord:
         record = await self._client.register(self._registration)
+        self._sent = None  # a (re)joining instance's stored load was reset
         self.registrations += 1
         return record
+
+    async def _send(self, load: NodeLoad) -> None:
+        sent = self._sent
+        full = sent is None or self._beats_since_full + 1 >= FULL_LOAD_EVERY
+        load_unchanged = not full and not load_changed(
+            sent, load, self._registration.kv_capacity_blocks
+        )
+        prefix_unchanged = not full and load.resident_prefix_hashes == sent.resident_prefix_hashes
+        self._sent = None  # unknown until the registry answers
+        await self._stream.heartbeat(
+            self._registration.instance_id,
+            load,
+            load_unchanged=load_unchanged,
+            prefix_hashes_unchanged=prefix_unchanged,
+        )
+        self._beats_since_full = 0 if full else self._beats_since_full + 1
+        if load_unchanged or prefix_unchanged:
+            assert sent is not None
+            load = NodeLoad(
+                queue_depth=sent.queue_depth if load_unchanged else load.queue_depth,
+                queued_work_s=sent.queued_work_s if load_unchanged else load.queued_work_s,
+                running_requests=(
+                    sent.running_requests if load_unchanged else load.running_requests
+                ),
+                free_kv_blocks=sent.free_kv_blocks if load_unchanged else load.free_kv_blocks,
+                resident_prefix_hashes=load.resident_prefix_hashes,
+            )
+        self._sent = load
 
     async def _current_load(self) -> NodeLoad:
         if self._load_source is None:
@@ -273,12 +434,12 @@ class HeartbeatLoop:
         load = await self._current_load()
         try:
             try:
-                await self._client.heartbeat(instance_id, load)
+                await self._send(load)
                 return
             except (errors.NotFound, errors.FailedPrecondition) as exc:
                 log.warning("registering %s again: %s", instance_id, exc)
             await self._register()
-            await self._client.heartbeat(instance_id, load)
+            await self._send(load)
         except errors.KvrsError as exc:
             log.warning("heartbeat of %s failed, retrying: %s", instance_id, exc)
             return

@@ -38,6 +38,9 @@ class Config:
     reported at most this long after its TTL."""
     events_maxlen: int = 10_000
     """GOSSIP_EVENTS_MAXLEN: events retained for replay (approximate stream MAXLEN)."""
+    changes_maxlen: int = 100_000
+    """GOSSIP_CHANGES_MAXLEN: change entries retained for views following ListChanges
+    (approximate stream MAXLEN); a view further behind gets a full listing."""
     down_retention_s: float = 600.0
     """GOSSIP_DOWN_RETENTION_S: how long failed/left instances stay listable and link
     samples are kept."""
@@ -57,6 +60,7 @@ class Config:
             heartbeat_ttl_s=env_float("GOSSIP_HEARTBEAT_TTL_S", 2.0, env),
             sweep_interval_s=env_float("GOSSIP_SWEEP_INTERVAL_S", 0.1, env),
             events_maxlen=env_int("GOSSIP_EVENTS_MAXLEN", 10_000, env),
+            changes_maxlen=env_int("GOSSIP_CHANGES_MAXLEN", 100_000, env),
             down_retention_s=env_float("GOSSIP_DOWN_RETENTION_S", 600.0, env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             grpc=GrpcSettings.from_env(env),
@@ -65,6 +69,7 @@ class Config:
             ("GOSSIP_HEARTBEAT_TTL_S", config.heartbeat_ttl_s),
             ("GOSSIP_SWEEP_INTERVAL_S", config.sweep_interval_s),
             ("GOSSIP_EVENTS_MAXLEN", config.events_maxlen),
+            ("GOSSIP_CHANGES_MAXLEN", config.changes_maxlen),
             ("GOSSIP_DOWN_RETENTION_S", config.down_retention_s),
         )
         return config

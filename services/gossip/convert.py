@@ -14,6 +14,7 @@ from services.common.gossip_records import (
     LEFT,
     LinkRecord,
     LinkSample,
+    NodeChanges,
     NodeEvent,
     NodeLoad,
     NodeRecord,
@@ -79,17 +80,27 @@ def registration_from_pb(request: gossip_pb2.RegisterNodeRequest) -> Registratio
 
 
 def heartbeat_to_pb(
-    instance_id: str, load: NodeLoad, request_id: str
+    instance_id: str,
+    load: NodeLoad,
+    request_id: str,
+    load_unchanged: bool = False,
+    prefix_hashes_unchanged: bool = False,
 ) -> gossip_pb2.HeartbeatRequest:
-    return gossip_pb2.HeartbeatRequest(
+    """What is unchanged is left out of the message, not just flagged."""
+    request = gossip_pb2.HeartbeatRequest(
         request_id=request_id,
         instance_id=instance_id,
-        queue_depth=load.queue_depth,
-        queued_work_s=load.queued_work_s,
-        running_requests=load.running_requests,
-        free_kv_blocks=load.free_kv_blocks,
-        resident_prefix_hashes=load.resident_prefix_hashes,
+        load_unchanged=load_unchanged,
+        prefix_hashes_unchanged=prefix_hashes_unchanged,
     )
+    if not load_unchanged:
+        request.queue_depth = load.queue_depth
+        request.queued_work_s = load.queued_work_s
+        request.running_requests = load.running_requests
+        request.free_kv_blocks = load.free_kv_blocks
+    if not prefix_hashes_unchanged:
+        request.resident_prefix_hashes.extend(load.resident_prefix_hashes)
+    return request
 
 
 def load_from_pb(message: gossip_pb2.HeartbeatRequest | gossip_pb2.NodeInfo) -> NodeLoad:
@@ -150,6 +161,15 @@ def node_from_pb(info: gossip_pb2.NodeInfo) -> NodeRecord:
         last_seen_unix_ms=info.last_seen_unix_ms,
         age_s=info.age_s,
         heartbeat_ttl_s=info.heartbeat_ttl_s,
+    )
+
+
+def changes_from_pb(reply: gossip_pb2.ListChangesResponse) -> NodeChanges:
+    return NodeChanges(
+        nodes=tuple(node_from_pb(info) for info in reply.nodes),
+        change_id=reply.change_id,
+        full=reply.full,
+        now_ms=reply.server_unix_ms,
     )
 
 

@@ -49,6 +49,7 @@ async def build_server(
         default_ttl_s=config.heartbeat_ttl_s,
         events_maxlen=config.events_maxlen,
         down_retention_s=config.down_retention_s,
+        changes_maxlen=config.changes_maxlen,
     )
     servicer = GossipServicer(store, metrics)
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvrs.errors import FailedPrecondition, NotFound
+from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
 from services.common.gossip_records import ALIVE, ROLES
 from services.common.metrics import Metrics
@@ -34,11 +34,14 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         record = await self._store.register(convert.registration_from_pb(request))
         return gossip_pb2.RegisterNodeResponse(node=convert.node_to_pb(record))
 
-    async def Heartbeat(self, request, context: grpc.aio.ServicerContext):
+    async def _heartbeat(self, request: gossip_pb2.HeartbeatRequest) -> int:
         outcome = "ok"
         try:
-            expires_ms = await self._store.heartbeat(
-                request.instance_id, convert.load_from_pb(request)
+            return await self._store.heartbeat(
+                request.instance_id,
+                convert.load_from_pb(request),
+                load_unchanged=request.load_unchanged,
+                prefix_hashes_unchanged=request.prefix_hashes_unchanged,
             )
         except NotFound:
             outcome = "unknown"
@@ -48,7 +51,30 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
             raise
         finally:
             self._metrics.heartbeats.labels(outcome=outcome).inc()
+
+    async def Heartbeat(self, request, context: grpc.aio.ServicerContext):
+        expires_ms = await self._heartbeat(request)
         return gossip_pb2.HeartbeatResponse(expires_unix_ms=expires_ms)
+
+    async def StreamHeartbeats(
+        self, request_iterator, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gossip_pb2.StreamHeartbeatsResponse]:
+        # A refused beat is an answer on the stream, not its end: the instance registers
+        # again and keeps beating over the same stream. Redis being down says nothing
+        # about the instance: it ends the stream UNAVAILABLE, as the unary call fails.
+        async for request in request_iterator:
+            try:
+                expires_ms = await self._heartbeat(request)
+            except (InvalidArgument, NotFound, FailedPrecondition) as exc:
+                yield gossip_pb2.StreamHeartbeatsResponse(
+                    instance_id=request.instance_id,
+                    code=grpc.StatusCode[exc.code].value[0],
+                    message=str(exc),
+                )
+                continue
+            yield gossip_pb2.StreamHeartbeatsResponse(
+                instance_id=request.instance_id, expires_unix_ms=expires_ms
+            )
 
     async def DeregisterNode(self, request, context: grpc.aio.ServicerContext):
         await self._store.deregister(request.instance_id, request.reason)
@@ -71,6 +97,15 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
                 )
         return gossip_pb2.ListNodesResponse(
             nodes=[convert.node_to_pb(record) for record in records], server_unix_ms=now_ms
+        )
+
+    async def ListChanges(self, request, context: grpc.aio.ServicerContext):
+        listing = await self._store.list_changes(request.after_change_id)
+        return gossip_pb2.ListChangesResponse(
+            nodes=[convert.node_to_pb(record) for record in listing.nodes],
+            change_id=listing.change_id,
+            full=listing.full,
+            server_unix_ms=listing.now_ms,
         )
 
     async def ListLinks(self, request, context: grpc.aio.ServicerContext):

@@ -7,6 +7,12 @@ Keys (all under one hash-tagged prefix, so every script touches a single slot):
     gossip:live        zset    alive instance id -> expiry (unix ms, Redis clock)
     gossip:links       hash    json([src, dst]) -> "<measured_unix_ms> <json sample>"
     gossip:events      stream  joined / failed / left, trimmed to about `events_maxlen`
+    gossip:changes     stream  `id` of every instance whose registration, state or load
+                               changed, trimmed to about `changes_maxlen`
+
+The change stream is what lets views follow the registry instead of re-reading it
+(`list_changes`): a heartbeat appends to it only when a value it writes differs from the
+stored one, so a cluster whose load is steady costs its views almost nothing.
 
 Every state change runs as one Lua script reading the Redis clock (`TIME`), so several
 gossip replicas share one clock and one truth: the script that removes an instance from
@@ -39,6 +45,7 @@ from services.common.gossip_records import (
     MAX_REASON_BYTES,
     LinkRecord,
     LinkSample,
+    NodeChanges,
     NodeEvent,
     NodeLoad,
     NodeRecord,
@@ -58,8 +65,9 @@ T = TypeVar("T")
 
 _EVENT_ID = re.compile(r"^[0-9]{1,19}(-[0-9]{1,19})?$")  # ASCII, within the uint64 Redis takes
 
-# Shared by the scripts below. ARGV[1] is the node-key prefix, ARGV[2] the stream MAXLEN,
-# ARGV[3] how long a down node stays listed; KEYS[1] is the live set, KEYS[2] the stream.
+# Shared by the scripts below. ARGV[1] is the node-key prefix, ARGV[2] the event stream's
+# MAXLEN, ARGV[3] how long a down node stays listed, ARGV[4] the change stream's MAXLEN;
+# KEYS[1] is the live set, KEYS[2] the event stream, KEYS[3] the change stream.
 _LUA_COMMON = """
 local function now_ms()
   local t = redis.call('TIME')
@@ -71,9 +79,13 @@ local function emit(kind, id, node, now, reason)
     'instance_id', id, 'role', f[1] or '', 'address', f[2] or '',
     'unix_ms', now, 'reason', reason)
 end
-local function go_down(node, state, now)
+local function changed(id)
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'id', id)
+end
+local function go_down(id, node, state, now)
   redis.call('HSET', node, 'state', state, 'down_unix_ms', now)
   redis.call('PEXPIRE', node, ARGV[3])
+  changed(id)
 end
 -- Declares `id` failed if it is still live; false when another caller already did.
 local function fail(id, now)
@@ -82,7 +94,7 @@ local function fail(id, now)
   end
   local node = ARGV[1] .. id
   local ttl_s = (tonumber(redis.call('HGET', node, 'ttl_ms')) or 0) / 1000
-  go_down(node, 'failed', now)
+  go_down(id, node, 'failed', now)
   emit('failed', id, node, now, 'no heartbeat for ' .. ttl_s .. ' s')
   return true
 end
@@ -92,11 +104,11 @@ local function expired(id, now)
 end
 """
 
-# KEYS: live, events, nodes. ARGV: common, id, ttl_ms, field/value pairs...
+# KEYS: live, events, changes, nodes. ARGV: common, id, ttl_ms, field/value pairs...
 _REGISTER = (
     _LUA_COMMON
     + """
-local id, ttl_ms = ARGV[4], tonumber(ARGV[5])
+local id, ttl_ms = ARGV[5], tonumber(ARGV[6])
 local node = ARGV[1] .. id
 local now = now_ms()
 local state = redis.call('HGET', node, 'state')
@@ -105,7 +117,7 @@ if state == 'alive' and expired(id, now) then
   state = 'failed'
 end
 local fields = {}
-for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', node, unpack(fields))
 if state ~= 'alive' then
   -- A (re)joining instance holds no requests: all of its KV memory is free.
@@ -117,7 +129,8 @@ redis.call('HSET', node, 'state', 'alive', 'last_seen_unix_ms', now, 'ttl_ms', t
 redis.call('HDEL', node, 'down_unix_ms')
 redis.call('PERSIST', node)
 redis.call('ZADD', KEYS[1], now + ttl_ms, id)
-redis.call('SADD', KEYS[3], id)
+redis.call('SADD', KEYS[4], id)
+changed(id)
 if state ~= 'alive' then
   emit('joined', id, node, now, state and ('re-registered after ' .. state) or '')
 end
@@ -125,12 +138,13 @@ return redis.call('HGETALL', node)
 """
 )
 
-# KEYS: live, events. ARGV: common, id, load field/value pairs...
-# Returns {expiry} or {-1} (unknown) or {-2, state} (not alive: re-register).
+# KEYS: live, events, changes. ARGV: common, id, load field/value pairs (possibly none)...
+# Returns {expiry} or {-1} (unknown) or {-2, state} (not alive: re-register). Appends to
+# the change stream only when a written value differs from the stored one.
 _HEARTBEAT = (
     _LUA_COMMON
     + """
-local id = ARGV[4]
+local id = ARGV[5]
 local node = ARGV[1] .. id
 local now = now_ms()
 local state = redis.call('HGET', node, 'state')
@@ -144,20 +158,35 @@ if expired(id, now) then
   fail(id, now)
   return {-2, 'failed'}
 end
-local fields = {}
-for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', node, 'last_seen_unix_ms', now, unpack(fields))
+if #ARGV > 5 then
+  local names, values = {}, {}
+  for i = 6, #ARGV, 2 do
+    names[#names + 1] = ARGV[i]
+    values[#values + 1] = ARGV[i + 1]
+  end
+  local stored = redis.call('HMGET', node, unpack(names))
+  for i = 1, #names do
+    if stored[i] ~= values[i] then
+      changed(id)
+      break
+    end
+  end
+  local fields = {}
+  for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+  redis.call('HSET', node, unpack(fields))
+end
+redis.call('HSET', node, 'last_seen_unix_ms', now)
 local expiry = now + tonumber(redis.call('HGET', node, 'ttl_ms'))
 redis.call('ZADD', KEYS[1], expiry, id)
 return {expiry}
 """
 )
 
-# KEYS: live, events. ARGV: common, id, reason. Returns 0 for an unknown instance.
+# KEYS: live, events, changes. ARGV: common, id, reason. Returns 0 for an unknown instance.
 _DEREGISTER = (
     _LUA_COMMON
     + """
-local id = ARGV[4]
+local id = ARGV[5]
 local node = ARGV[1] .. id
 local now = now_ms()
 local state = redis.call('HGET', node, 'state')
@@ -166,19 +195,19 @@ if not state then
 end
 redis.call('ZREM', KEYS[1], id)
 if state == 'alive' then
-  emit('left', id, node, now, ARGV[5])
+  emit('left', id, node, now, ARGV[6])
 end
-go_down(node, 'left', now)
+go_down(id, node, 'left', now)
 return 1
 """
 )
 
-# KEYS: live, events. ARGV: common, limit. Returns the ids this call declared failed.
+# KEYS: live, events, changes. ARGV: common, limit. Returns the ids this call declared failed.
 _SWEEP = (
     _LUA_COMMON
     + """
 local now = now_ms()
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[4]))
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
 local failed = {}
 for _, id in ipairs(ids) do
   if fail(id, now) then failed[#failed + 1] = id end
@@ -217,6 +246,26 @@ return overdue
 
 _LOAD_FIELDS = ("queue_depth", "queued_work_s", "running_requests", "free_kv_blocks")
 SWEEP_BATCH = 500
+CHANGES_READ_MAX = 20_000
+"""More change entries than this since a reader's id: a full listing costs less."""
+
+
+def _stream_id(value: str) -> tuple[int, int]:
+    millis, _, sequence = value.partition("-")
+    return int(millis), int(sequence or 0)
+
+
+def _gap(info: dict, after_change_id: str) -> bool:
+    """Whether entries after `after_change_id` may have been trimmed away (or the id
+    comes from another stream): the reader must take a full listing."""
+    after = _stream_id(after_change_id)
+    if after > _stream_id(_text(info["last-generated-id"])):
+        return True
+    added = info.get("entries-added")  # Redis >= 7; before that, assume trimming
+    if added is not None and int(added) <= int(info["length"]):
+        return False  # nothing was ever trimmed
+    first = info.get("first-entry")
+    return first is None or _stream_id(_text(first[0])) > after
 
 
 def _text(value: bytes | str | None) -> str:
@@ -302,6 +351,7 @@ class GossipStore:
         default_ttl_s: float,
         events_maxlen: int = 10_000,
         down_retention_s: float = 600.0,
+        changes_maxlen: int = 100_000,
     ) -> None:
         keys = Keys(prefix)
         self._redis = client
@@ -311,8 +361,15 @@ class GossipStore:
         self._live = keys("gossip", "live")
         self._links = keys("gossip", "links")
         self._events = keys("gossip", "events")
+        self._changes = keys("gossip", "changes")
+        self._script_keys = [self._live, self._events, self._changes]
         self._down_retention_s = down_retention_s
-        self._common = [self._node_prefix, str(events_maxlen), str(int(down_retention_s * 1000))]
+        self._common = [
+            self._node_prefix,
+            str(events_maxlen),
+            str(int(down_retention_s * 1000)),
+            str(changes_maxlen),
+        ]
         self._register = client.register_script(_REGISTER)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)
@@ -350,27 +407,38 @@ class GossipStore:
         pairs = [str(part) for item in fields.items() for part in item]
         async with self._redis_call(trusts_expiries=True):
             flat = await self._register(
-                keys=[self._live, self._events, self._nodes],
+                keys=[*self._script_keys, self._nodes],
                 args=[*self._common, registration.instance_id, ttl_ms, *pairs],
             )
         stored = {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
         return _node_record(stored, int(stored["last_seen_unix_ms"]))
 
-    async def heartbeat(self, instance_id: str, load: NodeLoad) -> int:
+    async def heartbeat(
+        self,
+        instance_id: str,
+        load: NodeLoad,
+        *,
+        load_unchanged: bool = False,
+        prefix_hashes_unchanged: bool = False,
+    ) -> int:
         """Records liveness and load; returns the new expiry (unix ms).
 
-        NotFound for an unknown instance and FailedPrecondition for one already declared
-        failed (or gone): either way the caller registers again.
+        `load_unchanged` keeps the stored load fields and `prefix_hashes_unchanged` the
+        stored prefix set (the caller sent them before): a liveness-only heartbeat
+        writes two values. NotFound for an unknown instance and FailedPrecondition for
+        one already declared failed (or gone): either way the caller registers again.
         """
         require_id("instance_id", instance_id)
         validate_load(load)
         pairs: list[str] = []
-        for name in _LOAD_FIELDS:
-            pairs += [name, str(getattr(load, name))]
-        pairs += ["resident_prefix_hashes", json.dumps(list(load.resident_prefix_hashes))]
+        if not load_unchanged:
+            for name in _LOAD_FIELDS:
+                pairs += [name, str(getattr(load, name))]
+        if not prefix_hashes_unchanged:
+            pairs += ["resident_prefix_hashes", json.dumps(list(load.resident_prefix_hashes))]
         async with self._redis_call(trusts_expiries=True):
             reply = await self._heartbeat(
-                keys=[self._live, self._events], args=[*self._common, instance_id, *pairs]
+                keys=self._script_keys, args=[*self._common, instance_id, *pairs]
             )
         code = int(reply[0])
         if code == -1:
@@ -387,7 +455,7 @@ class GossipStore:
         require_at_most_bytes("reason", reason, MAX_REASON_BYTES)
         async with self._redis_call(trusts_expiries=False):
             found = await self._deregister(
-                keys=[self._live, self._events],
+                keys=self._script_keys,
                 args=[*self._common, instance_id, reason or "deregistered"],
             )
         if not int(found):
@@ -398,9 +466,7 @@ class GossipStore:
         failed: list[str] = []
         while True:
             async with self._redis_call(trusts_expiries=True):
-                batch = await self._sweep(
-                    keys=[self._live, self._events], args=[*self._common, SWEEP_BATCH]
-                )
+                batch = await self._sweep(keys=self._script_keys, args=[*self._common, SWEEP_BATCH])
             failed += [_text(item) for item in batch]
             if len(batch) < SWEEP_BATCH:
                 return failed
@@ -415,25 +481,65 @@ class GossipStore:
                 pipe.smembers(self._nodes)
                 (seconds, micros), members = await pipe.execute()
             now_ms = int(seconds) * 1000 + int(micros) // 1000
-            ids = sorted(_text(member) for member in members)
+            records = await self._read_nodes(sorted(_text(m) for m in members), now_ms, True)
+        return [
+            record
+            for record in records
+            if (not role or record.registration.role == role)
+            and (record.state == ALIVE or include_down)
+        ], now_ms
+
+    async def list_changes(self, after_change_id: str) -> NodeChanges:
+        """The instances that changed after `after_change_id`, or all of them (`full`)
+        when it is "" or the change stream no longer reaches back to it.
+
+        The change id is read before the hashes, so a change that lands during the
+        listing is listed again next time rather than lost; re-applying it is harmless,
+        since every reply carries instances as they are now.
+        """
+        if after_change_id and not _EVENT_ID.match(after_change_id):
+            raise InvalidArgument(
+                "after_change_id",
+                f"must be '' or an id from an earlier reply, got {after_change_id!r}",
+            )
+        async with self._redis_call(trusts_expiries=False):
             async with self._redis.pipeline(transaction=False) as pipe:
-                for instance_id in ids:
-                    pipe.hgetall(self._node_prefix + instance_id)
-                hashes = await pipe.execute()
+                pipe.time()
+                pipe.xinfo_stream(self._changes)
+                replies = await pipe.execute(raise_on_error=False)
+            seconds, micros = replies[0]
+            now_ms = int(seconds) * 1000 + int(micros) // 1000
+            info = replies[1] if isinstance(replies[1], dict) else None
+            last_id = _text(info["last-generated-id"]) if info else "0-0"
+            if after_change_id and info and not _gap(info, after_change_id):
+                entries = await self._redis.xrange(
+                    self._changes, f"({after_change_id}", last_id, count=CHANGES_READ_MAX + 1
+                )
+                if len(entries) <= CHANGES_READ_MAX:
+                    ids = sorted({_text(fields[b"id"]) for _, fields in entries})
+                    records = await self._read_nodes(ids, now_ms, forget=False)
+                    return NodeChanges(tuple(records), last_id, full=False, now_ms=now_ms)
+            members = await self._redis.smembers(self._nodes)
+            records = await self._read_nodes(sorted(_text(m) for m in members), now_ms, True)
+        return NodeChanges(tuple(records), last_id, full=True, now_ms=now_ms)
+
+    async def _read_nodes(self, ids: list[str], now_ms: int, forget: bool) -> list[NodeRecord]:
+        """The stored instances among `ids`; with `forget`, ids whose hash expired are
+        dropped from the member set."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for instance_id in ids:
+                pipe.hgetall(self._node_prefix + instance_id)
+            hashes = await pipe.execute()
         records: list[NodeRecord] = []
         forgotten: list[str] = []
         for instance_id, raw in zip(ids, hashes, strict=True):
-            if not raw:
+            if raw:
+                records.append(_node_record(_decode_hash(raw), now_ms))
+            else:
                 forgotten.append(instance_id)
-                continue
-            record = _node_record(_decode_hash(raw), now_ms)
-            if role and record.registration.role != role:
-                continue
-            if record.state == ALIVE or include_down:
-                records.append(record)
-        if forgotten:
+        if forget and forgotten:
             await self._redis.srem(self._nodes, *forgotten)
-        return records, now_ms
+        return records
 
     async def report_link(self, sample: LinkSample) -> int:
         """Stores the newest sample of a link; returns its time (unix ms, Redis clock)."""
