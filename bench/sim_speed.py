@@ -34,7 +34,7 @@ TARGET_MILLION_S = 120.0
 
 
 def cluster(gpus: int) -> SimConfig:
-    """The SIMULATOR.md fat-tree grown to `gpus` GPUs (8 per node, 2 nodes per rack)."""
+    """The default fat-tree (docs/simulator.md) grown to `gpus` GPUs (8 a node, 2 nodes a rack)."""
     nodes = gpus // 8
     return SimConfig.from_dict(
         {"cluster": {"nodes": nodes, "nodes_per_rack": 2, "racks_per_pod": max(2, nodes // 16)}}
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    workload = load_workload({"trace": "shared", "synthetic": {"requests": 3993}})
+    workload = load_workload({"trace": "default", "synthetic": {"requests": 3993}})
     trace_rows = [timed(SimConfig(), workload.requests, policy) for policy in POLICIES]
     for row in trace_rows:
         print(

@@ -203,7 +203,12 @@ class DecodeProfile:
         return self.a_s + self.b_s_per_context_token * context_tokens + self.c_s_per_request * batch
 
 
-# opt-13b and llama3-70b: the DistServe fits (A100); opt-125m and tiny: rough CPU figures.
+# Where each preset comes from (docs/simulator.md lists them with the experiments):
+# - opt-13b: DistServe's fitted OPT-13B latency model on one A100 (published).
+# - llama3-70b: assumed; a FLOP-count estimate for a 70B model on four H100s at 50 % MFU
+#   (about 0.97 s for 12k tokens), not a measurement nor a published fit.
+# - llama3-8b: assumed; the same kind of estimate for one GPU.
+# - opt-125m, tiny: assumed rough CPU figures; `kvrs calibrate` measures the real worker.
 PROFILE_PRESETS: dict[str, ComputeProfile] = {
     profile.model: profile
     for profile in (
@@ -215,6 +220,10 @@ PROFILE_PRESETS: dict[str, ComputeProfile] = {
     )
 }
 
+# - opt-13b: DistServe's published OPT-13B step, 20.3 ms at batch 1 with 512 tokens of
+#   context; how it splits into a, b and c is assumed.
+# - llama3-70b, llama3-8b: assumed (HBM-bandwidth estimates).
+# - opt-125m, tiny: assumed rough CPU figures.
 DECODE_PRESETS: dict[str, DecodeProfile] = {
     "opt-13b": DecodeProfile(a_s=17.2e-3, b_s_per_context_token=5.0e-6, c_s_per_request=0.54e-3),
     "llama3-70b": DecodeProfile(a_s=30e-3, b_s_per_context_token=2.0e-6, c_s_per_request=0.3e-3),

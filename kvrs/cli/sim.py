@@ -99,10 +99,10 @@ _IMAGE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
 
 def _single_run(args: argparse.Namespace, params: dict) -> int:
     from kvrs.sim.config import PolicySpec, SimConfig
-    from kvrs.sim.experiments.common import brief, load_workload
+    from kvrs.sim.experiments.common import load_workload, summary_row
     from kvrs.sim.experiments.common import run as run_one
 
-    workload = load_workload({"trace": str(args.trace) if args.trace else "shared"})
+    workload = load_workload({"trace": str(args.trace) if args.trace else "default"})
     config = SimConfig.from_dict(params)
     policy = PolicySpec(args.policy, args.policy, network_view=args.network_view)
     result = run_one(
@@ -110,7 +110,11 @@ def _single_run(args: argparse.Namespace, params: dict) -> int:
     )
     print(
         json.dumps(
-            {"workload": workload.source, "summary": brief(result.summary), "stats": result.stats},
+            {
+                "workload": workload.source,
+                "summary": summary_row(result.summary),
+                "stats": result.stats,
+            },
             indent=2,
             default=str,
         )

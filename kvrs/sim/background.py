@@ -3,8 +3,8 @@
 Each chosen link alternates exponentially distributed ON and OFF periods; while ON the
 traffic takes `on_share` of the link's capacity. With a mean utilisation U the duty
 cycle is U / on_share, and ON and OFF periods average `period_s · duty` and
-`period_s · (1 − duty)` (about exp(1 s) each at duty 1/2, SIMULATOR.md §2). KV flows
-share what is left, max-min fairly.
+`period_s · (1 − duty)` (about exp(1 s) each at duty 1/2, an assumption: see
+docs/simulator.md). KV flows share what is left, max-min fairly.
 """
 
 from __future__ import annotations

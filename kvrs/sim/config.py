@@ -1,7 +1,7 @@
 """Simulation parameters: one frozen dataclass per concern, loadable from YAML or JSON.
 
-Every number here is a parameter; SIMULATOR.md says which are published [P], derived
-[D] or assumed [A], and docs/simulator.md lists the defaults. `SimConfig.from_dict`
+Every number here is a parameter; docs/simulator.md lists the defaults and says which
+are published [P], derived [D] or assumed [A], with their sources. `SimConfig.from_dict`
 takes the nested form written by `to_dict`, so a run's parameters can be saved with
 its results and replayed.
 """
@@ -35,7 +35,7 @@ RECOVERY_PLANNERS = ("batch", "per_request")
 class ClusterSpec:
     """A fat-tree of nodes with GPUs grouped into tensor-parallel instances.
 
-    Defaults: SIMULATOR.md §2 — 8 nodes × 8 GPUs, 2 nodes per rack, 2 racks per pod,
+    Defaults (docs/simulator.md, all assumed): 8 nodes × 8 GPUs, 2 nodes per rack, 2 racks per pod,
     TP4 instances, per node one prefill and one decode (interleaved); NVLink 450 GB/s,
     400 Gbps node uplinks, ToR→agg 2:1 and agg→spine 4:1 oversubscribed, 2 µs per hop
     and 1 ms transfer setup. `topology` (the docs/topology.md format) replaces all of it.
@@ -104,7 +104,7 @@ class ClusterSpec:
 class ServingSpec:
     """The model, its latency profiles, and the executors' limits.
 
-    Defaults: LLaMA3-70B-shaped model on TP4 (SIMULATOR.md §2): prefill a = 20 ms,
+    Defaults: LLaMA3-70B-shaped model on TP4 (docs/simulator.md, assumed): prefill a = 20 ms,
     b = 0.0708 ms/token, c = 6.63e-7 ms/token²; decode step 17 ms + 3.8e-5 ms/context
     token + 0.05 ms/request; 500k tokens of KV per decode instance; a 3M-token prefix
     pool per node.

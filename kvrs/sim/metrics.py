@@ -1,6 +1,6 @@
 """Per-request records and per-run summaries: TTFT, TPOT, TBT, SLO attainment, recovery.
 
-Definitions (SIMULATOR.md §1): TTFT ends at the first token, which is the first decode
+Definitions (docs/simulator.md, "Metrics"): TTFT ends at the first token, which is the first decode
 step after the KV arrived (`ttft_mode="first_token"`, the NetKV definition) or the end
 of prefill (`"prefill_end"`, DistServe's simulator). TPOT is the mean gap after the
 first token; TBT is the mean of a request's longest 10 % of gaps (Mooncake).

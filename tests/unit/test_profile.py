@@ -1,4 +1,4 @@
-"""Compute profiles: the DistServe fits, monotone interpolation, quadratic extrapolation."""
+"""Compute profiles: the presets, monotone interpolation, quadratic extrapolation."""
 
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ from kvrs.sim.trace import (
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-SHARED_TRACE = REPO_ROOT.parent / "shared" / "data" / "traces" / "synthetic_trace.jsonl"
+DEFAULT_TRACE = REPO_ROOT / "data" / "traces" / "synthetic_trace.jsonl"
+"""Mooncake's synthetic trace, checked in (data/traces/README.md names source and licence)."""
 
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -66,10 +67,9 @@ def load_workload(spec: Mapping[str, Any]) -> Workload:
     """A trace file (Mooncake format), or a generated workload when there is none.
 
     `generator: {kind: conversation, ...}` generates the workload (see
-    `kvrs.sim.generators`; it takes precedence over `trace`). `trace: shared` means the
-    synthetic Mooncake trace beside the repository (../shared/data/traces); when it is
-    absent the generator stands in, with the parameters in `synthetic`, and the results
-    say so.
+    `kvrs.sim.generators`; it takes precedence over `trace`). `trace: default` means
+    Mooncake's synthetic trace in data/traces; a trace file that is absent is replaced by
+    the generator, with the parameters in `synthetic`, and the results say so.
     """
     trace = spec.get("trace")
     limit = spec.get("limit")
@@ -80,14 +80,10 @@ def load_workload(spec: Mapping[str, Any]) -> Workload:
             params["requests"] = min(int(params.get("requests", limit)), int(limit))
         requests = make_generator(params).generate()
         return Workload(requests, f"generated: {params}", TraceStats.of(requests))
-    path = SHARED_TRACE if trace == "shared" else (Path(trace) if trace else None)
+    path = DEFAULT_TRACE if trace == "default" else (Path(trace) if trace else None)
     if path is not None and path.exists():
         requests = load_mooncake(path, limit=limit)
-        source = (
-            str(path.relative_to(REPO_ROOT.parent))
-            if path.is_relative_to(REPO_ROOT.parent)
-            else str(path)
-        )
+        source = str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
     else:
         if path is not None:
             log.warning("trace %s not found: using the synthetic generator", path)
@@ -162,7 +158,7 @@ def attainment(records: Iterable[RequestRecord], slo: SloSpec) -> float:
     return sum(1 for r in records if slo.met(r)) / len(records) if records else math.nan
 
 
-def brief(summary: RunSummary) -> dict[str, Any]:
+def summary_row(summary: RunSummary) -> dict[str, Any]:
     """The numbers of a run worth keeping in an experiment's JSON."""
     return {
         "requests": summary.requests,

@@ -18,7 +18,6 @@ from typing import Any
 from kvrs.sim.experiments.common import (
     Output,
     attainment,
-    brief,
     deep_merge,
     load_workload,
     map_runs,
@@ -26,11 +25,12 @@ from kvrs.sim.experiments.common import (
     pct_change,
     run,
     sim_config,
+    summary_row,
 )
 from kvrs.sim.metrics import SloSpec
 
 DEFAULTS: dict[str, Any] = {
-    "workload": {"trace": "shared", "limit": None, "synthetic": {"requests": 4000}},
+    "workload": {"trace": "default", "limit": None, "synthetic": {"requests": 4000}},
     "sim": {
         "slo": {"ttft_s": 10.0, "tbt_s": 0.1, "mode": "ttft+tbt"},
         "telemetry": {"state_period_s": 0.1, "link_period_s": 1.0},
@@ -100,7 +100,7 @@ def run_experiment(
             label=f"{name} {policy['name']}",
             show_progress=progress,
         )
-        row = brief(result.summary)
+        row = summary_row(result.summary)
         row["attainment_by_ttft_slo"] = {
             str(slo): attainment(result.records, SloSpec(ttft_s=slo, tbt_s=tbt_slo)) for slo in slos
         }

@@ -21,7 +21,7 @@ from kvrs.model import model_spec
 from kvrs.network import NetworkModel
 from kvrs.recovery import Action, RecoveryRequest, make_recovery_policy
 from kvrs.sim.config import SimConfig
-from kvrs.sim.experiments.common import Output, brief, deep_merge, md_table, run, sim_config
+from kvrs.sim.experiments.common import Output, deep_merge, md_table, run, sim_config, summary_row
 from kvrs.sim.experiments.rom import GOODPUT_DEFAULTS, two_node_topology
 from kvrs.sim.trace import SyntheticWorkload, TraceRequest
 from kvrs.topology import Role, Topology
@@ -214,7 +214,7 @@ def _node_failure(p: dict[str, Any], show_progress: bool) -> dict[str, Any]:
         results.append(
             {
                 "variant": variant,
-                "summary": brief(result.summary),
+                "summary": summary_row(result.summary),
                 "recovered_requests": len(recovered),
                 "actions": actions,
                 "recovery_latency_s": {

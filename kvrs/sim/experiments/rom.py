@@ -31,7 +31,7 @@ from kvrs.profile import DecodeProfile, compute_profile
 from kvrs.recovery import RecoveryRequest, make_recovery_policy
 from kvrs.sim.cache import PrefixCache
 from kvrs.sim.engine import EventLoop
-from kvrs.sim.experiments.common import Output, brief, deep_merge, md_table, run, sim_config
+from kvrs.sim.experiments.common import Output, deep_merge, md_table, run, sim_config, summary_row
 from kvrs.sim.flownet import FlowNetwork
 from kvrs.sim.instances import ComputeJob, DecodeInstance
 from kvrs.sim.metrics import goodput_by_bisection
@@ -388,7 +388,7 @@ def run_goodput(params: dict[str, Any], out_dir: Path, show_progress: bool = Fal
                     label=f"skew {skew:.0%} {policy['name']} {rate:.2f}/s",
                     show_progress=show_progress,
                 )
-                at_rate[rate] = brief(result.summary)
+                at_rate[rate] = summary_row(result.summary)
                 at_rate[rate]["placed"] = {
                     k: v for k, v in result.stats.items() if k.startswith("placed_")
                 }

@@ -63,7 +63,7 @@ def test_a_generator_is_deterministic_in_its_seed():
 
 
 def test_an_experiment_workload_selects_a_generator_and_bad_keys_are_named():
-    workload = load_workload({"trace": "shared", "generator": {"kind": "bursty"}, "limit": 50})
+    workload = load_workload({"trace": "default", "generator": {"kind": "bursty"}, "limit": 50})
     assert len(workload.requests) == 50
     assert "bursty" in workload.source
     with pytest.raises(InvalidArgument, match="generator.kind"):

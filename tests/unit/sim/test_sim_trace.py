@@ -1,4 +1,4 @@
-"""Trace loading, scaling, caps and the synthetic generator (no ../shared needed)."""
+"""Trace loading, scaling, caps and the synthetic generator."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvrs.errors import InvalidArgument
+from kvrs.sim.experiments.common import load_workload
 from kvrs.sim.trace import (
     SyntheticWorkload,
     TraceStats,
@@ -75,3 +76,11 @@ def test_synthetic_workload_is_deterministic_and_round_trips(tmp_path):
     loaded = load_mooncake(path)
     assert [r.input_tokens for r in loaded] == [r.input_tokens for r in first]
     assert all(len(r.hash_ids) == -(-r.input_tokens // 512) for r in loaded)
+
+
+def test_the_default_trace_is_in_the_repository_with_mooncakes_published_means():
+    workload = load_workload({"trace": "default"})
+    assert workload.source == "data/traces/synthetic_trace.jsonl"
+    assert workload.stats.requests == 3_993
+    assert round(workload.stats.mean_input_tokens) == 15_325
+    assert round(workload.stats.mean_output_tokens) == 149

@@ -1,4 +1,4 @@
-"""SIMULATOR.md §4: the cheap validation checks, run through the simulator's own code."""
+"""The cheap validation checks of docs/simulator.md, run through the simulator's own code."""
 
 from __future__ import annotations
 
