@@ -148,18 +148,59 @@ def _up(args: argparse.Namespace) -> int:
     state = start_cluster(options, SERVICES + ENVOY_SERVICES if args.envoy else SERVICES)
     elapsed_s = time.monotonic() - started_s
     print(f"kvrs cluster up in {elapsed_s:.1f} s (run dir {state.run_dir})")
-    rows = [[r.name, r.kind, r.address, str(r.pid), r.log_file] for r in state.processes]
-    print(_table(["SERVICE", "KIND", "ADDRESS", "PID", "LOG"], rows))
-    for record in state.processes:
-        if record.health_path:
-            print(f"{record.name}: http://{record.address}")
-        if record.kind == "gateway":
-            print(f"Envoy (OpenAI API through the endpoint picker): http://{record.address}/v1")
+    rows = [
+        [r.name, r.kind, r.address, _metrics_url(r.metrics_addr), str(r.pid), r.log_file]
+        for r in state.processes
+    ]
+    print(_table(["SERVICE", "KIND", "ADDRESS", "METRICS", "PID", "LOG"], rows))
+    print()
+    for line in urls(state, args.otlp_endpoint):
+        print(line)
     print(f"\nredis {state.redis_url}  prefix {state.redis_prefix}")
     print("client environment:")
     for name, value in state.client_env().items():
         print(f"  export {name}={value}")
     return 0
+
+
+JAEGER_UI_PORT = 16686
+
+
+def _metrics_url(address: str) -> str:
+    return f"http://{address}/metrics" if address else "-"
+
+
+def urls(state: Any, otlp_endpoint: str = "") -> list[str]:
+    """Every address a user of a fresh cluster reaches for, one line each."""
+    from urllib.parse import urlparse
+
+    from kvrs.cli.launcher import ADAPTER_PREFIX, SCRAPE_CONFIG_FILE
+
+    lines = []
+    for record in state.processes:
+        if record.name == "openai-http":
+            base = f"http://{record.address}/v1"
+            lines.append(f"OpenAI API: {base}  (curl {base}/models; OPENAI_BASE_URL={base})")
+        elif record.name.startswith(ADAPTER_PREFIX):
+            instance = record.name.removeprefix(ADAPTER_PREFIX)
+            lines.append(f"OpenAI API pinned to {instance}: http://{record.address}/v1")
+        elif record.kind == "gateway":
+            lines.append(
+                f"Envoy (OpenAI API through the endpoint picker): http://{record.address}/v1"
+            )
+    scrape = Path(state.run_dir) / SCRAPE_CONFIG_FILE
+    lines.append(
+        f"Prometheus metrics: each service's METRICS URL above; all of them: "
+        f"prometheus --config.file {scrape} (then http://localhost:9090)"
+    )
+    if otlp_endpoint:
+        parsed = urlparse(otlp_endpoint if "://" in otlp_endpoint else f"http://{otlp_endpoint}")
+        host = parsed.hostname or "localhost"
+        lines.append(
+            f"Jaeger UI (spans exported to {otlp_endpoint}): http://{host}:{JAEGER_UI_PORT}"
+            "/search?service=kvrs-router"
+        )
+    return lines
 
 
 def calibrate_into(run_dir: Path, model: str) -> Path:

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from kvrs.cli.cluster import JAEGER_UI_PORT
+
 PROMPTS = (
     "kvrs moves KV caches across the datacenter network. ",
     "When a decode instance dies, every request on it must continue elsewhere. ",
@@ -54,7 +56,6 @@ DEMO_SERVICES = (
     "prober",
     "router",
 )
-JAEGER_UI_PORT = 16686
 
 
 def register(parser: argparse.ArgumentParser) -> None:

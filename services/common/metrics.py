@@ -80,6 +80,18 @@ class Metrics:
             buckets=(1e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e11),
             registry=r,
         )
+        self.ttft_s = Histogram(
+            "kvrs_ttft_seconds",
+            "Time to first token of a request, as the router streamed it.",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.tbt_s = Histogram(
+            "kvrs_tbt_seconds",
+            "Time between two consecutive tokens of a request, as the router streamed them.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=r,
+        )
         self.requests = Counter(
             "kvrs_requests",
             "Requests served end to end, by outcome.",

@@ -139,6 +139,11 @@ class Router:
         self._inboxes: dict[Run, tuple[str, asyncio.Queue]] = {}
         self._prefill_inflight_s: dict[str, float] = {}
         membership.add_failure_listener(self._gossip_failure)
+        # Every action's series exists from the start, at zero: a dashboard shows "0
+        # recoveries" rather than no data until the first failure.
+        for action in Action:
+            metrics.recovery_predicted_s.labels(action=action.value)
+            metrics.recovery_actual_s.labels(action=action.value)
 
     # -- the request ----------------------------------------------------------------
 
@@ -168,7 +173,11 @@ class Router:
                 self._first_token(run, started)
                 yield Token(0, first)
                 if run.remaining_tokens > 0:
+                    last_s = time.monotonic()
                     async for token in self._decode_all(run):
+                        now_s = time.monotonic()
+                        self.metrics.tbt_s.observe(now_s - last_s)
+                        last_s = now_s
                         yield token
                 self._finish(run, started, span)
                 outcome = "recovered" if run.summary.recoveries else "completed"
@@ -192,6 +201,7 @@ class Router:
     def _first_token(self, run: Run, started: float) -> None:
         summary = run.summary
         summary.ttft_s = time.monotonic() - started
+        self.metrics.ttft_s.observe(summary.ttft_s)
         slo = run.request.ttft_slo_s
         summary.ttft_slo_met = slo == 0 or summary.ttft_s <= slo
 

@@ -18,6 +18,7 @@ from kvrs.cli.launcher.errors import ClusterError
 from kvrs.cli.launcher.lifecycle import start_cluster, stop_cluster
 from kvrs.cli.launcher.ports import STANDARD_BASE_PORT, free_ports, layout_ports
 from kvrs.cli.launcher.processes import LOG_TAIL_LINES, is_running, log_tail, spawn, stop_processes
+from kvrs.cli.launcher.prometheus import SCRAPE_CONFIG_FILE, job_name, scrape_config
 from kvrs.cli.launcher.readiness import SERVING, probe_health, wait_serving
 from kvrs.cli.launcher.redis_server import find_redis_server, start_private_redis
 from kvrs.cli.launcher.services import (
@@ -41,20 +42,21 @@ from kvrs.cli.launcher.state import STATE_FILE, ClusterState, ProcessRecord
 
 __all__ = [
     "ADAPTER_PREFIX",
+    "ClusterError",
+    "ClusterOptions",
+    "ClusterState",
     "DEFAULT_RUN_DIR",
     "DEFAULT_TOPOLOGY_FILE",
     "ENVOY_SERVICES",
     "LOG_TAIL_LINES",
     "PEER_ADDR_ENV",
+    "ProcessRecord",
     "REPO_ROOT",
+    "SCRAPE_CONFIG_FILE",
     "SERVICES",
     "SERVING",
     "STANDARD_BASE_PORT",
     "STATE_FILE",
-    "ClusterError",
-    "ClusterOptions",
-    "ClusterState",
-    "ProcessRecord",
     "ServiceSpec",
     "Wiring",
     "common_env",
@@ -63,10 +65,12 @@ __all__ = [
     "generate_certs",
     "has_main",
     "is_running",
+    "job_name",
     "layout_ports",
     "log_tail",
     "peer_env",
     "probe_health",
+    "scrape_config",
     "spawn",
     "start_cluster",
     "start_private_redis",

@@ -2,9 +2,11 @@
 
 `start_cluster` runs each row of the service table as `python -m <module>` in its own
 session, with its environment, its log file under the run directory and a port of its
-own. It starts them stage by stage, a stage once the one before it is ready, records
-pids and addresses in the state file, and on any failure stops what it started before
-raising `ClusterError`, which names the service that did not come up and quotes its log.
+own (and one for its Prometheus metrics). It starts them stage by stage, a stage once the
+one before it is ready, records pids and addresses in the state file, writes a Prometheus
+scrape configuration naming every metrics endpoint, and on any failure stops what it
+started before raising `ClusterError`, which names the service that did not come up and
+quotes its log.
 `stop_cluster` reads the state file back: SIGTERM to every process group, SIGKILL after
 the grace period.
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 from kvrs.cli.launcher.errors import ClusterError
 from kvrs.cli.launcher.ports import free_ports, layout_ports
 from kvrs.cli.launcher.processes import is_running, spawn, stop_processes
+from kvrs.cli.launcher.prometheus import SCRAPE_CONFIG_FILE, write_scrape_config
 from kvrs.cli.launcher.readiness import wait_serving
 from kvrs.cli.launcher.redis_server import start_private_redis
 from kvrs.cli.launcher.services import (
@@ -79,12 +82,17 @@ def start_cluster(
         *services,
         *(replace(spec, port=spec.health_port) for spec in services if spec.health_port),
     ]
-    spare = free_ports(len(listeners) + 1)
+    # Every kvrs process also serves Prometheus metrics, always on a free port.
+    metered = [spec for spec in services if spec.command is None]
+    spare = free_ports(len(listeners) + len(metered) + 1)
     if options.base_port:
         ports = layout_ports(options.base_port, listeners)
         spare = [port for port in spare if port not in ports]
     else:
-        ports = spare[: len(listeners)]
+        ports, spare = spare[: len(listeners)], spare[len(listeners) :]
+    metrics_addresses = {
+        spec.name: f"127.0.0.1:{port}" for spec, port in zip(metered, spare, strict=False)
+    }
     addresses = {
         spec.name: f"127.0.0.1:{port}" for spec, port in zip(services, ports, strict=False)
     }
@@ -122,6 +130,11 @@ def start_cluster(
                     **shared,
                     **({spec.listen_env: addresses[spec.name]} if spec.listen_env else {}),
                     "OTEL_SERVICE_NAME": f"kvrs-{spec.name}",
+                    **(
+                        {"KVRS_METRICS_ADDR": metrics_addresses[spec.name]}
+                        if spec.name in metrics_addresses
+                        else {}
+                    ),
                     **spec.env(wiring),
                 }
                 if spec.command is not None:
@@ -139,6 +152,7 @@ def start_cluster(
                     spec.health_path,
                 )
                 record.health_addr = health_addresses.get(spec.name, "")
+                record.metrics_addr = metrics_addresses.get(spec.name, "")
                 batch.append(record)
             started.extend(batch)
             state.save()
@@ -155,6 +169,7 @@ def start_cluster(
         (run_dir / STATE_FILE).unlink(missing_ok=True)
         raise
     state.save()
+    write_scrape_config(state, run_dir / SCRAPE_CONFIG_FILE)
     return state
 
 

@@ -30,6 +30,8 @@ class ProcessRecord:
     """See ServiceSpec.health_path."""
     health_addr: str = ""
     """host:port `health_path` is asked at; empty = `address`."""
+    metrics_addr: str = ""
+    """host:port of its Prometheus endpoint (`/metrics`); empty = it serves none."""
 
 
 @dataclass
