@@ -30,9 +30,9 @@ from pathlib import Path
 import redis
 
 from services.common import GrpcSettings
+from services.common.gossip_records import NodeLoad, Registration
 from services.common.healthcheck import SERVING, check_health
 from services.gossip.client import GossipClient
-from services.gossip.records import NodeLoad, Registration
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 HEARTBEAT_MODES = {

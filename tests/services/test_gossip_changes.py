@@ -10,9 +10,9 @@ import pytest
 from kvrs import errors
 from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
 from services.common import GrpcSettings, open_channel
+from services.common.gossip_records import NodeLoad
 from services.gossip import client as gossip_client
 from services.gossip.client import GossipClient, HeartbeatLoop
-from services.gossip.records import NodeLoad
 from services.gossip.store import GossipStore
 from tests.services.test_gossip import TTL_S, decode, start_gossip
 
