@@ -73,7 +73,7 @@ SOAK_SERVICES = tuple(spec for spec in SERVICES if spec.name != "openai-http")
 @functools.cache
 def _model() -> Transformer:
     torch.set_num_threads(1)  # the cluster's processes share the machine's cores
-    return Transformer.from_preset("tiny", dtype=torch.float64)
+    return Transformer.load("tiny")
 
 
 @functools.cache

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrs.errors import InvalidArgument
+from kvrs.model import ModelSpec, checkpoint_dir, model_spec
 
 __all__ = [
     "DECODE_PRESETS",
@@ -233,15 +234,36 @@ DECODE_PRESETS: dict[str, DecodeProfile] = {
 }
 
 
+CPU_FLOPS = 20e9
+"""Sustained FLOP/s assumed for a checkpoint nobody calibrated (one CPU core's order)."""
+
+
+def estimated_profile(spec: ModelSpec) -> ComputeProfile:
+    """A rough profile of a checkpoint from its shape alone: 2 FLOPs per parameter per
+    token, and attention's 4 · layers · heads · head_dim FLOPs per token pair. Only a
+    stand-in until `kvrs calibrate` measures the model on its hardware."""
+    per_pair = 4 * spec.layers * spec.kv_heads * spec.head_dim
+    return ComputeProfile(
+        spec.name,
+        a_s=1e-3,
+        b_s_per_token=2 * spec.params / CPU_FLOPS,
+        c_s_per_token2=per_pair / CPU_FLOPS,
+    )
+
+
 def compute_profile(model: str) -> ComputeProfile:
-    """The preset compute profile of `model`; InvalidArgument("model") when there is none."""
+    """The preset compute profile of `model`, estimated from the shape of a checkpoint
+    directory without one; InvalidArgument("model") when there is neither."""
     try:
         return PROFILE_PRESETS[model]
     except KeyError:
-        known = ", ".join(sorted(PROFILE_PRESETS))
-        raise InvalidArgument(
-            "model", f"no compute profile for {model!r} (known: {known})"
-        ) from None
+        pass
+    if checkpoint_dir(model) is not None:
+        return estimated_profile(model_spec(model))
+    known = ", ".join(sorted(PROFILE_PRESETS))
+    raise InvalidArgument(
+        "model", f"no compute profile for {model!r} (known: {known}; or a checkpoint directory)"
+    )
 
 
 def decode_profile(model: str) -> DecodeProfile:

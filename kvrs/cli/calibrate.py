@@ -1,10 +1,11 @@
 """`kvrs calibrate`: measure a worker model's prefill (and extend) time on this machine.
 
-Runs the workers' own transformer (services.worker.model, same dtype and threads as a
-worker) over a sweep of prompt lengths, fits T_pf(L) = a + b·L + c·L², checks the fit's
-extend prediction T_ext(L0, g) against measured extends, and writes the profile JSON
-(`kvrs.profile.ComputeProfile.save`) that the scheduler, the cost oracle and the workers
-(WORKER_PROFILE_PATH) load. The report goes to stdout as JSON.
+Runs the workers' own model code on the checkpoint they load (services.worker.model,
+same dtype and threads as a worker) over a sweep of prompt lengths, fits
+T_pf(L) = a + b·L + c·L², checks the fit's extend prediction T_ext(L0, g) against
+measured extends, and writes the profile JSON (`kvrs.profile.ComputeProfile.save`)
+that the scheduler, the cost oracle and the workers (WORKER_PROFILE_PATH) load.
+The report goes to stdout as JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrs.errors import InvalidArgument, KvrsError
+from kvrs.model import DEFAULT_MODEL
 from kvrs.profile import ComputeProfile
 
 DEFAULT_LENGTHS = "16,32,64,128,256,512,1024"
@@ -25,9 +27,15 @@ DEFAULT_LENGTHS = "16,32,64,128,256,512,1024"
 
 def register(parser: argparse.ArgumentParser) -> None:
     """Add the `kvrs calibrate` arguments."""
-    parser.add_argument("--model", default="tiny", help="worker model preset (tiny, opt-125m)")
     parser.add_argument(
-        "--dtype", default="", help="float64, float32, bfloat16 (default: what a worker uses)"
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"checkpoint directory, or an embedded checkpoint (default {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="",
+        help="float64, float32, bfloat16, float16 (default: the checkpoint's, as a worker)",
     )
     parser.add_argument(
         "--lengths",
@@ -46,7 +54,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (as WORKER_TORCH_THREADS)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights seed")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--output", required=True, help="where to write the profile JSON")
 
 
@@ -105,12 +113,8 @@ def calibrate(
     """
     import torch
 
-    from services.worker.model import MODEL_CONFIGS, Transformer, resolve_dtype
+    from services.worker.model import Transformer, resolve_dtype
 
-    if model_name not in MODEL_CONFIGS:
-        raise InvalidArgument(
-            "model", f"unknown worker model {model_name!r} (known: {', '.join(MODEL_CONFIGS)})"
-        )
     for field, value in (
         ("repeats", repeats),
         ("threads", threads),
@@ -118,11 +122,11 @@ def calibrate(
     ):
         if value <= 0:
             raise InvalidArgument(field, f"must be > 0, got {value}")
-    config = MODEL_CONFIGS[model_name]
-    sweep = _lengths(lengths, config.max_positions)
-    dtype_name = dtype or ("float64" if model_name == "tiny" else "bfloat16")
     torch.set_num_threads(threads)
-    model = Transformer(config, dtype=resolve_dtype(dtype_name), seed=seed)
+    model = Transformer.load(model_name, resolve_dtype(dtype) if dtype else None)
+    config = model.config
+    sweep = _lengths(lengths, config.max_positions)
+    dtype_name = str(model.dtype).removeprefix("torch.")
     generator = torch.Generator().manual_seed(seed)
 
     def prompt(tokens: int) -> list[int]:

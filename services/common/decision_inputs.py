@@ -12,12 +12,11 @@ from pathlib import Path
 
 from kvrs.errors import InvalidArgument, KvrsError
 from kvrs.estimator import StalenessPolicy
-from kvrs.model import ModelSpec, model_spec
+from kvrs.model import DEFAULT_MODEL, ModelSpec, model_spec
 from kvrs.profile import ComputeProfile, compute_profile
 from kvrs.rpc import ConfigError, env_float, env_int, env_str
 from kvrs.topology import Topology
 
-DEFAULT_MODEL = "opt-125m"
 DEFAULT_TELEMETRY_STALE_AFTER_S = 60.0
 DEFAULT_MAX_CONTEXT_TOKENS = 10_000_000
 INT64_MAX = 2**63 - 1

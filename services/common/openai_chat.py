@@ -16,10 +16,9 @@ parameter.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvrs import tokenizer
 from kvrs.errors import InvalidArgument
 from services.common.openai_protocol import (
     CompletionRequest,
@@ -27,6 +26,7 @@ from services.common.openai_protocol import (
     check_model_and_fields,
     generation_options,
 )
+from services.common.tokenizer import TextCodec, byte_level_codec
 
 ROLES = ("system", "developer", "user", "assistant")
 ENDPOINT = "/v1/chat/completions"
@@ -99,13 +99,19 @@ def _text(content: Any, field: str) -> str:
     raise InvalidArgument(field, "must be a string or a non-empty list of text parts")
 
 
-def parse_chat_request(body: Any, served_model: str, max_tokens_limit: int) -> CompletionRequest:
+def parse_chat_request(
+    body: Any,
+    served_model: str,
+    max_tokens_limit: int,
+    codec: TextCodec | None = None,
+    aliases: Sequence[str] = (),
+) -> CompletionRequest:
     """The request in `body` (decoded JSON) as one prompt, or InvalidArgument / NotFound
-    naming the field."""
-    model = check_model_and_fields(body, served_model, _KNOWN_FIELDS, ENDPOINT)
+    naming the field (`codec` and `aliases` as in protocol.parse_completion_request)."""
+    model = check_model_and_fields(body, served_model, _KNOWN_FIELDS, ENDPOINT, aliases)
     if "messages" not in body:
         raise InvalidArgument("messages", "is required")
-    prompt = tokenizer.encode(render(body["messages"]))
+    prompt = (codec or byte_level_codec()).encode(render(body["messages"]))
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = body.get(field)
     return CompletionRequest(

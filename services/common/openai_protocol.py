@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrs import tokenizer
 from kvrs.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -32,6 +31,7 @@ from kvrs.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from services.common.tokenizer import TextCodec, byte_level_codec
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -117,28 +117,32 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def prompt_token_ids(prompt: Any, field: str = "prompt") -> list[list[int]]:
-    """Every prompt of an OpenAI `prompt` value as token ids (byte-level tokenizer).
+def prompt_token_ids(
+    prompt: Any, field: str = "prompt", codec: TextCodec | None = None
+) -> list[list[int]]:
+    """Every prompt of an OpenAI `prompt` value as token ids (texts cut by the model's
+    tokenizer, `codec`; default the byte-level one).
 
     Accepts a string, a list of strings, a list of token ids or a list of token-id lists;
     InvalidArgument naming `field` (and the position) otherwise.
     """
+    codec = codec or byte_level_codec()
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [codec.encode(prompt)]
     if not isinstance(prompt, list) or not prompt:
         raise InvalidArgument(
             field, "must be a string, a list of strings, a list of token ids or a list of lists"
         )
     if all(_is_int(item) for item in prompt):
-        tokenizer.validate_token_ids(prompt, field)
+        codec.validate(prompt, field)
         return [list(prompt)]
     prompts = []
     for index, item in enumerate(prompt):
         where = f"{field}[{index}]"
         if isinstance(item, str):
-            prompts.append(tokenizer.encode(item))
+            prompts.append(codec.encode(item))
         elif isinstance(item, list) and item and all(_is_int(t) for t in item):
-            tokenizer.validate_token_ids(item, where)
+            codec.validate(item, where)
             prompts.append(list(item))
         else:
             raise InvalidArgument(where, "must be a string or a non-empty list of token ids")
@@ -146,13 +150,20 @@ def prompt_token_ids(prompt: Any, field: str = "prompt") -> list[list[int]]:
 
 
 def parse_completion_request(
-    body: Any, served_model: str, max_tokens_limit: int
+    body: Any,
+    served_model: str,
+    max_tokens_limit: int,
+    codec: TextCodec | None = None,
+    aliases: Sequence[str] = (),
 ) -> CompletionRequest:
-    """The request in `body` (decoded JSON), or InvalidArgument / NotFound naming the field."""
-    model = check_model_and_fields(body, served_model, _KNOWN_FIELDS, "/v1/completions")
+    """The request in `body` (decoded JSON), or InvalidArgument / NotFound naming the field.
+
+    Text prompts are cut by `codec` (the served model's tokenizer); `aliases` are other
+    names of the served model a request may use (its checkpoint path)."""
+    model = check_model_and_fields(body, served_model, _KNOWN_FIELDS, "/v1/completions", aliases)
     if "prompt" not in body:
         raise InvalidArgument("prompt", "is required")
-    prompts = prompt_token_ids(body["prompt"])
+    prompts = prompt_token_ids(body["prompt"], codec=codec)
     if any(not prompt for prompt in prompts):
         raise InvalidArgument("prompt", "must not be empty")
     max_tokens = body.get("max_tokens")
@@ -170,10 +181,14 @@ def parse_completion_request(
 
 
 def check_model_and_fields(
-    body: Any, served_model: str, known: frozenset[str], endpoint: str
+    body: Any,
+    served_model: str,
+    known: frozenset[str],
+    endpoint: str,
+    aliases: Sequence[str] = (),
 ) -> str:
-    """The served model `body` names; InvalidArgument for an unknown field, NotFound for
-    another model."""
+    """The served model `body` names (by its name or an alias; answered by its name);
+    InvalidArgument for an unknown field, NotFound for another model."""
     if not isinstance(body, Mapping):
         raise InvalidArgument("body", "must be a JSON object")
     unknown = sorted(set(body) - known)
@@ -182,12 +197,12 @@ def check_model_and_fields(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidArgument("model", "is required (see GET /v1/models)")
-    if model != served_model:
+    if model != served_model and model not in aliases:
         raise NotFound(
             f"model {model!r} is not served here; this server serves {served_model!r}",
             field="model",
         )
-    return model
+    return served_model
 
 
 def generation_options(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvrs.client import parse_addresses
 from kvrs.errors import KvrsError
-from kvrs.model import model_spec
+from kvrs.model import DEFAULT_MODEL, model_spec
 from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str, require_positive
 from services.epp.endpoints import split_address
 
@@ -34,7 +34,7 @@ class Config:
     """EPP_ENDPOINTS: `instance=host:port,...`, where the gateway reaches each decode
     instance (e.g. an OpenAI adapter pinned to it); overrides the gossip address and
     EPP_TARGET_PORT, and instances it does not name are not routed to; empty = gossip."""
-    model: str = "opt-125m"
+    model: str = DEFAULT_MODEL
     """KVRS_MODEL: model preset; its block size cuts prompts into prefix-hash blocks."""
     endpoints_refresh_s: float = 0.5
     """EPP_ENDPOINTS_REFRESH_S: how long the endpoint -> instance map from gossip is reused."""
@@ -63,7 +63,7 @@ class Config:
             policy=env_str("EPP_POLICY", "", env),
             target_port=env_int("EPP_TARGET_PORT", 0, env),
             endpoints=parse_endpoints(env_str("EPP_ENDPOINTS", "", env)),
-            model=env_str("KVRS_MODEL", "opt-125m", env),
+            model=env_str("KVRS_MODEL", DEFAULT_MODEL, env),
             endpoints_refresh_s=env_float("EPP_ENDPOINTS_REFRESH_S", 0.5, env),
             scheduler_timeout_s=env_float("EPP_SCHEDULER_TIMEOUT_S", 0.5, env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),

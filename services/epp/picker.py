@@ -39,6 +39,7 @@ from kvrs.v1 import scheduler_pb2
 from services.common import openai_chat as chat
 from services.common.metrics import Metrics
 from services.common.openai_protocol import prompt_token_ids
+from services.common.tokenizer import TextCodec, byte_level_codec
 from services.epp.endpoints import EndpointDirectory
 
 DECISION = "epp_pick"
@@ -91,13 +92,14 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def prompt_info(body: bytes, block_tokens: int) -> PromptInfo:
+def prompt_info(body: bytes, block_tokens: int, codec: TextCodec | None = None) -> PromptInfo:
     """Prompt length and prefix-block hashes of an OpenAI request body.
 
     `/v1/completions` bodies carry `prompt` (a batch counts every prompt's tokens, the
     first one's blocks are hashed); chat bodies carry `messages`, rendered into the prompt
     the HTTP adapter will prefill (`chat.render`). A body with neither places by load
     alone (0 tokens). A body that is not JSON, or a malformed prompt, is InvalidArgument.
+    Texts are cut by `codec`, the served model's tokenizer (default: the byte-level one).
     """
     if not body.strip():
         return PromptInfo(0)
@@ -108,9 +110,9 @@ def prompt_info(body: bytes, block_tokens: int) -> PromptInfo:
     if not isinstance(request, dict):
         raise InvalidArgument("body", "must be a JSON object")
     if "prompt" in request:
-        prompts = prompt_token_ids(request["prompt"])
+        prompts = prompt_token_ids(request["prompt"], codec=codec)
     elif "messages" in request:
-        prompts = [tokenizer.encode(chat.render(request["messages"]))]
+        prompts = [(codec or byte_level_codec()).encode(chat.render(request["messages"]))]
     else:
         return PromptInfo(0)
     return PromptInfo(

@@ -11,7 +11,16 @@ from grpc_health.v1 import health_pb2
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.client import KvrsClient
-from services.common import Metrics, ServerHandle, run_until_signal, serve_metrics, start_server
+from kvrs.errors import KvrsError
+from services.common import (
+    ConfigError,
+    Metrics,
+    ServerHandle,
+    run_until_signal,
+    serve_metrics,
+    start_server,
+)
+from services.common.tokenizer import load_codec
 from services.epp.config import Config
 from services.epp.endpoints import EndpointDirectory
 from services.epp.picker import Picker
@@ -58,9 +67,14 @@ async def build_server(
         metrics=metrics,
     )
 
+    try:
+        codec = load_codec(config.model)
+    except KvrsError as exc:
+        raise ConfigError(f"KVRS_MODEL {config.model}: {exc}") from None
+
     def register(server: grpc.aio.Server) -> None:
         ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessorServicer(picker, config.block_tokens), server
+            ExternalProcessorServicer(picker, config.block_tokens, codec), server
         )
 
     base = await start_server(register, [SERVICE_NAME], config.listen_addr, config.grpc, provider)

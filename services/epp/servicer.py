@@ -38,6 +38,7 @@ from opentelemetry.propagate import extract
 
 from kvrs.errors import InvalidArgument, KvrsError
 from services.common.openai_protocol import error_body, http_error, json_bytes
+from services.common.tokenizer import TextCodec
 from services.epp.picker import Picker, PickRequest, new_request_id, prompt_info
 
 log = logging.getLogger(__name__)
@@ -127,9 +128,10 @@ def streamed_body(chunk: bytes, end_of_stream: bool) -> ext_proc_pb2.BodyRespons
 class _Exchange:
     """The state of one HTTP request's stream."""
 
-    def __init__(self, picker: Picker, block_tokens: int) -> None:
+    def __init__(self, picker: Picker, block_tokens: int, codec: TextCodec | None = None) -> None:
         self.picker = picker
         self.block_tokens = block_tokens
+        self.codec = codec
         self.request_body_mode = BodyMode.BUFFERED
         self.response_body_mode = BodyMode.NONE
         self.headers: dict[str, str] = {}
@@ -237,7 +239,7 @@ class _Exchange:
         self.decided = True
         request_id = self.headers.get("x-request-id") or new_request_id()
         try:
-            prompt = prompt_info(bytes(self.body), self.block_tokens)
+            prompt = prompt_info(bytes(self.body), self.block_tokens, self.codec)
             pick = await self.picker.pick(
                 PickRequest(request_id=request_id, prompt=prompt, subset=self.subset),
                 context=self._trace_context(),
@@ -272,16 +274,17 @@ class _Exchange:
 class ExternalProcessorServicer(ext_proc_pb2_grpc.ExternalProcessorServicer):
     """Answers every ext_proc stream with the picker's choice (see module doc)."""
 
-    def __init__(self, picker: Picker, block_tokens: int) -> None:
+    def __init__(self, picker: Picker, block_tokens: int, codec: TextCodec | None = None) -> None:
         self.picker = picker
         self.block_tokens = block_tokens
+        self.codec = codec
 
     async def Process(
         self,
         request_iterator: AsyncIterator[ext_proc_pb2.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ext_proc_pb2.ProcessingResponse]:
-        exchange = _Exchange(self.picker, self.block_tokens)
+        exchange = _Exchange(self.picker, self.block_tokens, self.codec)
         async for message in request_iterator:
             try:
                 responses: Sequence[ext_proc_pb2.ProcessingResponse] = await exchange.handle(

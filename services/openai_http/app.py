@@ -28,10 +28,10 @@ from opentelemetry.propagate import extract
 from opentelemetry.trace import Span, SpanKind, Tracer
 
 from kvrs.errors import InvalidArgument, KvrsError
-from kvrs.tokenizer import StreamDecoder, decode
 from services.common import openai_chat as chat
 from services.common import openai_protocol as protocol
 from services.common.metrics import Metrics
+from services.common.tokenizer import TextCodec, load_codec
 from services.openai_http.config import Config
 from services.openai_http.generation import Finished, GenerateCall, Generator, Token
 
@@ -51,7 +51,8 @@ class Dialect:
     name: str
     """Span suffix: openai_http.<name>."""
     id_prefix: str
-    parse: Callable[[Any, str, int], protocol.CompletionRequest]
+    parse: Callable[..., protocol.CompletionRequest]
+    """(body, served model, max tokens limit, codec=, aliases=) -> the request."""
     completion_body: Callable[..., dict[str, Any]]
     chunk_body: Callable[..., dict[str, Any]]
     """(id, model, index, text, finish_reason, created, first) -> one streamed chunk."""
@@ -89,11 +90,26 @@ CHAT = Dialect(
 )
 
 
-async def _merged(generator: Generator, calls: Sequence[GenerateCall]) -> AsyncIterator[Event]:
+async def _until_stop(
+    generator: Generator, call: GenerateCall, stop_token_ids: frozenset[int]
+) -> AsyncIterator[Token | Finished]:
+    """`call`'s events up to the first stop token (the model's end of sequence): that
+    token is counted but not shown, and the choice finishes with reason "stop"."""
+    async with contextlib.aclosing(generator.generate(call)) as events:
+        async for event in events:
+            if isinstance(event, Token) and event.token_id in stop_token_ids:
+                yield Finished("stop", len(call.prompt_token_ids), event.index + 1)
+                return
+            yield event
+
+
+async def _merged(
+    generator: Generator, calls: Sequence[GenerateCall], stop_token_ids: frozenset[int]
+) -> AsyncIterator[Event]:
     """The events of every call, each tagged with its prompt's index, as they come."""
     if len(calls) == 1:
         # Closed here, so a client that goes away cancels its router call at once.
-        async with contextlib.aclosing(generator.generate(calls[0])) as events:
+        async with contextlib.aclosing(_until_stop(generator, calls[0], stop_token_ids)) as events:
             async for event in events:
                 yield 0, event
         return
@@ -101,7 +117,7 @@ async def _merged(generator: Generator, calls: Sequence[GenerateCall]) -> AsyncI
 
     async def pump(index: int, call: GenerateCall) -> None:
         try:
-            async with contextlib.aclosing(generator.generate(call)) as events:
+            async with contextlib.aclosing(_until_stop(generator, call, stop_token_ids)) as events:
                 async for event in events:
                     await queue.put((index, event))
         except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
@@ -130,9 +146,16 @@ class CompletionsApi:
     """`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`."""
 
     def __init__(
-        self, config: Config, generator: Generator, tracer: Tracer, metrics: Metrics | None = None
+        self,
+        config: Config,
+        generator: Generator,
+        tracer: Tracer,
+        metrics: Metrics | None = None,
+        codec: TextCodec | None = None,
     ) -> None:
         self.config = config
+        self.codec = codec or load_codec(config.checkpoint)
+        self._stop_token_ids = frozenset(self.codec.eos_token_ids)
         self.generator = generator
         self.tracer = tracer
         self.metrics = metrics
@@ -167,7 +190,11 @@ class CompletionsApi:
             span.set_attribute("kvrs.request_id", base_id)
             try:
                 parsed = dialect.parse(
-                    await self._json(request), self.config.model, self.config.max_tokens_limit
+                    await self._json(request),
+                    self.config.model,
+                    self.config.max_tokens_limit,
+                    codec=self.codec,
+                    aliases=(self.config.checkpoint,),
                 )
             except KvrsError as exc:
                 return self._error(exc, span)
@@ -228,7 +255,9 @@ class CompletionsApi:
         reasons = ["length"] * len(calls)
         served_by: set[str] = set()
         try:
-            async with contextlib.aclosing(_merged(self.generator, calls)) as events:
+            async with contextlib.aclosing(
+                _merged(self.generator, calls, self._stop_token_ids)
+            ) as events:
                 async for index, event in events:
                     if isinstance(event, Token):
                         tokens[index].append(event.token_id)
@@ -247,7 +276,7 @@ class CompletionsApi:
             dialect.completion_body(
                 completion_id,
                 parsed.model,
-                [decode(t) for t in tokens],
+                [self.codec.decode(t) for t in tokens],
                 reasons,
                 usage,
             ),
@@ -264,9 +293,11 @@ class CompletionsApi:
         span: Span,
     ) -> web.StreamResponse:
         created_unix_s = int(time.time())
-        decoders = [StreamDecoder() for _ in calls]
+        decoders = [self.codec.stream() for _ in calls]
         generated = 0
-        async with contextlib.aclosing(_merged(self.generator, calls)) as events:
+        async with contextlib.aclosing(
+            _merged(self.generator, calls, self._stop_token_ids)
+        ) as events:
             try:
                 event: Event | None = await anext(events)
             except KvrsError as exc:

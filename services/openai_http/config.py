@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvrs.model import DEFAULT_MODEL, served_model_name
 from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str
 
 
@@ -16,9 +17,12 @@ class Config:
     """OPENAI_HTTP_LISTEN_ADDR: host:port the HTTP server binds ("127.0.0.1:0" in tests)."""
     router_addr: str = "127.0.0.1:50056"
     """ROUTER_ADDR: the router whose RouterService.Generate serves every completion."""
-    model: str = "opt-125m"
-    """OPENAI_HTTP_MODEL (default KVRS_MODEL): the model id clients name in `model` and
-    GET /v1/models lists."""
+    model: str = DEFAULT_MODEL
+    """OPENAI_HTTP_MODEL (default: KVRS_MODEL's name, a checkpoint directory's base name):
+    the model id clients name in `model` and GET /v1/models lists."""
+    checkpoint: str = DEFAULT_MODEL
+    """KVRS_MODEL: the checkpoint directory (or embedded checkpoint) the workers run;
+    prompts are cut with its tokenizer.json, and its path is accepted as `model` too."""
     max_tokens_limit: int = 4096
     """OPENAI_HTTP_MAX_TOKENS: the largest `max_tokens` a request may ask for."""
     request_timeout_s: float = 300.0
@@ -36,10 +40,12 @@ class Config:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        checkpoint = env_str("KVRS_MODEL", DEFAULT_MODEL, env)
         config = cls(
             listen_addr=env_str("OPENAI_HTTP_LISTEN_ADDR", "0.0.0.0:8000", env),
             router_addr=env_str("ROUTER_ADDR", "127.0.0.1:50056", env),
-            model=env_str("OPENAI_HTTP_MODEL", "", env) or env_str("KVRS_MODEL", "opt-125m", env),
+            model=env_str("OPENAI_HTTP_MODEL", "", env) or served_model_name(checkpoint),
+            checkpoint=checkpoint,
             max_tokens_limit=env_int("OPENAI_HTTP_MAX_TOKENS", 4096, env),
             request_timeout_s=env_float("OPENAI_HTTP_REQUEST_TIMEOUT_S", 300.0, env),
             ttft_slo_s=env_float("OPENAI_HTTP_TTFT_SLO_S", 0.0, env),

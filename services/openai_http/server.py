@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common import Metrics, serve_metrics
+from kvrs.errors import KvrsError
+from services.common import ConfigError, Metrics, serve_metrics
 from services.common.server import Cleanup
+from services.common.tokenizer import load_codec
 from services.openai_http.app import CompletionsApi
 from services.openai_http.config import Config
 from services.openai_http.generation import Generator, RouterGenerator
@@ -42,7 +44,11 @@ async def build_server(
     metrics: Metrics | None = None,
 ) -> HttpServerHandle:
     """Serves the OpenAI API on `config.listen_addr` with completions from `generator`."""
-    api = CompletionsApi(config, generator, provider.get_tracer("kvrs.openai_http"), metrics)
+    try:
+        codec = load_codec(config.checkpoint)
+    except KvrsError as exc:
+        raise ConfigError(f"KVRS_MODEL {config.checkpoint}: {exc}") from None
+    api = CompletionsApi(config, generator, provider.get_tracer("kvrs.openai_http"), metrics, codec)
     runner = web.AppRunner(
         api.app(),
         handle_signals=False,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvrs.client import parse_addresses
 from kvrs.errors import KvrsError
+from kvrs.model import DEFAULT_MODEL
 from kvrs.placement import make_placement_policy
 from kvrs.recovery import make_recovery_policy
 from services.common import ConfigError, GrpcSettings, env_float, env_str, require_positive
@@ -31,7 +32,7 @@ class Config:
     recovery_policy: str = ""
     """ROUTER_RECOVERY_POLICY: Recover policy for requests naming none; empty = the
     scheduler's default."""
-    model: str = "opt-125m"
+    model: str = DEFAULT_MODEL
     """KVRS_MODEL: model preset; its compute profile prices prefill when choosing where to
     prefill (queued work + prefill of the tokens not already cached)."""
     profile_file: str = ""
@@ -64,7 +65,7 @@ class Config:
             slot_broker_addr=env_str("SLOT_BROKER_ADDR", "127.0.0.1:50054", env),
             placement_policy=env_str("ROUTER_PLACEMENT_POLICY", "", env),
             recovery_policy=env_str("ROUTER_RECOVERY_POLICY", "", env),
-            model=env_str("KVRS_MODEL", "opt-125m", env),
+            model=env_str("KVRS_MODEL", DEFAULT_MODEL, env),
             profile_file=env_str("KVRS_PROFILE_FILE", "", env),
             worker_timeout_s=env_float("ROUTER_WORKER_TIMEOUT_S", 30.0, env),
             decode_idle_timeout_s=env_float("ROUTER_DECODE_IDLE_TIMEOUT_S", 10.0, env),

@@ -27,8 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--role", choices=ROLES, help="overrides WORKER_ROLE")
     parser.add_argument("--instance-id", help="overrides WORKER_INSTANCE_ID")
     parser.add_argument("--listen-addr", help="overrides WORKER_LISTEN_ADDR")
-    parser.add_argument("--model", help="overrides WORKER_MODEL (tiny, opt-125m)")
-    parser.add_argument("--dtype", help="overrides WORKER_DTYPE (float64, float32, bfloat16)")
+    parser.add_argument("--model", help="overrides WORKER_MODEL (a checkpoint directory, or tiny)")
+    parser.add_argument(
+        "--dtype", help="overrides WORKER_DTYPE (float64, float32, bfloat16, float16)"
+    )
     parser.add_argument("--gossip-addr", help="overrides GOSSIP_ADDR")
     args = parser.parse_args(argv)
     env = dict(os.environ)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvrs.errors import KvrsError
+from kvrs.model import DEFAULT_MODEL
 from kvrs.topology import Location, Topology
 from services.common import ConfigError, GrpcSettings, env_bool, env_float, env_int, env_str
 
@@ -27,13 +28,12 @@ class Config:
     advertise_addr: str = ""
     """WORKER_ADVERTISE_ADDR: host:port others dial (registered in gossip); empty: the
     listen address with the bound port, 127.0.0.1 for a wildcard host."""
-    model: str = "tiny"
-    """WORKER_MODEL, else KVRS_MODEL: a preset of services.worker.model (tiny, opt-125m)."""
+    model: str = DEFAULT_MODEL
+    """WORKER_MODEL, else KVRS_MODEL: a Hugging Face checkpoint directory, or the name of
+    an embedded checkpoint (tiny, written under KVRS_CACHE_DIR on first use)."""
     dtype: str = ""
-    """WORKER_DTYPE: float64, float32, bfloat16; empty: float64 for tiny (bit-exact KV),
-    bfloat16 otherwise."""
-    seed: int = 0
-    """WORKER_SEED: weights seed; every worker of a cluster must use the same."""
+    """WORKER_DTYPE: float64, float32, bfloat16, float16; empty: the checkpoint's own
+    (its config.json dtype, which is also what the cost model prices)."""
     location: Location = field(default_factory=lambda: Location(node=""))
     """WORKER_NODE / WORKER_RACK / WORKER_POD / WORKER_GPU_INDEX; unset fields come from
     the instance's entry in KVRS_TOPOLOGY_FILE when it has one."""
@@ -84,7 +84,7 @@ class Config:
         role = role or env_str("WORKER_ROLE", None, env)
         if role not in ROLES:
             raise ConfigError(f"WORKER_ROLE (or --role) must be one of {ROLES}, got {role!r}")
-        model = env_str("WORKER_MODEL", env_str("KVRS_MODEL", "tiny", env), env)
+        model = env_str("WORKER_MODEL", env_str("KVRS_MODEL", DEFAULT_MODEL, env), env)
         location = _location(instance_id, env)
         config = cls(
             instance_id=instance_id,
@@ -93,7 +93,6 @@ class Config:
             advertise_addr=env_str("WORKER_ADVERTISE_ADDR", "", env),
             model=model,
             dtype=env_str("WORKER_DTYPE", "", env),
-            seed=env_int("WORKER_SEED", 0, env),
             location=location,
             gossip_addr=env_str("GOSSIP_ADDR", "", env),
             heartbeat_interval_s=env_float("WORKER_HEARTBEAT_INTERVAL_S", 0.0, env),

@@ -1,87 +1,38 @@
-"""A small decoder-only transformer with deterministic weights: the compute behind a worker.
+"""The model code behind a worker: Llama-family and OPT decoders over a Hugging Face checkpoint.
 
-The model is written here (no downloads) so that workers, tests and the calibration tool
-run the same code on any machine. Weights are drawn from a seeded generator, so two
-processes that build the same preset with the same seed hold identical weights.
+Weights come from a checkpoint directory (`services.worker.checkpoint`), mapped from the
+checkpoint's tensor names onto plain tensors, as serving engines do; the arithmetic
+follows the reference implementation (`transformers`) step for step, including where it
+computes in float32 (RMSNorm, rotary angles), so logits agree to rounding and greedy
+tokens agree exactly.
 
-KV layout, per layer: key and value tensors of shape ``[tokens, kv_heads, head_dim]``.
-Position ``i``'s KV depends only on tokens ``≤ i`` (causal attention, absolute learned
-positions), so KV ``[0, k)`` computed in one place joined with KV ``[k, L)`` computed
-elsewhere is the KV of the whole sequence.
-
-Exact mode (the default for float64) runs every token's forward pass on its own, so each
-position goes through the same kernels on the same inputs however tokens are grouped
-into prefill, extend and decode calls: results are then bit-identical, which lets tests
-compare KV moved between processes bit for bit. Batched BLAS kernels do not promise
-that (their reduction order depends on the number of rows), so the fast mode used for
-bf16/float32 is equal only up to rounding.
+KV layout, per layer: key and value tensors of shape ``[tokens, kv_heads, head_dim]``,
+keys stored after the rotary embedding. Position ``i``'s KV depends only on tokens
+``≤ i`` (causal attention), so KV ``[0, k)`` computed in one place joined with KV
+``[k, L)`` computed elsewhere is the KV of the whole sequence.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvrs.errors import InvalidArgument
-from kvrs.tokenizer import VOCAB_SIZE, validate_token_ids
+from kvrs.tokenizer import validate_token_ids
+from services.worker.checkpoint import (
+    DTYPES,
+    Architecture,
+    Rope,
+    load_weights,
+    read_architecture,
+    resolve_checkpoint,
+)
 
-__all__ = [
-    "DTYPES",
-    "MODEL_CONFIGS",
-    "KvCache",
-    "Transformer",
-    "TransformerConfig",
-    "resolve_dtype",
-]
-
-
-@dataclass(frozen=True)
-class TransformerConfig:
-    """Architecture of one preset."""
-
-    name: str
-    """Preset name, shared with `kvrs.model.MODEL_PRESETS` (the cost model's shapes)."""
-    layers: int
-    heads: int
-    """Attention heads; every head has its own key/value head (kv_heads == heads)."""
-    head_dim: int
-    vocab_size: int
-    max_positions: int
-    """Longest sequence the learned position table covers."""
-    mlp_ratio: int = 4
-
-    @property
-    def hidden(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_heads(self) -> int:
-        return self.heads
-
-
-MODEL_CONFIGS: dict[str, TransformerConfig] = {
-    config.name: config
-    for config in (
-        # The byte-level vocabulary (kvrs.tokenizer): any text is a prompt.
-        TransformerConfig(
-            "tiny", layers=2, heads=2, head_dim=16, vocab_size=VOCAB_SIZE, max_positions=8192
-        ),
-        TransformerConfig(
-            "opt-125m", layers=12, heads=12, head_dim=64, vocab_size=50272, max_positions=2048
-        ),
-    )
-}
-
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+__all__ = ["DTYPES", "KvCache", "Transformer", "resolve_dtype"]
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -187,75 +138,224 @@ class KvCache:
         return self.length * self.bytes_per_token
 
 
-class _Layer:
-    """Weights of one pre-LayerNorm decoder block."""
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
-    def __init__(self, hidden: int, mlp: int, draw) -> None:
-        self.ln1_weight, self.ln1_bias = 1.0 + 0.1 * draw(hidden), 0.1 * draw(hidden)
-        self.qkv_weight, self.qkv_bias = (
-            draw(3 * hidden, hidden, fan_in=hidden),
-            0.02 * draw(3 * hidden),
+
+def _inverse_frequencies(rope: Rope, head_dim: int) -> torch.Tensor:
+    """Per rotary pair, float32 as the reference computes them; rescaled per `rope.kind`."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        low_wavelen = rope.original_max_positions / rope.low_freq_factor
+        high_wavelen = rope.original_max_positions / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_positions / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
         )
-        self.out_weight, self.out_bias = draw(hidden, hidden, fan_in=hidden), 0.02 * draw(hidden)
-        self.ln2_weight, self.ln2_bias = 1.0 + 0.1 * draw(hidden), 0.1 * draw(hidden)
-        self.fc1_weight, self.fc1_bias = draw(mlp, hidden, fan_in=hidden), 0.02 * draw(mlp)
-        self.fc2_weight, self.fc2_bias = draw(hidden, mlp, fan_in=mlp), 0.02 * draw(hidden)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as the reference does whatever the weights' dtype."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@dataclass
+class _Weights:
+    """One decoder block's tensors (None where the checkpoint has no such bias)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    norm1: torch.Tensor
+    norm1_bias: torch.Tensor | None
+    norm2: torch.Tensor
+    norm2_bias: torch.Tensor | None
+    up: torch.Tensor
+    up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    gate: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+
+
+class _Tensors:
+    """The checkpoint's tensors by name; a missing or misshapen one is refused by name."""
+
+    def __init__(self, path: str, weights: dict[str, torch.Tensor], device: torch.device):
+        self._path = path
+        self._weights = weights
+        self._device = device
+        self.used: set[str] = set()
+
+    def get(self, name: str, *shape: int) -> torch.Tensor:
+        tensor = self.optional(name, *shape)
+        if tensor is None:
+            raise InvalidArgument("model", f"checkpoint {self._path}: missing tensor {name}")
+        return tensor
+
+    def optional(self, name: str, *shape: int) -> torch.Tensor | None:
+        tensor = self._weights.get(name)
+        if tensor is None:
+            return None
+        if tuple(tensor.shape) != shape:
+            raise InvalidArgument(
+                "model",
+                f"checkpoint {self._path}: tensor {name} has shape {tuple(tensor.shape)}, "
+                f"the config implies {shape}",
+            )
+        self.used.add(name)
+        return tensor.to(self._device)
 
 
 class Transformer:
-    """A decoder-only transformer (OPT-like: learned positions, pre-LN, GELU MLP).
+    """A decoder-only model loaded from a checkpoint (the Llama family or OPT).
 
     Not an nn.Module: inference only, weights are plain tensors, no autograd.
     """
 
     def __init__(
         self,
-        config: TransformerConfig,
-        dtype: torch.dtype = torch.float32,
-        seed: int = 0,
+        arch: Architecture,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        exact: bool | None = None,
+        path: str = "",
     ) -> None:
-        self.config = config
+        if arch.activation not in _ACTIVATIONS:
+            raise InvalidArgument(
+                "config.hidden_act", f"unsupported activation {arch.activation!r}"
+            )
+        self.config = arch
+        self.name = arch.name
         self.dtype = dtype
         self.device = torch.device(device)
-        self.seed = seed
-        self.exact = dtype == torch.float64 if exact is None else exact
-        generator = torch.Generator().manual_seed(seed)
-        hidden = config.hidden
-
-        def draw(*shape: int, fan_in: int | None = None) -> torch.Tensor:
-            # Drawn in float32 on the CPU whatever the target, so every dtype and device
-            # gets the same weights from the same seed.
-            scale = 1.0 / math.sqrt(fan_in) if fan_in else 1.0
-            values = torch.randn(*shape, generator=generator, dtype=torch.float32) * scale
-            return values.to(device=self.device, dtype=dtype)
-
-        self.embed = draw(config.vocab_size, hidden)
-        self.positions = 0.5 * draw(config.max_positions, hidden)
-        self.blocks = [
-            _Layer(hidden, config.mlp_ratio * hidden, draw) for _ in range(config.layers)
-        ]
-        self.lnf_weight, self.lnf_bias = 1.0 + 0.1 * draw(hidden), 0.1 * draw(hidden)
-        # Untied: a head tied to the embedding makes a random model copy its input token.
-        self.head = draw(config.vocab_size, hidden, fan_in=hidden)
+        self._act = _ACTIVATIONS[arch.activation]
+        tensors = _Tensors(path or arch.name, weights, self.device)
+        if arch.family == "opt":
+            self._load_opt(tensors)
+        else:
+            self._load_llama(tensors)
+        unused = sorted(set(weights) - tensors.used)
+        if unused:
+            raise InvalidArgument(
+                "model",
+                f"checkpoint {path or arch.name}: tensors the {arch.family} code does not "
+                f"use: {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}",
+            )
 
     @classmethod
-    def from_preset(
-        cls,
-        name: str,
-        dtype: torch.dtype = torch.float32,
-        seed: int = 0,
-        device: torch.device | str = "cpu",
-        exact: bool | None = None,
-    ) -> Transformer:
-        """The preset called `name` (`MODEL_CONFIGS`); InvalidArgument("model") otherwise."""
-        try:
-            config = MODEL_CONFIGS[name]
-        except KeyError:
-            known = ", ".join(MODEL_CONFIGS)
-            raise InvalidArgument("model", f"unknown model {name!r} (known: {known})") from None
-        return cls(config, dtype=dtype, seed=seed, device=device, exact=exact)
+    def load(cls, model: str, dtype: torch.dtype | None = None, device: str = "cpu") -> Transformer:
+        """The checkpoint `model` names (a directory or an embedded name), in `dtype`
+        (default: the checkpoint's own)."""
+        path = resolve_checkpoint(model)
+        arch = read_architecture(path, name=model)
+        dtype = dtype or DTYPES[arch.dtype]
+        return cls(arch, load_weights(path, dtype), dtype, device, str(path))
+
+    # -- weights ----------------------------------------------------------------------
+
+    def _load_llama(self, t: _Tensors) -> None:
+        a = self.config
+        hidden, q_dim, kv_dim = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
+        self.embed = t.get("embed_tokens.weight", a.vocab_size, hidden)
+        self.blocks = []
+        for i in range(a.layers):
+            p = f"layers.{i}."
+            self.blocks.append(
+                _Weights(
+                    q=t.get(p + "self_attn.q_proj.weight", q_dim, hidden),
+                    k=t.get(p + "self_attn.k_proj.weight", kv_dim, hidden),
+                    v=t.get(p + "self_attn.v_proj.weight", kv_dim, hidden),
+                    o=t.get(p + "self_attn.o_proj.weight", hidden, q_dim),
+                    q_bias=t.optional(p + "self_attn.q_proj.bias", q_dim),
+                    k_bias=t.optional(p + "self_attn.k_proj.bias", kv_dim),
+                    v_bias=t.optional(p + "self_attn.v_proj.bias", kv_dim),
+                    o_bias=t.optional(p + "self_attn.o_proj.bias", hidden),
+                    norm1=t.get(p + "input_layernorm.weight", hidden),
+                    norm1_bias=None,
+                    norm2=t.get(p + "post_attention_layernorm.weight", hidden),
+                    norm2_bias=None,
+                    gate=t.get(p + "mlp.gate_proj.weight", a.intermediate, hidden),
+                    gate_bias=t.optional(p + "mlp.gate_proj.bias", a.intermediate),
+                    up=t.get(p + "mlp.up_proj.weight", a.intermediate, hidden),
+                    up_bias=t.optional(p + "mlp.up_proj.bias", a.intermediate),
+                    down=t.get(p + "mlp.down_proj.weight", hidden, a.intermediate),
+                    down_bias=t.optional(p + "mlp.down_proj.bias", hidden),
+                )
+            )
+        self.final_norm = t.get("norm.weight", hidden)
+        self.final_norm_bias = None
+        head = t.optional("lm_head.weight", a.vocab_size, hidden)
+        self.head = self.embed if head is None else head
+        t.optional("rotary_emb.inv_freq", a.head_dim // 2)  # older exports; recomputed
+        self._inv_freq = _inverse_frequencies(a.rope or Rope(10000.0), a.head_dim)
+
+    def _load_opt(self, t: _Tensors) -> None:
+        a = self.config
+        hidden, embed = a.hidden, a.embed_dim
+        self.embed = t.get("decoder.embed_tokens.weight", a.vocab_size, embed)
+        self.positions = t.get("decoder.embed_positions.weight", a.max_positions + 2, hidden)
+        self.project_in = t.optional("decoder.project_in.weight", hidden, embed)
+        self.project_out = t.optional("decoder.project_out.weight", embed, hidden)
+        if embed != hidden and (self.project_in is None or self.project_out is None):
+            raise InvalidArgument("model", "checkpoint: missing tensor decoder.project_in.weight")
+        self.blocks = []
+        for i in range(a.layers):
+            p = f"decoder.layers.{i}."
+            self.blocks.append(
+                _Weights(
+                    q=t.get(p + "self_attn.q_proj.weight", hidden, hidden),
+                    k=t.get(p + "self_attn.k_proj.weight", hidden, hidden),
+                    v=t.get(p + "self_attn.v_proj.weight", hidden, hidden),
+                    o=t.get(p + "self_attn.out_proj.weight", hidden, hidden),
+                    q_bias=t.get(p + "self_attn.q_proj.bias", hidden),
+                    k_bias=t.get(p + "self_attn.k_proj.bias", hidden),
+                    v_bias=t.get(p + "self_attn.v_proj.bias", hidden),
+                    o_bias=t.get(p + "self_attn.out_proj.bias", hidden),
+                    norm1=t.get(p + "self_attn_layer_norm.weight", hidden),
+                    norm1_bias=t.get(p + "self_attn_layer_norm.bias", hidden),
+                    norm2=t.get(p + "final_layer_norm.weight", hidden),
+                    norm2_bias=t.get(p + "final_layer_norm.bias", hidden),
+                    up=t.get(p + "fc1.weight", a.intermediate, hidden),
+                    up_bias=t.get(p + "fc1.bias", a.intermediate),
+                    down=t.get(p + "fc2.weight", hidden, a.intermediate),
+                    down_bias=t.get(p + "fc2.bias", hidden),
+                )
+            )
+        self.final_norm = self.final_norm_bias = None
+        if a.final_norm:
+            self.final_norm = t.get("decoder.final_layer_norm.weight", hidden)
+            self.final_norm_bias = t.get("decoder.final_layer_norm.bias", hidden)
+        head = t.optional("lm_head.weight", a.vocab_size, embed)
+        self.head = self.embed if head is None else head
+
+    # -- requests ---------------------------------------------------------------------
 
     def new_cache(self, capacity_tokens: int = 0) -> KvCache:
         config = self.config
@@ -330,38 +430,110 @@ class Transformer:
             )
         cache.reserve(end)
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)
-        if self.exact:
-            for i in range(len(ids)):
-                logits = self._forward(cache, ids[i : i + 1])
-            return logits
         return self._forward(cache, ids)
+
+    # -- forward ----------------------------------------------------------------------
+
+    def _mask(self, start: int, end: int, window: int | None) -> torch.Tensor | None:
+        """Which cached positions each new one attends to (None: all, one new position)."""
+        if end - start == 1 and (window is None or end <= window):
+            return None
+        rows = torch.arange(start, end, device=self.device)[:, None]
+        cols = torch.arange(end, device=self.device)[None, :]
+        mask = cols <= rows
+        if window is not None:
+            mask &= cols > rows - window
+        return mask
+
+    def _attend(
+        self, cache: KvCache, index: int, q, k, v, mask, start: int, end: int, scale=None
+    ) -> torch.Tensor:
+        cache.keys[index][start:end] = k
+        cache.values[index][start:end] = v
+        keys = cache.keys[index][:end].transpose(0, 1)
+        values = cache.values[index][:end].transpose(0, 1)
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            keys,
+            values,
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=self.config.kv_heads != self.config.heads,
+        )
+        return attended.transpose(0, 1).reshape(end - start, -1)
 
     def _forward(self, cache: KvCache, ids: torch.Tensor) -> torch.Tensor:
         """One batched pass over new positions `[cache.length, cache.length + len(ids))`."""
-        config = self.config
+        if self.config.family == "opt":
+            hidden = self._forward_opt(cache, ids)
+        else:
+            hidden = self._forward_llama(cache, ids)
+        cache.commit(cache.length + len(ids))
+        return F.linear(hidden, self.head)
+
+    def _forward_llama(self, cache: KvCache, ids: torch.Tensor) -> torch.Tensor:
+        a = self.config
         start, count = cache.length, len(ids)
         end = start + count
-        hidden = self.embed[ids] + self.positions[start:end]
-        mask = None
-        if count > 1:
-            rows = torch.arange(start, end, device=self.device)[:, None]
-            mask = torch.arange(end, device=self.device)[None, :] <= rows
+        positions = torch.arange(start, end, device=self.device, dtype=torch.float32)
+        angles = positions[:, None] * self._inv_freq.to(self.device)[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        cos = angles.cos().to(self.dtype)[:, None, :]
+        sin = angles.sin().to(self.dtype)[:, None, :]
+        masks: dict[int | None, torch.Tensor | None] = {}
+        hidden = self.embed[ids]
         for index, block in enumerate(self.blocks):
-            normed = F.layer_norm(hidden, (config.hidden,), block.ln1_weight, block.ln1_bias)
-            qkv = F.linear(normed, block.qkv_weight, block.qkv_bias)
-            q, k, v = qkv.view(count, 3, config.heads, config.head_dim).unbind(1)
-            cache.keys[index][start:end] = k
-            cache.values[index][start:end] = v
-            keys = cache.keys[index][:end].transpose(0, 1)
-            values = cache.values[index][:end].transpose(0, 1)
-            attended = F.scaled_dot_product_attention(
-                q.transpose(0, 1), keys, values, attn_mask=mask
-            )
-            attended = attended.transpose(0, 1).reshape(count, config.hidden)
-            hidden = hidden + F.linear(attended, block.out_weight, block.out_bias)
-            normed = F.layer_norm(hidden, (config.hidden,), block.ln2_weight, block.ln2_bias)
-            mlp = F.gelu(F.linear(normed, block.fc1_weight, block.fc1_bias))
-            hidden = hidden + F.linear(mlp, block.fc2_weight, block.fc2_bias)
-        cache.commit(end)
-        last = F.layer_norm(hidden[-1], (config.hidden,), self.lnf_weight, self.lnf_bias)
-        return F.linear(last, self.head)
+            window = a.sliding_windows[index] if a.sliding_windows else None
+            if window not in masks:
+                masks[window] = self._mask(start, end, window)
+            normed = _rms_norm(hidden, block.norm1, a.norm_eps)
+            q = F.linear(normed, block.q, block.q_bias).view(count, a.heads, a.head_dim)
+            k = F.linear(normed, block.k, block.k_bias).view(count, a.kv_heads, a.head_dim)
+            v = F.linear(normed, block.v, block.v_bias).view(count, a.kv_heads, a.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            attended = self._attend(cache, index, q, k, v, masks[window], start, end)
+            hidden = hidden + F.linear(attended, block.o, block.o_bias)
+            normed = _rms_norm(hidden, block.norm2, a.norm_eps)
+            gate = self._act(F.linear(normed, block.gate, block.gate_bias))
+            up = F.linear(normed, block.up, block.up_bias)
+            hidden = hidden + F.linear(gate * up, block.down, block.down_bias)
+        return _rms_norm(hidden[-1], self.final_norm, a.norm_eps)
+
+    def _forward_opt(self, cache: KvCache, ids: torch.Tensor) -> torch.Tensor:
+        a = self.config
+        start, count = cache.length, len(ids)
+        end = start + count
+        width = (a.hidden,)
+        hidden = self.embed[ids]
+        if self.project_in is not None:
+            hidden = F.linear(hidden, self.project_in)
+        # OPT's learned positions are offset by two rows.
+        hidden = hidden + self.positions[start + 2 : end + 2]
+        mask = self._mask(start, end, None)
+        for index, block in enumerate(self.blocks):
+            residual = hidden
+            if a.pre_norm:
+                hidden = F.layer_norm(hidden, width, block.norm1, block.norm1_bias)
+            # Scaled before attention, as OPT was trained (same value, its rounding).
+            q = F.linear(hidden, block.q, block.q_bias) * a.head_dim**-0.5
+            q = q.view(count, a.heads, a.head_dim)
+            k = F.linear(hidden, block.k, block.k_bias).view(count, a.heads, a.head_dim)
+            v = F.linear(hidden, block.v, block.v_bias).view(count, a.heads, a.head_dim)
+            attended = self._attend(cache, index, q, k, v, mask, start, end, scale=1.0)
+            hidden = residual + F.linear(attended, block.o, block.o_bias)
+            if not a.pre_norm:
+                hidden = F.layer_norm(hidden, width, block.norm1, block.norm1_bias)
+            residual = hidden
+            if a.pre_norm:
+                hidden = F.layer_norm(hidden, width, block.norm2, block.norm2_bias)
+            mlp = self._act(F.linear(hidden, block.up, block.up_bias))
+            hidden = residual + F.linear(mlp, block.down, block.down_bias)
+            if not a.pre_norm:
+                hidden = F.layer_norm(hidden, width, block.norm2, block.norm2_bias)
+        last = hidden[-1]
+        if self.final_norm is not None:
+            last = F.layer_norm(last, width, self.final_norm, self.final_norm_bias)
+        if self.project_out is not None:
+            last = F.linear(last, self.project_out)
+        return last

@@ -19,11 +19,13 @@ import grpc
 import torch
 from opentelemetry.sdk.trace import TracerProvider
 
+from kvrs.errors import KvrsError
 from kvrs.model import model_spec
 from kvrs.rpc import error_from_rpc
 from kvrs.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from libkvxfer import AgentConfig, TransferAgent, TransferTicket
 from services.common import (
+    ConfigError,
     GrpcSettings,
     ServerHandle,
     open_channel,
@@ -96,10 +98,6 @@ class WorkerServerHandle(ServerHandle):
         await super().stop(grace_s)
 
 
-def _dtype_name(config: Config) -> str:
-    return config.dtype or ("float64" if config.model == "tiny" else "bfloat16")
-
-
 def _advertise(config: Config, port: int) -> str:
     if config.advertise_addr:
         return config.advertise_addr
@@ -136,11 +134,14 @@ async def build_server(
 ) -> WorkerServerHandle:
     """Start a worker on `config.listen_addr`; SERVING once the canary passed."""
     torch.set_num_threads(config.torch_threads)
-    dtype_name = _dtype_name(config)
-    model = await asyncio.to_thread(
-        Transformer.from_preset, config.model, resolve_dtype(dtype_name), config.seed
-    )
-    spec = model_spec(config.model)
+    dtype = resolve_dtype(config.dtype) if config.dtype else None
+    try:
+        model = await asyncio.to_thread(Transformer.load, config.model, dtype)
+        spec = model_spec(config.model)
+    except KvrsError as exc:
+        # Refused at start-up, naming the file, tensor or setting it cannot run.
+        raise ConfigError(f"WORKER_MODEL {config.model}: {exc}") from None
+    dtype_name = str(model.dtype).removeprefix("torch.")
     compute = ComputeQueue()
     estimates = Estimates(config.model, config.profile_path)
     store = KvStore(config.kv_capacity_bytes, model.new_cache().bytes_per_token, spec.block_tokens)

@@ -14,14 +14,13 @@ import urllib.request
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from worker_procs import WorkerProcess, stub
 
 from kvrs.cli.launcher import free_ports
 from kvrs.tokenizer import encode
 from kvrs.v1 import worker_pb2 as pb
-from services.worker.model import Transformer
+from tests import tiny_reference
 
 PROMPT = encode("Network-aware placement of the decode phase, and recovery of its KV.")
 L = len(PROMPT)
@@ -63,9 +62,8 @@ async def stubs(workers):
 
 @pytest.fixture(scope="module")
 def reference():
-    """What a single process computes for PROMPT: first token and the next 24 tokens."""
-    model = Transformer.from_preset("tiny", torch.float64, seed=0)
-    return model, model.complete(PROMPT, 25)
+    """What one uninterrupted transformers generate makes of PROMPT: 25 greedy tokens."""
+    return None, tiny_reference.reference(tuple(PROMPT), 25)
 
 
 async def decode(worker_stub, request_id, generated, max_new_tokens, **kwargs):

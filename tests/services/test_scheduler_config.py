@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from kvrs.model import DEFAULT_MODEL
 from kvrs.profile import compute_profile
 from services.common import ConfigError
 from services.common.decision_inputs import InputsConfig, load_inputs
@@ -18,7 +19,7 @@ def test_defaults_match_the_documented_ports_and_policies():
     assert config.listen_addr == "0.0.0.0:50053"
     assert (config.placement_policy, config.recovery_policy) == ("netkv", "kvrs")
     assert (config.view_refresh_s, config.view_stale_after_s) == (0.1, 1.0)
-    assert config.inputs.model == "opt-125m"
+    assert config.inputs.model == DEFAULT_MODEL == "tiny"
     assert OracleConfig.from_env({}).listen_addr == "0.0.0.0:50052"
 
 
@@ -78,7 +79,7 @@ def test_inputs_read_a_calibrated_profile_and_a_topology_file(tmp_path):
         ),
         (
             lambda d: InputsConfig(
-                profile_file=_write(d / "p.json", json.dumps(compute_profile("tiny").to_json()))
+                profile_file=_write(d / "p.json", json.dumps(compute_profile("opt-125m").to_json()))
             ),
             "KVRS_PROFILE_FILE",
         ),
