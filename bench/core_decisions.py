@@ -11,6 +11,7 @@ separately.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -140,7 +141,42 @@ def bench_select(decode: int, runs: int, goal_us: float, rng: random.Random) -> 
         None,
         warmup=5,
     )
-    return [steady, fresh]
+    # What a view refresh hands the next decision: the view updated with the instances
+    # whose load changed (at 0.1 s refreshes and 2 s heartbeats, a twentieth of them).
+    changed_count = max(1, len(view.instances) // 20)
+    refreshes = [
+        view.updated(refreshed_states(view, rng, changed_count)) for _ in range(max(20, runs // 50))
+    ]
+    pending = iter(refreshes)
+    refreshed = timed(
+        f"  first on a refreshed view ({changed_count} changed), {len(candidates)} candidates",
+        lambda: policy.select(request, next(pending).decode_instances(), cost, 1.0),
+        len(refreshes) - 5,
+        goal_us,
+        warmup=5,
+    )
+    changes = refreshed_states(view, rng, changed_count)
+    update = timed(
+        f"  the refresh itself (ClusterView.updated, {changed_count} changed)",
+        lambda: view.updated(changes),
+        max(20, runs // 50),
+        None,
+        warmup=5,
+    )
+    return [steady, fresh, refreshed, update]
+
+
+def refreshed_states(view: ClusterView, rng: random.Random, count: int) -> dict[str, InstanceState]:
+    """New load reports of `count` alive instances, as a heartbeat would bring them."""
+    return {
+        instance_id: dataclasses.replace(
+            view.instances[instance_id],
+            wait_s=rng.uniform(0.0, 0.2),
+            queue_depth=rng.randrange(8),
+            running_requests=rng.randrange(32),
+        )
+        for instance_id in rng.sample(sorted(view.instances), count)
+    }
 
 
 def bench_recover(decode: int, runs: int, goal_us: float, rng: random.Random) -> Result:

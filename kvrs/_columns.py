@@ -8,6 +8,7 @@ keeps, per list, the waits raised by the work it queued, updated as the plan gro
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,18 +26,45 @@ _HOLDERS_CACHE_MAX = 4096
 class Fan:
     """Path terms from one source instance to every instance of a list."""
 
-    __slots__ = ("table", "bps", "rtt", "inv_bps", "rtt_wait", "min_rtt", "min_inv_bps", "_arrays")
+    __slots__ = (
+        "table",
+        "bps",
+        "rtt",
+        "inv_bps",
+        "wait",
+        "rtt_wait",
+        "min_rtt",
+        "min_inv_bps",
+        "_arrays",
+    )
 
     def __init__(self, table: PathTable, wait: list[float]) -> None:
         self.table = table
         self.bps = table.bandwidth_bps
         self.rtt = table.rtt_s
         self.inv_bps = [1.0 / bps for bps in table.bandwidth_bps]
-        self.rtt_wait = [r + w for r, w in zip(self.rtt, wait, strict=True)]
+        self.wait = wait
+        """The waits `rtt_wait` was summed with (a list identity: see `rewaited`)."""
+        self.rtt_wait = list(map(operator.add, self.rtt, wait))
         # Bounds for pruning: no transfer from this source beats min_rtt + bits · min_inv_bps.
         self.min_rtt = min(self.rtt, default=0.0)
         self.min_inv_bps = min(self.inv_bps, default=0.0)
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def rewaited(self, wait: list[float]) -> Fan:
+        """The same paths with new waits: the path terms (the costly part) are shared."""
+        fan = Fan.__new__(Fan)
+        fan.table, fan.bps, fan.rtt, fan.inv_bps = self.table, self.bps, self.rtt, self.inv_bps
+        fan.min_rtt, fan.min_inv_bps = self.min_rtt, self.min_inv_bps
+        fan.wait = wait
+        fan.rtt_wait = list(map(operator.add, self.rtt, wait))
+        fan._arrays = None
+        if self._arrays is not None:
+            import numpy as np
+
+            rtt, inv_bps, _ = self._arrays
+            fan._arrays = (rtt, inv_bps, np.array(fan.rtt_wait))
+        return fan
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rtt, 1 / bandwidth, rtt + wait) as numpy arrays."""
@@ -106,11 +134,61 @@ class Columns:
         return self._arrays
 
     def fan(self, network: NetworkModel, src_id: str, now_s: float) -> Fan:
-        """Path terms from `src_id` to every instance, rebuilt when the network changed."""
+        """Path terms from `src_id` to every instance, rebuilt when the network changed
+        (and only their waits summed again when the columns were patched)."""
         fan = self._fans.get(src_id)
         if fan is None or not fan.table.valid(network, now_s):
-            fan = self._fans[src_id] = Fan(network.fan_out(src_id, self.ids, now_s), self.wait)
+            fan = Fan(network.fan_out(src_id, self.ids, now_s), self.wait)
+        elif fan.wait is not self.wait:
+            fan = fan.rewaited(self.wait)
+        else:
+            return fan
+        self._fans[src_id] = fan
         return fan
+
+    def patched(self, states: Sequence[InstanceState], indices: Sequence[int]) -> Columns:
+        """The columns of `states`, the same instances in the same order as these, whose
+        entries at `indices` changed: those entries are read again, what depends only on
+        paths (the fans' path terms) is kept, and caches over prefix blocks are kept
+        when no block set changed. Cost: a copy of each column, not a read of every
+        state, so a view refresh does not make the next decision rebuild them."""
+        new = Columns.__new__(Columns)
+        new.states, new.ids = states, self.ids
+        wait, running, load = self.wait.copy(), self.running.copy(), self.load.copy()
+        free = self.free.copy()
+        blocks_changed = False
+        for i in indices:
+            state = states[i]
+            wait[i] = state.wait_s
+            running[i] = state.running_requests
+            load[i] = state.queue_depth + state.running_requests
+            free[i] = state.free_kv_tokens
+            blocks_changed = (
+                blocks_changed or state.resident_blocks != self.states[i].resident_blocks
+            )
+        new.wait, new.running, new.load, new.free = wait, running, load, free
+        new.min_free = min(free, default=0)
+        new.has_resident = (
+            any(s.resident_blocks for s in states) if blocks_changed else self.has_resident
+        )
+        new._arrays = None
+        if self._arrays is not None:
+            import numpy as np
+
+            wait_array, free_array = self._arrays[0].copy(), self._arrays[1].copy()
+            at = np.fromiter(indices, dtype=np.intp, count=len(indices))
+            wait_array[at] = [wait[i] for i in indices]
+            free_array[at] = [free[i] for i in indices]
+            new._arrays = (wait_array, free_array)
+        if blocks_changed:
+            new._holders, new._narrowed, new._masks = {}, {}, {}
+        else:
+            new._holders, new._narrowed, new._masks = self._holders, self._narrowed, self._masks
+        new._fans = dict(self._fans)  # re-summed with the new waits on first use
+        new._by_wait = None
+        new._index = self._index
+        new._matrix = None
+        return new
 
     def matrix(self, network: NetworkModel, sources: Columns, now_s: float) -> PathMatrix:
         """Paths from every instance of `sources` to every instance here (one cached)."""

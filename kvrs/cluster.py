@@ -43,11 +43,18 @@ class InstanceList(list[InstanceState]):
     list, so every mutating method raises. Copy it (`list(x)`, a comprehension) to edit.
     """
 
-    __slots__ = ("derived",)
+    __slots__ = ("_positions", "derived")
 
     def __init__(self, items: Iterable[InstanceState] = ()) -> None:
         super().__init__(items)
         self.derived: dict[Any, Any] = {}
+        self._positions: dict[str, int] | None = None
+
+    def positions(self) -> Mapping[str, int]:
+        """Index of each instance id in the list (built once)."""
+        if self._positions is None:
+            self._positions = {s.instance_id: i for i, s in enumerate(self)}
+        return self._positions
 
 
 def _read_only(name: str) -> Any:
@@ -131,6 +138,69 @@ class ClusterView:
                 )
             self._lists[key] = cached
         return cached
+
+    def updated(
+        self,
+        changed: Mapping[str, InstanceState],
+        removed: Collection[str] = (),
+        now_s: float | None = None,
+    ) -> ClusterView:
+        """A new view: these instances with `changed` replaced or added, `removed` dropped.
+
+        For a role whose alive membership stays the same, the new alive list is the old
+        one with the changed states swapped in, and what decisions derived from the old
+        list is carried over, patched at those positions (whatever offers `patched`,
+        such as the placement columns); so the first decision on the new view does not
+        rebuild every column. A role whose membership changed gets its list rebuilt.
+        """
+        instances = dict(self.instances)
+        instances.update(changed)
+        for instance_id in removed:
+            instances.pop(instance_id, None)
+        view = ClusterView(instances=instances, now_s=self.now_s if now_s is None else now_s)
+        for role in Role:
+            old = self._lists.get((role, frozenset()))
+            if old is None:
+                continue
+            patched = self._patched_list(old, role, changed, removed)
+            if patched is not None:
+                view._lists[(role, frozenset())] = patched
+        return view
+
+    def _patched_list(
+        self,
+        old: InstanceList,
+        role: Role,
+        changed: Mapping[str, InstanceState],
+        removed: Collection[str],
+    ) -> InstanceList | None:
+        """`old` (this view's alive list of `role`) with `changed` swapped in; None when
+        an instance joins or leaves the list (it is rebuilt instead)."""
+        for instance_id in removed:
+            known = self.instances.get(instance_id)
+            if known is not None and known.alive and known.role is role:
+                return None
+        positions = old.positions()
+        indices = []
+        for instance_id, state in changed.items():
+            before = self.instances.get(instance_id)
+            was_in = before is not None and before.alive and before.role is role
+            if was_in != (state.alive and state.role is role):
+                return None
+            if was_in:
+                indices.append(positions[instance_id])
+        if not indices:
+            return old
+        items = list(old)
+        for i in indices:
+            items[i] = changed[items[i].instance_id]
+        patched = InstanceList(items)
+        patched._positions = old._positions
+        for owner, derived in old.derived.items():
+            patch = getattr(derived, "patched", None)
+            if patch is not None:
+                patched.derived[owner] = patch(patched, indices)
+        return patched
 
     def get(self, instance_id: str) -> InstanceState | None:
         """The state of `instance_id`, None when the view does not know it."""

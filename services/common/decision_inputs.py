@@ -16,6 +16,7 @@ from kvrs.model import DEFAULT_MODEL, ModelSpec, model_spec
 from kvrs.profile import ComputeProfile, compute_profile
 from kvrs.rpc import ConfigError, env_float, env_int, env_str
 from kvrs.topology import Topology
+from services.common.gossip_follow import DEFAULT_RESYNC_S
 
 DEFAULT_TELEMETRY_STALE_AFTER_S = 60.0
 DEFAULT_MAX_CONTEXT_TOKENS = 10_000_000
@@ -40,6 +41,9 @@ class InputsConfig:
     max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS
     """KVRS_MAX_CONTEXT_TOKENS: the most tokens one request's KV may hold; a request
     counting more is refused INVALID_ARGUMENT before its KV size is priced."""
+    view_resync_s: float = DEFAULT_RESYNC_S
+    """KVRS_VIEW_RESYNC_S: seconds between full listings of the registry; the view follows
+    gossip's change feed in between. 0 = a full listing at every refresh."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InputsConfig:
@@ -51,11 +55,14 @@ class InputsConfig:
                 "KVRS_TELEMETRY_STALE_AFTER_S", DEFAULT_TELEMETRY_STALE_AFTER_S, env
             ),
             max_context_tokens=env_int("KVRS_MAX_CONTEXT_TOKENS", DEFAULT_MAX_CONTEXT_TOKENS, env),
+            view_resync_s=env_float("KVRS_VIEW_RESYNC_S", DEFAULT_RESYNC_S, env),
         )
         if config.telemetry_stale_after_s <= 0:
             raise ConfigError("KVRS_TELEMETRY_STALE_AFTER_S must be > 0")
         if config.max_context_tokens <= 0:
             raise ConfigError("KVRS_MAX_CONTEXT_TOKENS must be > 0")
+        if config.view_resync_s < 0:
+            raise ConfigError("KVRS_VIEW_RESYNC_S must be >= 0")
         return config
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvrs.errors import DeadlineExceeded, InvalidArgument, KvrsError, Unavailable
+from services.common.gossip_follow import DEFAULT_RESYNC_S, RegistryCopy
 from services.common.gossip_records import FAILED, JOINED, LEFT, GossipReader
 from services.common.gossip_view import GossipSnapshot, ViewCache
 
@@ -32,6 +33,10 @@ async def _no_flows() -> dict[tuple[str, str], int]:
 class GossipSource:
     """Fetches the view from gossip, plus the migrations in flight from the slot broker.
 
+    The registry is followed by its change feed (`gossip_follow.RegistryCopy`): a
+    snapshot carries every instance, and `changed` says which of them the fetch
+    updated (None: all of them, after a full listing), so the view rebuilds only those.
+
     A failed fetch replaces the gossip client: a fresh channel tries to connect at once,
     where the old one would wait out gRPC's reconnect backoff (up to two minutes), so a
     restarted gossip store is seen again within one refresh.
@@ -41,10 +46,13 @@ class GossipSource:
         self,
         connect: Callable[[], GossipReader],
         slots: FlowCounter | None = None,
+        resync_s: float = DEFAULT_RESYNC_S,
     ) -> None:
+        """`resync_s`: seconds between full listings (0: a full listing every fetch)."""
         self._connect = connect
         self.client = connect()
         self.slots = slots
+        self.registry = RegistryCopy(resync_s)
         self._closing: set[asyncio.Task] = set()
 
     async def fetch(self) -> GossipSnapshot:
@@ -54,9 +62,7 @@ class GossipSource:
             self.slots.pair_flows() if self.slots is not None else _no_flows()
         )
         try:
-            nodes, links = await asyncio.gather(
-                client.list_nodes(include_down=True), client.list_links()
-            )
+            changed, links = await asyncio.gather(self.registry.poll(client), client.list_links())
         except KvrsError as exc:
             self._reconnect()
             # Whatever gossip answered, there is no fresh view: the cached one keeps serving.
@@ -67,10 +73,11 @@ class GossipSource:
             if not flows.done():
                 await asyncio.wait([flows])
         return GossipSnapshot(
-            nodes=tuple(nodes),
+            nodes=tuple(self.registry.nodes.values()),
             links=tuple(links),
             fetched_at_s=fetched_at_s,
             flows=flows.result(),
+            changed=changed,
         )
 
     def _reconnect(self) -> None:

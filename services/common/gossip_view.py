@@ -48,6 +48,9 @@ class GossipSnapshot:
     fetched_at_s: float
     flows: Mapping[tuple[str, str], int] = field(default_factory=dict)
     """Migrations in flight per (src, dst) instance pair, as the slot broker counts them."""
+    changed: tuple[NodeRecord, ...] | None = None
+    """The records of `nodes` this fetch updated; None: any may have changed (a full
+    listing), so the view is rebuilt from `nodes` alone."""
 
 
 class SnapshotSource(Protocol):
@@ -231,15 +234,51 @@ class ViewCache:
         }
         return tuple(carried)
 
+    def _apply_changes(
+        self, previous: DecisionState, snapshot: GossipSnapshot
+    ) -> tuple[ClusterView, tuple[str, ...]]:
+        """The previous view with the changed instances rebuilt (work in proportion to
+        the change), and the instances still carried after the registry lost them."""
+        assert snapshot.changed is not None
+        now_s = snapshot.fetched_at_s
+        changed: dict[str, InstanceState] = {}
+        for node in snapshot.changed:
+            instance_id = node.registration.instance_id
+            if not self.is_known(instance_id):
+                self.inputs.topology.add_instance(_instance_spec(node.registration))
+            changed[instance_id] = self._instance_state(node)
+            self._vanished_at_s.pop(instance_id, None)
+            if node.state == ALIVE:
+                self._alive[instance_id] = node
+            else:
+                self._alive.pop(instance_id, None)
+        carried, dropped = [], []
+        for instance_id in previous.carried_ids - changed.keys():
+            record = self._alive.get(instance_id)
+            vanished_at_s = self._vanished_at_s.get(instance_id, now_s)
+            if record is not None and now_s - vanished_at_s <= record.heartbeat_ttl_s:
+                carried.append(instance_id)
+                continue
+            dropped.append(instance_id)
+            self._alive.pop(instance_id, None)
+            self._vanished_at_s.pop(instance_id, None)
+        cluster = previous.cluster.updated(changed, removed=dropped, now_s=now_s)
+        return cluster, tuple(carried)
+
     def _build(self, snapshot: GossipSnapshot) -> DecisionState:
-        topology = self.inputs.topology
-        instances: dict[str, InstanceState] = {}
-        carried = self._carry_vanished(snapshot)
-        for node in (*snapshot.nodes, *carried):
-            registration = node.registration
-            if not self.is_known(registration.instance_id):
-                topology.add_instance(_instance_spec(registration))
-            instances[registration.instance_id] = self._instance_state(node)
+        previous = self._state
+        if snapshot.changed is not None and previous is not None:
+            cluster, carried_ids = self._apply_changes(previous, snapshot)
+        else:
+            instances: dict[str, InstanceState] = {}
+            carried = self._carry_vanished(snapshot)
+            for node in (*snapshot.nodes, *carried):
+                registration = node.registration
+                if not self.is_known(registration.instance_id):
+                    self.inputs.topology.add_instance(_instance_spec(registration))
+                instances[registration.instance_id] = self._instance_state(node)
+            cluster = ClusterView(instances=instances, now_s=snapshot.fetched_at_s)
+            carried_ids = tuple(record.registration.instance_id for record in carried)
         links = tuple(
             link
             for link in snapshot.links
@@ -260,18 +299,17 @@ class ViewCache:
             ),
             tuple(sorted(snapshot.flows.items())),
         )
-        previous = self._state
         if previous is not None and previous.telemetry_key == key:
             cost = previous.cost
         else:
             cost = CostModel(self.inputs.model, self.inputs.compute, self._network(snapshot, links))
         return DecisionState(
             cost=cost,
-            cluster=ClusterView(instances=instances, now_s=snapshot.fetched_at_s),
+            cluster=cluster,
             refreshed_at_s=snapshot.fetched_at_s,
             links_used=len(links),
             telemetry_key=key,
-            carried_ids=frozenset(record.registration.instance_id for record in carried),
+            carried_ids=frozenset(carried_ids),
         )
 
     def _network(self, snapshot: GossipSnapshot, links: tuple[LinkRecord, ...]) -> NetworkModel:

@@ -2,7 +2,9 @@
 
 The router and the prober each keep one.
 
-A background task re-reads the registry every `refresh_s`; another follows the gossip
+A background task follows the registry's change feed every `refresh_s` (a full
+listing at start and every `gossip_follow.DEFAULT_RESYNC_S`, deltas in between, so a
+refresh costs gossip what changed, not the cluster's size); another follows the gossip
 event stream and, on a `failed` or `left` event, marks the instance down at once and
 tells every listener (the router, which then recovers the requests it had decoding
 there). Reads never await: a request picks its prefill instance from the last copy.
@@ -17,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvrs.errors import KvrsError
+from services.common.gossip_follow import RegistryCopy
 from services.common.gossip_records import ALIVE, FAILED, LEFT, GossipReader, NodeRecord
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,7 @@ class Membership:
     def __init__(self, gossip: GossipReader, refresh_s: float) -> None:
         self._gossip = gossip
         self.refresh_s = refresh_s
+        self._registry = RegistryCopy()
         self._instances: dict[str, Instance] = {}
         self._down: set[str] = set()
         """Instances a failure event named; down until a `joined` event (a restarted
@@ -118,23 +122,25 @@ class Membership:
     # -- updates -------------------------------------------------------------------------
 
     async def refresh(self) -> bool:
-        """Re-reads the registry; False (the old copy kept) when gossip does not answer."""
+        """Reads what changed in the registry; False (the old copy kept) when gossip does
+        not answer."""
         try:
-            records = await self._gossip.list_nodes(include_down=True)
+            changed = await self._registry.poll(self._gossip)
         except KvrsError as exc:
             log.warning("gossip listing failed; keeping the last view: %s", exc)
             return False
-        self._apply(instance_from_record(record) for record in records)
+        if changed is None:
+            self._instances = {}
+            changed = tuple(self._registry.nodes.values())
+        self._apply(instance_from_record(record) for record in changed)
         self._loaded.set()
         return True
 
     def _apply(self, instances: Iterable[Instance]) -> None:
-        fresh: dict[str, Instance] = {}
         for instance in instances:
             if instance.instance_id in self._down:
                 instance = dataclasses.replace(instance, alive=False)
-            fresh[instance.instance_id] = instance
-        self._instances = fresh
+            self._instances[instance.instance_id] = instance
 
     def mark_down(self, instance_id: str, reason: str) -> None:
         """Takes an instance out of service now and tells the listeners (once per failure)."""

@@ -40,7 +40,8 @@ async def build_server(
     `metrics.telemetry_age_s` then reads the age of the view it prices from."""
     inputs = load_inputs(config.inputs)
     source = GossipSource(
-        lambda: GossipClient(config.gossip_addr, config.grpc, timeout_s=config.peer_timeout_s)
+        lambda: GossipClient(config.gossip_addr, config.grpc, timeout_s=config.peer_timeout_s),
+        resync_s=config.inputs.view_resync_s,
     )
     view = ViewCache(inputs, source, config.refresh_s, stale_after_s=inputs.staleness.stale_after_s)
     if not await view.refresh():

@@ -53,6 +53,7 @@ async def build_server(
     source = GossipSource(
         lambda: GossipClient(config.gossip_addr, config.grpc, timeout_s=config.peer_timeout_s),
         slots,
+        resync_s=config.inputs.view_resync_s,
     )
     view = ViewCache(inputs, source, config.view_refresh_s, config.view_stale_after_s)
     if not await view.refresh():

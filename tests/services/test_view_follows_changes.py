@@ -1,0 +1,108 @@
+"""Decision views follow gossip's change feed: deltas in between, full listings when due."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.decision_inputs import InputsConfig, load_inputs
+from services.common.gossip_records import NodeLoad
+from services.common.gossip_source import GossipSource
+from services.common.gossip_view import ViewCache
+from services.common.membership import Membership
+from services.gossip.client import GossipClient
+from tests.services.test_gossip import decode, start_gossip
+
+
+@pytest.fixture
+async def gossip(redis_url, redis_prefix):
+    handle = await start_gossip(redis_url, redis_prefix)
+    client = GossipClient(f"127.0.0.1:{handle.port}", timeout_s=5)
+    yield client
+    await client.close()
+    await handle.stop(0)
+
+
+def view_over(gossip: GossipClient, resync_s: float) -> tuple[ViewCache, GossipSource]:
+    source = GossipSource(lambda: gossip, resync_s=resync_s)
+    view = ViewCache(load_inputs(InputsConfig()), source, refresh_s=0.1, stale_after_s=5.0)
+    return view, source
+
+
+async def test_a_view_refresh_reads_only_what_changed(gossip):
+    for i in range(4):
+        await gossip.register(decode(f"decode-{i}", ttl_s=30.0))
+    view, source = view_over(gossip, resync_s=3600.0)
+    assert await view.refresh()
+    assert source.registry.full_listings == 1
+    first = view.state
+    assert sorted(first.cluster.instances) == [f"decode-{i}" for i in range(4)]
+    columns_before = first.cluster.decode_instances()
+
+    await gossip.heartbeat("decode-2", NodeLoad(queued_work_s=0.75, free_kv_blocks=8))
+    await gossip.deregister("decode-3")
+    assert await view.refresh()
+    cluster = view.state.cluster
+    assert cluster.instances["decode-2"].wait_s == 0.75
+    assert not cluster.instances["decode-3"].alive
+    assert cluster.instances["decode-0"] is first.cluster.instances["decode-0"], "unchanged"
+    assert [s.instance_id for s in cluster.decode_instances()] == [
+        "decode-0",
+        "decode-1",
+        "decode-2",
+    ]
+    assert columns_before is not cluster.decode_instances()
+    assert source.registry.full_listings == 1, "no full listing between resyncs"
+
+    await gossip.register(decode("decode-9", ttl_s=30.0))
+    assert await view.refresh()
+    assert "decode-9" in {s.instance_id for s in view.state.cluster.decode_instances()}
+    assert source.registry.full_listings == 1
+
+    await gossip.heartbeat("decode-1", NodeLoad(queue_depth=1))
+    snapshot = await source.fetch()
+    assert [n.registration.instance_id for n in snapshot.changed] == ["decode-1"]
+    assert len(snapshot.nodes) == 5, "the snapshot still carries every instance"
+
+
+async def test_resync_zero_lists_everything_every_refresh(gossip):
+    await gossip.register(decode("decode-0", ttl_s=30.0))
+    view, source = view_over(gossip, resync_s=0.0)
+    for _ in range(3):
+        assert await view.refresh()
+    assert source.registry.full_listings == 3
+    assert (await source.fetch()).changed is None
+
+
+async def test_a_full_resync_drops_what_the_registry_forgot(gossip, redis_url, redis_prefix):
+    import redis.asyncio as redis_async
+
+    for i in range(2):
+        await gossip.register(decode(f"decode-{i}", ttl_s=30.0))
+    await gossip.deregister("decode-1")
+    view, source = view_over(gossip, resync_s=3600.0)
+    assert await view.refresh()
+    assert "decode-1" in view.state.cluster.instances
+    redis = redis_async.from_url(redis_url)
+    try:  # what the down retention does when it expires the hash
+        await redis.delete(f"{redis_prefix}gossip:node:decode-1")
+    finally:
+        await redis.aclose()
+    assert await view.refresh()
+    assert "decode-1" in view.state.cluster.instances, "no delta reports a forgotten instance"
+    source.registry.resync_s = 0.0
+    assert await view.refresh()
+    assert "decode-1" not in view.state.cluster.instances
+
+
+async def test_router_membership_follows_changes(gossip):
+    await gossip.register(decode("decode-0", ttl_s=30.0))
+    membership = Membership(gossip, refresh_s=0.1)
+    assert await membership.refresh()
+    await gossip.heartbeat("decode-0", NodeLoad(queue_depth=5))
+    await gossip.register(decode("decode-1", ttl_s=30.0))
+    assert await membership.refresh()
+    assert membership.instance("decode-0").queue_depth == 5
+    assert [i.instance_id for i in membership.alive("decode")] == ["decode-0", "decode-1"]
+    await gossip.deregister("decode-0")
+    assert await membership.refresh()
+    assert not membership.is_alive("decode-0")

@@ -1,0 +1,124 @@
+"""ClusterView.updated: a refreshed view decides exactly as one built from scratch."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from kvrs._columns import Columns
+from kvrs.cluster import ClusterView, InstanceState
+from kvrs.costmodel import CostModel
+from kvrs.estimator import LinkEstimate
+from kvrs.model import model_spec
+from kvrs.network import NetworkModel
+from kvrs.placement import NetKv, PlacementRequest
+from kvrs.profile import compute_profile
+from kvrs.recovery import Kvrs, RecoveryRequest
+from kvrs.topology import Role, Topology
+
+PREFIX = (11, 12, 13, 14)
+
+
+def cluster(rng: random.Random) -> tuple[CostModel, ClusterView]:
+    topology = Topology.fat_tree(nodes=16, gpus_per_node=8, nodes_per_rack=4, racks_per_pod=2)
+    network = NetworkModel(topology)
+    cost = CostModel(model_spec("opt-13b"), compute_profile("opt-13b"), network)
+    states = {
+        instance_id: InstanceState(
+            instance_id,
+            spec.role,
+            wait_s=rng.uniform(0, 0.2),
+            queue_depth=rng.randrange(4),
+            running_requests=rng.randrange(8),
+            free_kv_tokens=rng.choice([3_000, 200_000]),
+            resident_blocks=frozenset(PREFIX[: rng.choice([0, 1, 2, 4])]),
+        )
+        for instance_id, spec in topology.instances.items()
+    }
+    decodes = [i for i, s in states.items() if s.role is Role.DECODE]
+    network.set_link_estimate(
+        "prefill-0", decodes[3], LinkEstimate(80e9, 2e-5, measured_at_s=0.0, samples=5)
+    )
+    return cost, ClusterView(states, now_s=1.0)
+
+
+def decisions(view: ClusterView, cost: CostModel) -> list:
+    request = PlacementRequest("r", "prefill-0", 2048, PREFIX)
+    placed = [
+        NetKv().select(request, view.decode_instances(), cost, 1.0).instance_id,
+        NetKv().select(replace(request, prefix_hashes=()), view.decode_instances(), cost, 1.0),
+    ]
+    failed = view.decode_instances()[0].instance_id
+    recover = RecoveryRequest(
+        "r", 1477, 64, "prefill-1", deadline_s=10.0, exclude_ids=frozenset({failed})
+    )
+    return [*placed, Kvrs().decide(recover, view, cost, 1.0)]
+
+
+def warm(view: ClusterView, cost: CostModel) -> None:
+    """Decide once so that the lists carry their columns, fans and prefix caches."""
+    decisions(view, cost)
+
+
+def changes(view: ClusterView, rng: random.Random, count: int) -> dict[str, InstanceState]:
+    picked = rng.sample(sorted(view.instances), count)
+    return {
+        instance_id: replace(
+            view.instances[instance_id],
+            wait_s=rng.uniform(0, 0.5),
+            running_requests=rng.randrange(8),
+            free_kv_tokens=rng.choice([1_000, 300_000]),
+            resident_blocks=frozenset(PREFIX[: rng.choice([0, 3])]),
+        )
+        for instance_id in picked
+    }
+
+
+def test_an_updated_view_decides_as_a_view_built_from_scratch():
+    rng = random.Random(7)
+    cost, view = cluster(rng)
+    for _ in range(5):
+        warm(view, cost)
+        changed = changes(view, rng, 9)
+        updated = view.updated(changed, now_s=1.0)
+        scratch = ClusterView({**view.instances, **changed}, now_s=1.0)
+        assert decisions(updated, cost) == decisions(scratch, cost)
+        view = updated
+
+
+def test_unchanged_membership_carries_the_columns_patched():
+    rng = random.Random(3)
+    cost, view = cluster(rng)
+    warm(view, cost)
+    old = Columns.of(view.decode_instances())
+    target = view.decode_instances()[5]
+    changed = {target.instance_id: replace(target, wait_s=9.0, free_kv_tokens=7)}
+    updated = view.updated(changed)
+    columns = updated.decode_instances().derived[Columns]
+    assert columns is not old, "carried over, patched: not rebuilt, not shared"
+    assert columns.wait[5] == 9.0 and old.wait[5] == target.wait_s
+    assert columns.min_free == 7
+    assert columns.ids is old.ids
+    fresh = Columns(updated.decode_instances())
+    for name in ("wait", "running", "load", "free", "min_free", "has_resident"):
+        assert getattr(columns, name) == getattr(fresh, name), name
+    fan = columns.fan(cost.network, "prefill-0", 1.0)
+    assert fan.table is old.fan(cost.network, "prefill-0", 1.0).table, "path terms kept"
+    assert fan.rtt_wait == fresh.fan(cost.network, "prefill-0", 1.0).rtt_wait
+
+
+def test_a_membership_change_rebuilds_the_list():
+    rng = random.Random(5)
+    cost, view = cluster(rng)
+    warm(view, cost)
+    gone = view.decode_instances()[2]
+    updated = view.updated({gone.instance_id: replace(gone, alive=False)})
+    assert gone.instance_id not in {s.instance_id for s in updated.decode_instances()}
+    assert Columns not in updated.decode_instances().derived
+    assert updated.prefill_instances() is view.prefill_instances(), "no prefill changed"
+    joined = InstanceState("decode-new", Role.DECODE, wait_s=0.0)
+    grown = updated.updated({"decode-new": joined})
+    assert "decode-new" in {s.instance_id for s in grown.decode_instances()}
+    shrunk = grown.updated({}, removed=["decode-new"])
+    assert "decode-new" not in shrunk.instances
+    assert "decode-new" not in {s.instance_id for s in shrunk.decode_instances()}
