@@ -6,7 +6,7 @@ VENV ?= $(or $(VIRTUAL_ENV),.venv)
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.kvrs-installed
 
-.PHONY: install protos test lint bench demo
+.PHONY: install protos test lint bench demo k8s-check
 
 $(PYTHON):
 	python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PYTHON) -m ruff check kvrs services libkvxfer tests bench
 	$(PYTHON) -m ruff format --check kvrs services libkvxfer tests bench
+
+# deploy/k8s rendered offline and validated against the Kubernetes schemas.
+k8s-check: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash deploy/k8s/validate.sh
 
 # Starts a local cluster, kills a decode worker mid-stream, prints the recovery decisions.
 demo: $(STAMP)

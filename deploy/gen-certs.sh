@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Writes a development CA, a server certificate (SANs: localhost, 127.0.0.1 and every
-# compose service name) and a client certificate for mTLS into DIR (default ./certs).
+# Writes a development CA, a server certificate (SANs: localhost, 127.0.0.1, every
+# compose service name, and the epp Service and worker pods of deploy/k8s, e.g.
+# prefill-0.prefill) and a client certificate for mTLS into DIR (default ./certs).
 # For local clusters and tests only: production certificates come from your own PKI.
 set -euo pipefail
 dir=${1:-certs}
 mkdir -p "$dir"
 cd "$dir"
-san="DNS:localhost,IP:127.0.0.1,DNS:gossip,DNS:slot-broker,DNS:cost-oracle,DNS:scheduler-1,DNS:scheduler-2,DNS:router,DNS:prober,DNS:prefill-0,DNS:prefill-1,DNS:decode-0,DNS:decode-1"
+san="DNS:localhost,IP:127.0.0.1,DNS:gossip,DNS:slot-broker,DNS:cost-oracle,DNS:scheduler-1,DNS:scheduler-2,DNS:router,DNS:prober,DNS:prefill-0,DNS:prefill-1,DNS:decode-0,DNS:decode-1,DNS:epp,DNS:*.prefill,DNS:*.decode"
 openssl req -x509 -newkey rsa:2048 -nodes -days 365 -subj "/CN=kvrs-dev-ca" \
   -keyout ca.key -out ca.pem 2>/dev/null
 issue() {
