@@ -1,6 +1,6 @@
 """libkvxfer throughput against a raw gloo send of the same bytes between the same processes.
 
-    python -m bench.kvxfer [--tokens 2048] [--dtype bfloat16] [--repeats 5]
+    python -m bench.kvxfer [--tokens 2048] [--dtype bfloat16] [--repeats 15]
 
 Two spawned processes: the receiver hosts the agent's store; the sender pushes an
 opt-125m-shaped KV (12 layers × 12 heads × 64, ≥ 64 MiB by default) through libkvxfer
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         help="KV tokens moved (2048 bf16 tokens of opt-125m = 72 MiB)",
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument(
         "--chunk-tokens",
         type=int,

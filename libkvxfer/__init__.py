@@ -17,6 +17,7 @@ Wire format and version history: `libkvxfer._protocol`. Errors: `libkvxfer._erro
 
 from libkvxfer._agent import AgentConfig, TransferAgent
 from libkvxfer._errors import (
+    AuthenticationFailed,
     ChecksumMismatch,
     KvXferError,
     LayoutMismatch,
@@ -33,6 +34,7 @@ __all__ = [
     "PROTOCOL_HISTORY",
     "PROTOCOL_VERSION",
     "AgentConfig",
+    "AuthenticationFailed",
     "ChecksumMismatch",
     "KvLayers",
     "KvLayout",

@@ -1,9 +1,12 @@
 """The gloo transfer agent: one per process, both sender and receiver of KV.
 
-It hosts the process's rendezvous `TCPStore` (the address peers put in their tickets),
-keeps the pair groups, and moves KV chunk by chunk with a deep window of operations in
-flight: gloo moves a message only once the receiver has posted its buffer, so the
-receiver posts many chunks ahead, and checksumming one chunk overlaps with moving others.
+It hosts the process's rendezvous `TCPStore` (the address peers put in their tickets,
+listening on the configured host only), keeps the pair groups, and moves KV chunk by
+chunk with a deep window of operations in flight: gloo moves a message only once the
+receiver has posted its buffer, so the receiver posts many chunks ahead, straight into
+the destination views. Neither side hashes on the wire's critical path: the sender posts
+a chunk, then hashes it while gloo sends it; the receiver hashes a chunk once it has
+landed, while the next ones arrive; the checksums travel last, in the signed trailer.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import contextvars
 import functools
 import itertools
 import logging
+import secrets
+import socket
 import threading
 import time
 import uuid
@@ -30,6 +35,7 @@ from torch.distributed import TCPStore
 from kvrs.errors import InvalidArgument, KvrsError
 from libkvxfer import _protocol
 from libkvxfer._errors import (
+    AuthenticationFailed,
     ChecksumMismatch,
     LayoutMismatch,
     PeerLost,
@@ -39,17 +45,23 @@ from libkvxfer._errors import (
 from libkvxfer._interface import KvReceiver, KvSender
 from libkvxfer._pairs import InboundPairs, OutboundPairs, PairGroup
 from libkvxfer._protocol import (
-    CHUNK_META_BYTES,
+    AUTH_KEY_BYTES,
+    FLAG_DATA,
     FLAG_REJECT,
-    NO_CHECKSUM,
+    HEADER_BYTES,
+    MAC_BYTES,
     PREAMBLE_BYTES,
-    ChunkMeta,
     TransferHeader,
     checksum,
+    decode_header,
+    decode_trailer,
     dtype_from_name,
     dtype_name,
+    encode_header,
+    encode_trailer,
     plan_chunks,
     tensor_bytes,
+    trailer_bytes,
 )
 from libkvxfer._types import KvLayers, KvLayout, ReceivedKv, TransferStats, TransferTicket
 
@@ -68,7 +80,8 @@ class AgentConfig:
     instance_id: str
     """Stable name of this process among its peers (the worker's instance id)."""
     host: str = "127.0.0.1"
-    """Address peers reach this process on: the store and the gloo sockets bind to it."""
+    """Address peers reach this process on: the store and the gloo sockets bind to it,
+    and to no other interface."""
     port: int = 0
     """TCPStore port; 0 picks a free one (see `TransferAgent.address`)."""
     timeout_s: float = 30.0
@@ -81,8 +94,10 @@ class AgentConfig:
     """Chunks posted ahead per transfer (receive buffers, sends): deep enough that the
     wire never waits for a checksum or a Python wake-up; bounded for huge transfers."""
     checksums: bool = True
-    """Send an xxh3-64 of every chunk (receivers verify every checksum they get). Costs a
-    pass over the bytes on each side at tens of GB/s; TCP's own checksums remain when off."""
+    """Send an xxh3-64 of every chunk (receivers verify every checksum they get), signed
+    with the ticket's key. Costs a pass over the bytes on each side at tens of GB/s, off
+    the wire's critical path. When off, TCP's own checksums remain and the header's
+    signature still proves the peer, but the payload itself is not authenticated."""
     max_concurrent_transfers: int = 16
     """Threads for the async API: transfers running at once in this process."""
 
@@ -123,16 +138,14 @@ class TransferAgent(KvSender, KvReceiver):
         self.config = config
         self.incarnation = uuid.uuid4().hex
         self._tracer = trace.get_tracer("libkvxfer", tracer_provider=tracer_provider)
-        self._store = TCPStore(
-            config.host, config.port, is_master=True, wait_for_workers=False, use_libuv=True
-        )
+        self._store = _bound_store(config.host, config.port)
         self._inbound = InboundPairs(self._store, config.host, config.timeout_s)
         self._outbound = OutboundPairs(self.incarnation, config.host, config.timeout_s)
         self._tags = itertools.count(1)
         self._tag_lock = threading.Lock()
         self._abandoned: set[str] = set()
-        self._issued_at_s: dict[str, float] = {}
-        """transfer id -> monotonic time its ticket was issued (receiver side)."""
+        self._issued: dict[str, _Issued] = {}
+        """transfer id -> its ticket's issue time and key (receiver side), until received."""
         self._executor = ThreadPoolExecutor(
             config.max_concurrent_transfers, thread_name_prefix="kvxfer"
         )
@@ -173,7 +186,8 @@ class TransferAgent(KvSender, KvReceiver):
         with self._tag_lock:
             tag = (next(self._tags) - 1) % _MAX_TAG + 1
         transfer_id = uuid.uuid4().hex
-        self._issued_at_s[transfer_id] = time.monotonic()
+        auth_key = secrets.token_bytes(AUTH_KEY_BYTES)
+        self._issued[transfer_id] = _Issued(time.monotonic(), auth_key)
         return TransferTicket(
             protocol_version=_protocol.PROTOCOL_VERSION,
             transfer_id=transfer_id,
@@ -187,6 +201,7 @@ class TransferAgent(KvSender, KvReceiver):
             token_start=token_start,
             token_end=token_end,
             traceparent=traceparent,
+            auth_key=auth_key,
         )
 
     def abandon(self, ticket: TransferTicket, reason: str) -> None:
@@ -198,7 +213,7 @@ class TransferAgent(KvSender, KvReceiver):
             reason,
         )
         self._abandoned.add(ticket.transfer_id)
-        self._issued_at_s.pop(ticket.transfer_id, None)
+        self._issued.pop(ticket.transfer_id, None)
         self._inbound.close_pair(ticket.sender_id, ticket.group_generation)
 
     def recv(
@@ -217,14 +232,20 @@ class TransferAgent(KvSender, KvReceiver):
             return received
 
     def _recv(self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None) -> ReceivedKv:
-        started = self._issued_at_s.pop(ticket.transfer_id, None) or time.monotonic()
-
         def cancelled() -> bool:
             return ticket.transfer_id in self._abandoned
 
+        issued = self._issued.pop(ticket.transfer_id, None)
+        if cancelled():
+            raise PeerLost(f"transfer {ticket.transfer_id} abandoned before it started")
+        if issued is None:
+            raise InvalidArgument(
+                "ticket", f"transfer {ticket.transfer_id} is not pending on this agent"
+            )
+
         group = self._inbound.group(ticket.sender_id, ticket.group_generation, cancelled)
         try:
-            header = self._recv_header(group, ticket)
+            header, header_mac = self._recv_header(group, ticket, issued.key)
             _check_header(header, ticket, layout)
             if out is None:
                 shape = (ticket.tokens, layout.kv_heads, layout.head_dim)
@@ -233,14 +254,14 @@ class TransferAgent(KvSender, KvReceiver):
                     for _ in range(layout.layers)
                 ]
             chunks = plan_chunks(header)
-            self._recv_chunks(group, ticket, header, chunks, out)
+            self._recv_chunks(group, ticket, header, header_mac, chunks, out, issued.key)
         except TransferRejected:
             raise
         except BaseException as exc:
             # Messages of this transfer may still be in flight: drop the pair so the
             # sender fails now, and nothing stale can reach a later transfer.
             group.close()
-            if cancelled():
+            if cancelled() and not isinstance(exc, AuthenticationFailed):
                 raise PeerLost(f"transfer {ticket.transfer_id} abandoned") from exc
             raise
         stats = TransferStats(
@@ -250,85 +271,90 @@ class TransferAgent(KvSender, KvReceiver):
             ticket.token_end,
             header.kv_bytes,
             len(chunks),
-            time.monotonic() - started,
+            time.monotonic() - issued.at_s,
         )
         return ReceivedKv(layers=list(out), stats=stats, sender_id=header.sender_id)
 
-    def _recv_header(self, group: PairGroup, ticket: TransferTicket) -> TransferHeader:
+    def _recv_header(
+        self, group: PairGroup, ticket: TransferTicket, key: bytes
+    ) -> tuple[TransferHeader, bytes]:
+        """The verified header and its HMAC; TransferRejected for a signed rejection."""
         preamble = torch.empty(PREAMBLE_BYTES, dtype=torch.uint8)
-        group.wait(group.recv(preamble, ticket.tag), "preamble")
+        raw = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        preamble_work = group.recv(preamble, ticket.tag)
+        header_work = group.recv(raw, ticket.tag)
+        group.wait(preamble_work, "preamble")
         # Checked before anything else is decoded; on a mismatch the caller drops the
         # pair rather than guess where the next transfer's messages start.
-        flags, header_bytes = _protocol.decode_preamble(preamble.numpy().tobytes())
-        raw = torch.empty(header_bytes, dtype=torch.uint8)
-        group.wait(group.recv(raw, ticket.tag), "header")
+        flags, body_bytes = _protocol.decode_preamble(preamble.numpy().tobytes())
+        group.wait(header_work, "header")
         data = raw.numpy().tobytes()
+        body = decode_header(key, ticket.identity(), data, body_bytes)
         if flags == FLAG_REJECT:
-            code, _, message = data.decode(errors="replace").partition("\n")
+            code, _, message = body.decode(errors="replace").partition("\n")
             raise TransferRejected(code, message)
-        return TransferHeader.from_bytes(data)
+        return TransferHeader.from_bytes(body), data[:MAC_BYTES]
 
     def _recv_chunks(
         self,
         group: PairGroup,
         ticket: TransferTicket,
         header: TransferHeader,
+        header_mac: bytes,
         chunks: list[tuple[int, int, int]],
         out: KvLayers,
+        key: bytes,
     ) -> None:
+        """Receive every chunk into `out`, hash each once it lands, check the trailer."""
         posted: deque = deque()
+        trailer = torch.empty(trailer_bytes(len(chunks)), dtype=torch.uint8)
+        trailer_work = []
+        next_index = 0
 
-        def post(index: int) -> None:
-            layer, start, end = chunks[index]
-            meta = torch.empty(CHUNK_META_BYTES, dtype=torch.uint8)
-            key = tensor_bytes(out[layer][0][start - header.token_start : end - header.token_start])
-            value = tensor_bytes(
-                out[layer][1][start - header.token_start : end - header.token_start]
-            )
+        def post_next() -> None:
+            """Post the next chunk's buffers, or the trailer's once every chunk's are."""
+            nonlocal next_index
+            if next_index == len(chunks):
+                if not trailer_work:
+                    trailer_work.append(group.recv(trailer, ticket.tag))
+                return
+            layer, start, end = chunks[next_index]
+            rows = slice(start - header.token_start, end - header.token_start)
+            key_bytes = tensor_bytes(out[layer][0][rows])
+            value_bytes = tensor_bytes(out[layer][1][rows])
             posted.append(
                 (
-                    index,
-                    meta,
-                    key,
-                    value,
-                    group.recv(meta, ticket.tag),
-                    group.recv(key, ticket.tag),
-                    group.recv(value, ticket.tag),
+                    next_index,
+                    key_bytes,
+                    value_bytes,
+                    group.recv(key_bytes, ticket.tag),
+                    group.recv(value_bytes, ticket.tag),
                 )
             )
+            next_index += 1
 
-        window = max(1, self.config.window_chunks)
-        for index in range(min(window, len(chunks))):
-            post(index)
-        next_index = len(posted)
+        for _ in range(min(max(1, self.config.window_chunks), len(chunks)) + 1):
+            post_next()
+        sums: list[int] = []
         while posted:
-            index, meta_bytes, key, value, meta_work, key_work, value_work = posted.popleft()
-            group.wait(meta_work, f"chunk {index} metadata")
-            meta = ChunkMeta.from_bytes(meta_bytes.numpy().tobytes())
-            layer, start, end = chunks[index]
-            expected = (ticket.request_id, ticket.transfer_id, index, layer, start, end)
-            found = (
-                meta.request_id,
-                meta.transfer_id,
-                meta.index,
-                meta.layer,
-                meta.token_start,
-                meta.token_end,
-            )
-            if found != expected:
-                raise LayoutMismatch(f"chunk {index}: expected {expected}, got {found}")
+            index, key_bytes, value_bytes, key_work, value_work = posted.popleft()
+            post_next()
             group.wait(key_work, f"chunk {index} key")
+            if header.checksums:
+                sums.append(checksum(key_bytes))
             group.wait(value_work, f"chunk {index} value")
-            if next_index < len(chunks):
-                post(next_index)
-                next_index += 1
-            if meta.key_checksum != NO_CHECKSUM and (
-                checksum(key) != meta.key_checksum or checksum(value) != meta.value_checksum
-            ):
-                raise ChecksumMismatch(
-                    f"request {ticket.request_id} layer {layer} tokens "
-                    f"[{start}, {end}): checksum mismatch"
-                )
+            if header.checksums:
+                sums.append(checksum(value_bytes))
+        post_next()
+        group.wait(trailer_work[0], "trailer")
+        sent = decode_trailer(key, header_mac, trailer.numpy().tobytes(), len(chunks))
+        if header.checksums and sent != sums:
+            first = next(i for i, (a, b) in enumerate(zip(sent, sums, strict=True)) if a != b)
+            layer, start, end = chunks[first // 2]
+            raise ChecksumMismatch(
+                f"request {ticket.request_id} layer {layer} tokens "
+                f"[{start}, {end}): {('key', 'value')[first % 2]} checksum mismatch"
+            )
 
     async def recv_async(
         self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None = None
@@ -382,10 +408,11 @@ class TransferAgent(KvSender, KvReceiver):
             head_dim=layout.head_dim,
             dtype=dtype_name(layout.dtype),
             chunk_tokens=self.config.chunk_tokens,
+            checksums=self.config.checksums,
             traceparent=ticket.traceparent,
         )
         try:
-            return self._send_chunks(group, ticket, kv, layout, header, _Pacer(pacing_bps), started)
+            return self._send_chunks(group, ticket, kv, header, _Pacer(pacing_bps), started)
         except BaseException:
             group.close()
             raise
@@ -395,40 +422,32 @@ class TransferAgent(KvSender, KvReceiver):
         group: PairGroup,
         ticket: TransferTicket,
         kv: KvLayers,
-        layout: KvLayout,
         header: TransferHeader,
         pacer: _Pacer,
         started: float,
     ) -> TransferStats:
-        encoded = header.to_bytes()
+        body = header.to_bytes()
+        signed = encode_header(ticket.auth_key, ticket.identity(), body)
         in_flight: deque = deque()
-        self._post(group, ticket, in_flight, _protocol.encode_preamble(0, len(encoded)), encoded)
+        self._post(
+            group, ticket, in_flight, _protocol.encode_preamble(FLAG_DATA, len(body)), signed
+        )
         chunks = plan_chunks(header)
-        window = max(1, self.config.window_chunks)
+        limit = 2 * max(1, self.config.window_chunks) + 2
+        sums: list[int] = []
         for index, (layer, start, end) in enumerate(chunks):
-            offset = slice(start - ticket.token_start, end - ticket.token_start)
-            key = tensor_bytes(kv[layer][0][offset].contiguous())
-            value = tensor_bytes(kv[layer][1][offset].contiguous())
-            sums = (
-                (checksum(key), checksum(value))
-                if self.config.checksums
-                else (NO_CHECKSUM, NO_CHECKSUM)
-            )
-            meta = ChunkMeta(
-                ticket.request_id,
-                ticket.transfer_id,
-                index,
-                layer,
-                start,
-                end,
-                header.dtype,
-                (end - start, layout.kv_heads, layout.head_dim),
-                *sums,
-            )
+            rows = slice(start - ticket.token_start, end - ticket.token_start)
+            key = tensor_bytes(kv[layer][0][rows].contiguous())
+            value = tensor_bytes(kv[layer][1][rows].contiguous())
             pacer.account(key.numel() + value.numel())
-            self._post(group, ticket, in_flight, meta.to_bytes(), key, value)
-            while len(in_flight) > 3 * window:
+            self._post(group, ticket, in_flight, key, value)
+            # Hashed while gloo sends them (both only read the bytes).
+            sums += (checksum(key), checksum(value)) if header.checksums else (0, 0)
+            while len(in_flight) > limit:
                 group.wait(in_flight.popleft()[0], f"chunk {index} send")
+        self._post(
+            group, ticket, in_flight, encode_trailer(ticket.auth_key, signed[:MAC_BYTES], sums)
+        )
         while in_flight:
             group.wait(in_flight.popleft()[0], "send")
         return TransferStats(
@@ -464,10 +483,11 @@ class TransferAgent(KvSender, KvReceiver):
         with self._span("kvxfer.reject", ticket) as span:
             span.set_attribute("kvrs.error_code", error.code)
             group = self._group_for(ticket)
-            body = f"{error.code}\n{error}".encode()
+            body = f"{error.code}\n{error}".encode()[: HEADER_BYTES - MAC_BYTES]
+            signed = encode_header(ticket.auth_key, ticket.identity(), body)
             in_flight: deque = deque()
             self._post(
-                group, ticket, in_flight, _protocol.encode_preamble(FLAG_REJECT, len(body)), body
+                group, ticket, in_flight, _protocol.encode_preamble(FLAG_REJECT, len(body)), signed
             )
             while in_flight:
                 group.wait(in_flight.popleft()[0], "reject")
@@ -516,6 +536,40 @@ class TransferAgent(KvSender, KvReceiver):
             except KvrsError as exc:
                 span.set_attribute("kvrs.error_code", exc.code)
                 raise
+
+
+@dataclass(frozen=True)
+class _Issued:
+    """What the receiver keeps of a ticket it issued until the transfer is received."""
+
+    at_s: float
+    """Monotonic time of issue: a transfer's time runs from here."""
+    key: bytes
+    """The ticket's key: only a peer that holds it is admitted."""
+
+
+def _bound_store(host: str, port: int) -> TCPStore:
+    """The rendezvous store, listening on `host` alone.
+
+    TCPStore binds every interface when it opens its own socket; handed a socket already
+    bound to `host`, it listens there and nowhere else (and owns the descriptor).
+    """
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.create_server((host, port), family=family, backlog=128)
+    try:
+        store = TCPStore(
+            host,
+            listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            use_libuv=True,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()
+    return store
 
 
 def _record(span: trace.Span, stats: TransferStats) -> None:

@@ -9,6 +9,8 @@ Exception tree::
         ├── PeerLost                 (Unavailable)        the peer died, closed or restarted
         ├── TransferTimeout          (DeadlineExceeded)   no progress within the timeout
         ├── ChecksumMismatch                              DATA_LOSS: payload corrupted
+        ├── AuthenticationFailed                          UNAUTHENTICATED: the peer does
+        │                                                 not hold the ticket's key
         └── TransferRejected                              the sender refused; `code` is its
                                                           own error's (e.g. NOT_FOUND)
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 from kvrs.errors import DeadlineExceeded, FailedPrecondition, KvrsError, Unavailable
 
 __all__ = [
+    "AuthenticationFailed",
     "ChecksumMismatch",
     "KvXferError",
     "LayoutMismatch",
@@ -62,6 +65,13 @@ class ChecksumMismatch(KvXferError):
     """A chunk's bytes do not match the checksum its sender computed."""
 
     code = "DATA_LOSS"
+
+
+class AuthenticationFailed(KvXferError):
+    """A message is not signed with the ticket's key: the peer that joined the pair is not
+    the sender the ticket names (or the bytes were altered). Nothing it sent was admitted."""
+
+    code = "UNAUTHENTICATED"
 
 
 class TransferRejected(KvXferError):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -70,10 +71,33 @@ class TransferTicket:
     token_end: int
     traceparent: str = ""
     """W3C trace context of the caller, so transfer spans nest under the request's trace."""
+    auth_key: bytes = field(default=b"", repr=False)
+    """A fresh random key of this ticket alone, known to the receiver that issued it and to
+    whoever it hands the ticket to (the sender, over the control plane). The sender signs
+    the transfer with it; a peer without it is refused before any KV lands. Never logged."""
 
     @property
     def tokens(self) -> int:
         return self.token_end - self.token_start
+
+    def identity(self) -> bytes:
+        """The fields that name this transfer, canonically encoded (what the header's HMAC
+        binds the transfer to)."""
+        return json.dumps(
+            [
+                self.protocol_version,
+                self.transfer_id,
+                self.tag,
+                self.receiver_id,
+                self.receiver_incarnation,
+                self.group_generation,
+                self.sender_id,
+                self.request_id,
+                self.token_start,
+                self.token_end,
+            ],
+            separators=(",", ":"),
+        ).encode()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,7 +105,7 @@ class TransferTicket:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TransferTicket:
         names = {f.name for f in fields(cls)}
-        missing = [n for n in names if n not in data and n != "traceparent"]
+        missing = [n for n in names if n not in data and n not in ("traceparent", "auth_key")]
         if missing:
             raise InvalidArgument(f"ticket.{sorted(missing)[0]}", "missing")
         return cls(**{k: v for k, v in data.items() if k in names})

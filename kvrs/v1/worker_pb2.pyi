@@ -132,7 +132,7 @@ class PullKvResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., resident_tokens: _Optional[int] = ..., transferred_kv_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., transfer_bps: _Optional[float] = ..., recomputed_tokens: _Optional[int] = ..., recompute_s: _Optional[float] = ..., total_s: _Optional[float] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class KvTransferTicket(_message.Message):
-    __slots__ = ("protocol_version", "transfer_id", "tag", "receiver_instance_id", "receiver_incarnation", "rendezvous_address", "group_generation", "sender_instance_id", "request_id", "token_start", "token_end", "traceparent")
+    __slots__ = ("protocol_version", "transfer_id", "tag", "receiver_instance_id", "receiver_incarnation", "rendezvous_address", "group_generation", "sender_instance_id", "request_id", "token_start", "token_end", "traceparent", "auth_key")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class KvTransferTicket(_message.Message):
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_END_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    AUTH_KEY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     transfer_id: str
     tag: int
@@ -157,7 +158,8 @@ class KvTransferTicket(_message.Message):
     token_start: int
     token_end: int
     traceparent: str
-    def __init__(self, protocol_version: _Optional[int] = ..., transfer_id: _Optional[str] = ..., tag: _Optional[int] = ..., receiver_instance_id: _Optional[str] = ..., receiver_incarnation: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., group_generation: _Optional[int] = ..., sender_instance_id: _Optional[str] = ..., request_id: _Optional[str] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    auth_key: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., transfer_id: _Optional[str] = ..., tag: _Optional[int] = ..., receiver_instance_id: _Optional[str] = ..., receiver_incarnation: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., group_generation: _Optional[int] = ..., sender_instance_id: _Optional[str] = ..., request_id: _Optional[str] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., traceparent: _Optional[str] = ..., auth_key: _Optional[bytes] = ...) -> None: ...
 
 class SendKvRequest(_message.Message):
     __slots__ = ("request_id", "ticket", "pacing_bps")

@@ -31,6 +31,7 @@ def ticket_to_pb(ticket: TransferTicket) -> worker_pb2.KvTransferTicket:
         token_start=ticket.token_start,
         token_end=ticket.token_end,
         traceparent=ticket.traceparent,
+        auth_key=ticket.auth_key,
     )
 
 
@@ -52,6 +53,7 @@ def ticket_from_pb(message: worker_pb2.KvTransferTicket) -> TransferTicket:
         token_start=message.token_start,
         token_end=message.token_end,
         traceparent=message.traceparent,
+        auth_key=message.auth_key,
     )
 
 

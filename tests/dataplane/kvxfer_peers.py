@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,6 +70,14 @@ def _patch_wire(mode: str) -> None:
     elif mode == "corrupt":
         original_checksum = _agent.checksum
         _agent.checksum = lambda data: (original_checksum(data) + 1) % 2**64
+    elif mode == "forged-key":
+        # A rogue that learned every field of a ticket but its key: it signs with its own.
+        original_send = _agent.TransferAgent.send
+
+        def forged(self, ticket, kv, pacing_bps=None):
+            return original_send(self, replace(ticket, auth_key=os.urandom(32)), kv, pacing_bps)
+
+        _agent.TransferAgent.send = forged
 
 
 def peer_main(conn, instance_id: str, config: dict, wire: str) -> None:
@@ -113,6 +121,21 @@ def peer_main(conn, instance_id: str, config: dict, wire: str) -> None:
             "sender_id": got.sender_id,
         }
 
+    def recv_into(ticket: dict, spec: KvSpec, fill_seed: int) -> dict:
+        """Receive into views already holding KV of `fill_seed`; report what they hold after."""
+        layout = KvLayout(spec.layers, spec.kv_heads, spec.head_dim, DTYPES[spec.dtype])
+        t = TransferTicket.from_dict(ticket)
+        out = [
+            (k[t.token_start : t.token_end].clone(), v[t.token_start : t.token_end].clone())
+            for k, v in make_kv(replace(spec, seed=fill_seed))
+        ]
+        try:
+            agent.recv(t, layout, out)
+            error = None
+        except KvrsError as exc:
+            error = (type(exc).__name__, exc.code, str(exc))
+        return {"error": error, "digest": digest(out)}
+
     def reject(ticket: dict, message: str) -> dict:
         agent.reject(TransferTicket.from_dict(ticket), NotFound(message))
         return {}
@@ -125,7 +148,7 @@ def peer_main(conn, instance_id: str, config: dict, wire: str) -> None:
         if op == "prepare":
             run(call_id, lambda a=args: agent.prepare(*a).to_dict())
         else:
-            fn = {"send": send, "recv": recv, "reject": reject}[op]
+            fn = {"send": send, "recv": recv, "recv_into": recv_into, "reject": reject}[op]
             threading.Thread(
                 target=run, args=(call_id, lambda f=fn, a=args: f(*a)), daemon=True
             ).start()
