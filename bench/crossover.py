@@ -32,11 +32,11 @@ import time
 import uuid
 from pathlib import Path
 
+from bench.checkpoints import opt_125m
 from kvrs.model import model_spec
 from kvrs.profile import ComputeProfile
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "opt-125m"
 PORTS = {"remote": 50180, "local": 50181, "decode": 50182}
 
 
@@ -46,7 +46,7 @@ def start_worker(name: str, role: str, port: int, log_dir: Path) -> subprocess.P
         "WORKER_INSTANCE_ID": name,
         "WORKER_LISTEN_ADDR": f"127.0.0.1:{port}",
         "WORKER_TRANSFER_HOST": "127.0.0.1",
-        "WORKER_MODEL": MODEL,
+        "WORKER_MODEL": opt_125m(),
         "GOSSIP_ADDR": "",
         "WORKER_KV_CAPACITY_BYTES": str(2 << 30),
         "WORKER_TRANSFER_CHUNK_TOKENS": "64",
@@ -68,7 +68,7 @@ def calibrate(lengths: list[int], path: Path) -> ComputeProfile:
         "kvrs",
         "calibrate",
         "--model",
-        MODEL,
+        opt_125m(),
         "--lengths",
         ",".join(str(x) for x in lengths),
         "--repeats",
@@ -113,7 +113,7 @@ async def measure(lengths: list[int], rates_bps: list[float], repeats: int) -> d
     await pull(remote, "held", longest, 0.0)
     rtt_s = statistics.median([await pull(remote, "held", 1, 0.0) for _ in range(5)])
     local_full_s = statistics.median([await pull(remote, "held", longest, 0.0) for _ in range(3)])
-    bytes_per_token = model_spec(MODEL).kv_bytes_per_token
+    bytes_per_token = model_spec(opt_125m()).kv_bytes_per_token
     local_bps = 8 * bytes_per_token * longest / max(local_full_s - rtt_s, 1e-6)
     recompute: dict[int, float] = {}
     for length in lengths:
@@ -160,7 +160,7 @@ def crossovers(lengths: list[int], diff) -> list[float]:
 def predicted_crossovers(
     profile: ComputeProfile, rate_bps: float, rtt_s: float, local_bps: float, low: int, high: int
 ) -> list[float]:
-    bits = 8 * model_spec(MODEL).kv_bytes_per_token
+    bits = 8 * model_spec(opt_125m()).kv_bytes_per_token
 
     def diff(length: float) -> float:
         tokens = max(1, round(length))
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = sorted(int(x) for x in args.lengths.split(","))
     rates = [float(x) * 1e9 for x in args.rates.split(",")]
     work = Path(tempfile.mkdtemp(prefix="kvrs-crossover-"))
-    print(f"calibrating {MODEL} (kvrs calibrate) ...", flush=True)
+    print(f"calibrating {opt_125m()} (kvrs calibrate) ...", flush=True)
     profile = calibrate(lengths, work / "profile.json")
     workers = [
         start_worker(name, "decode" if name == "decode" else "prefill", port, work)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             worker.wait(15)
     print(json.dumps({"profile": profile.to_json()}))
     rtt_s, local_bps = result["rtt_s"], result["local_bps"]
-    bits = 8 * model_spec(MODEL).kv_bytes_per_token
+    bits = 8 * model_spec(opt_125m()).kv_bytes_per_token
     print(
         f"\nper-transfer cost {rtt_s * 1e3:.1f} ms, local (unpaced) rate "
         f"{local_bps / 1e9:.2f} Gbit/s, S(L) = {bits // 8} B/token"

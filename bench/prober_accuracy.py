@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.checkpoints import opt_125m
+
 NS_SRC, NS_DST = "kvrsbenchA", "kvrsbenchB"
 VETH_SRC, VETH_DST = "kvbA", "kvbB"
 IP_SRC, IP_DST = "10.78.0.1", "10.78.0.2"
@@ -107,7 +109,7 @@ def start_worker(
         "WORKER_LISTEN_ADDR": f"{ip}:{port}",
         "WORKER_ADVERTISE_ADDR": f"{ip}:{port}",
         "WORKER_TRANSFER_HOST": ip,
-        "WORKER_MODEL": "opt-125m",
+        "WORKER_MODEL": opt_125m(),
         "WORKER_KV_CAPACITY_BYTES": str(2 << 30),
         "GOSSIP_ADDR": "",
         "PYTHONUNBUFFERED": "1",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrs.cli.launcher import DEFAULT_RUN_DIR
+from kvrs.model import DEFAULT_MODEL
 
 _BPS_PER_GBPS = 1e9
 
@@ -32,9 +33,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         help=f"run directory: logs, certificates, state file (default {DEFAULT_RUN_DIR})",
     )
     if command == "up":
-        parser.add_argument(
-            "--workers-model", default="tiny", help="model preset of the workers (default tiny)"
-        )
+        add_model_argument(parser)
         parser.add_argument(
             "--tls",
             action="store_true",
@@ -130,11 +129,12 @@ def _up(args: argparse.Namespace) -> int:
     profile_file = args.profile_file.resolve() if args.profile_file else None
     if not os.environ.get("REDIS_URL"):
         find_redis_server()  # a missing Redis fails now, not after calibrating
+    model = checked_model(args.model)
     if args.calibrate:
-        profile_file = calibrate_into(args.dir, args.workers_model)
+        profile_file = calibrate_into(args.dir, model)
     options = ClusterOptions(
         run_dir=args.dir,
-        workers_model=args.workers_model,
+        workers_model=model,
         tls=args.tls,
         otlp_endpoint=args.otlp_endpoint,
         base_port=args.base_port,
@@ -201,6 +201,36 @@ def urls(state: Any, otlp_endpoint: str = "") -> list[str]:
             "/search?service=kvrs-router"
         )
     return lines
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """`--model` (alias `--workers-model`): what every service of the cluster runs."""
+    parser.add_argument(
+        "--model",
+        "--workers-model",
+        dest="model",
+        default=os.environ.get("KVRS_MODEL") or DEFAULT_MODEL,
+        help="a Hugging Face checkpoint directory (config.json, *.safetensors, "
+        "tokenizer.json) or an embedded checkpoint; default KVRS_MODEL, else "
+        f"{DEFAULT_MODEL} (random weights: meaningless text)",
+    )
+
+
+def checked_model(model: str) -> str:
+    """`model` as every service must see it (a directory made absolute, since services
+    run elsewhere); a name that is neither a checkpoint nor a preset fails now, naming it."""
+    from kvrs.cli.launcher import ClusterError
+    from kvrs.errors import KvrsError
+    from kvrs.model import checkpoint_dir, model_spec
+
+    path = checkpoint_dir(model)
+    if path is not None:
+        model = os.path.abspath(path)
+    try:
+        model_spec(model)
+    except KvrsError as exc:
+        raise ClusterError(f"--model: {exc}") from None
+    return model
 
 
 def calibrate_into(run_dir: Path, model: str) -> Path:

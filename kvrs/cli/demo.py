@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kvrs.cli.cluster import JAEGER_UI_PORT
+from kvrs.cli.cluster import JAEGER_UI_PORT, add_model_argument
 
 PROMPTS = (
     "kvrs moves KV caches across the datacenter network. ",
@@ -72,11 +72,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="reuse the cluster running from this run directory (kvrs up "
         "--dir); default: start a fresh one and stop it afterwards",
     )
-    parser.add_argument(
-        "--workers-model",
-        default="tiny",
-        help="model preset of a fresh cluster's workers (default tiny)",
-    )
+    add_model_argument(parser)
     parser.add_argument(
         "--timeout-s", type=float, default=120.0, help="deadline of each request (default 120)"
     )
@@ -123,7 +119,7 @@ def _stop(run_dir: Path, keep_logs: bool) -> None:
 
 def _cluster(args: argparse.Namespace):
     """The cluster to use and whether this command started it (and so stops it)."""
-    from kvrs.cli.cluster import calibrate_into
+    from kvrs.cli.cluster import calibrate_into, checked_model
     from kvrs.cli.launcher import (
         SERVICES,
         ClusterOptions,
@@ -139,11 +135,12 @@ def _cluster(args: argparse.Namespace):
     redis_url = os.environ.get("REDIS_URL", "")
     if not redis_url:
         find_redis_server()  # before calibrating: a missing Redis fails in a second, not later
+    model = args.model = checked_model(args.model)
     run_dir = Path(tempfile.mkdtemp(prefix="kvrs-demo-")) / "cluster"
-    profile_file = None if args.no_calibrate else calibrate_into(run_dir, args.workers_model)
+    profile_file = None if args.no_calibrate else calibrate_into(run_dir, model)
     options = ClusterOptions(
         run_dir=run_dir,
-        workers_model=args.workers_model,
+        workers_model=model,
         profile_file=profile_file,
         otlp_endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
         redis_url=redis_url,
@@ -168,13 +165,14 @@ class Stream:
 
 async def _demo(args: argparse.Namespace, state) -> int:
     from kvrs.rpc import GrpcSettings, TlsConfig, open_channel
-    from kvrs.tokenizer import encode
     from kvrs.v1 import router_pb2_grpc
+    from services.common.tokenizer import load_codec
 
     env = {**os.environ, **state.client_env()}
     settings = GrpcSettings(tls=TlsConfig.from_env(env))
     await _wait_for_workers(state, settings)
     run_id = uuid.uuid4().hex[:6]
+    encode = load_codec(args.model).encode
     streams = [
         Stream(f"demo-{run_id}-{i}", encode(PROMPTS[i % len(PROMPTS)] * (1 + i % 3)))
         for i in range(args.requests)

@@ -159,7 +159,11 @@ def test_each_service_command_port_and_variables_match_its_config(compose, name)
     assert any(str(p).endswith(f":{port}") for p in service["ports"])
     assert environment["OTEL_SERVICE_NAME"] == f"kvrs-{name}"
     assert service["env_file"] == ".env"
-    assert service["volumes"] == ["./topology.yaml:/etc/kvrs/topology.yaml:ro"]
+    assert service["volumes"] == [
+        "./topology.yaml:/etc/kvrs/topology.yaml:ro",
+        "${KVRS_MODEL_DIR:-./models}:/models:ro",
+        "kvrs-cache:/var/cache/kvrs",
+    ]
 
 
 def test_workers_run_their_role_under_their_compose_name(compose):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrs.cli.launcher.errors import ClusterError
+from kvrs.model import DEFAULT_MODEL
 
 DEFAULT_RUN_DIR = "runs/local"
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -27,8 +28,9 @@ class ClusterOptions:
 
     run_dir: Path = Path(DEFAULT_RUN_DIR)
     """Logs, certificates, the private Redis' files and the state file go here."""
-    workers_model: str = "tiny"
-    """Model preset of every worker (and of the cost model that prices its KV)."""
+    workers_model: str = DEFAULT_MODEL
+    """The model of every service (KVRS_MODEL): a checkpoint directory the workers load,
+    whose config.json the cost model prices, or an embedded checkpoint's name."""
     tls: bool = False
     """Generate dev certificates and run every hop over mTLS."""
     otlp_endpoint: str = ""
