@@ -14,6 +14,7 @@ class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_STATE_ALIVE: _ClassVar[NodeState]
     NODE_STATE_FAILED: _ClassVar[NodeState]
     NODE_STATE_LEFT: _ClassVar[NodeState]
+    NODE_STATE_SUSPECT: _ClassVar[NodeState]
 
 class NodeEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,14 +22,19 @@ class NodeEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_EVENT_TYPE_JOINED: _ClassVar[NodeEventType]
     NODE_EVENT_TYPE_FAILED: _ClassVar[NodeEventType]
     NODE_EVENT_TYPE_LEFT: _ClassVar[NodeEventType]
+    NODE_EVENT_TYPE_SUSPECT: _ClassVar[NodeEventType]
+    NODE_EVENT_TYPE_REFUTED: _ClassVar[NodeEventType]
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_ALIVE: NodeState
 NODE_STATE_FAILED: NodeState
 NODE_STATE_LEFT: NodeState
+NODE_STATE_SUSPECT: NodeState
 NODE_EVENT_TYPE_UNSPECIFIED: NodeEventType
 NODE_EVENT_TYPE_JOINED: NodeEventType
 NODE_EVENT_TYPE_FAILED: NodeEventType
 NODE_EVENT_TYPE_LEFT: NodeEventType
+NODE_EVENT_TYPE_SUSPECT: NodeEventType
+NODE_EVENT_TYPE_REFUTED: NodeEventType
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("request_id", "instance_id", "role", "address", "location", "model", "kv_capacity_blocks", "transfer_address", "heartbeat_ttl_s")

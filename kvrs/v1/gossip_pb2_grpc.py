@@ -143,7 +143,8 @@ class GossipServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchEvents(self, request, context):
-        """Streams joined / failed / left events, optionally replaying from a known event id.
+        """Streams joined / suspect / refuted / failed / left events, optionally replaying from a
+        known event id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

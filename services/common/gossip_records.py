@@ -1,8 +1,14 @@
 """Domain records of the gossip store and the validation every write goes through.
 
 Roles are the strings "prefill" / "decode" (the values of `kvrs.topology.Role`), node
-states "alive" / "failed" / "left", event types "joined" / "failed" / "left"; neither
-gRPC nor Redis appears here, so the store, the servicer and the client share them.
+states "alive" / "suspect" / "failed" / "left", event types "joined" / "suspect" /
+"refuted" / "failed" / "left"; neither gRPC nor Redis appears here, so the store, the
+servicer and the client share them.
+
+An instance that misses its heartbeat deadline becomes *suspect*: no new work goes there,
+but its requests stay (a starved or briefly stopped process is not a dead one). A
+heartbeat refutes the suspicion; a failed direct probe of its address, or a second,
+longer deadline, confirms the death and declares it *failed*.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ from typing import Protocol
 from kvrs.errors import InvalidArgument
 
 ROLES = ("prefill", "decode")
-ALIVE, FAILED, LEFT = "alive", "failed", "left"
-JOINED = "joined"
+ALIVE, SUSPECT, FAILED, LEFT = "alive", "suspect", "failed", "left"
+JOINED, REFUTED = "joined", "refuted"
+LIVE_STATES = (ALIVE, SUSPECT)
+"""States of an instance whose death is not confirmed: it still holds its requests."""
 MAX_HEARTBEAT_TTL_S = 86_400.0
 """Longest heartbeat TTL an instance may register with (a day)."""
 
@@ -52,7 +60,7 @@ class Registration:
     transfer_address: str = ""
     """host:port of the instance's KV transfer rendezvous."""
     heartbeat_ttl_s: float = 0.0
-    """Silence after which the instance is declared failed; 0 = the server default."""
+    """Silence after which the instance becomes suspect; 0 = the server default."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,7 @@ class NodeEvent:
 
     event_id: str
     type: str
-    """"joined", "failed" or "left"."""
+    """"joined", "suspect", "refuted", "failed" or "left"."""
     instance_id: str
     role: str
     address: str

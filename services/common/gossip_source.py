@@ -12,7 +12,14 @@ from typing import Protocol
 
 from kvrs.errors import DeadlineExceeded, InvalidArgument, KvrsError, Unavailable
 from services.common.gossip_follow import DEFAULT_RESYNC_S, RegistryCopy
-from services.common.gossip_records import FAILED, JOINED, LEFT, GossipReader
+from services.common.gossip_records import (
+    FAILED,
+    JOINED,
+    LEFT,
+    REFUTED,
+    SUSPECT,
+    GossipReader,
+)
 from services.common.gossip_view import GossipSnapshot, ViewCache
 
 log = logging.getLogger(__name__)
@@ -97,10 +104,12 @@ class GossipSource:
             try:
                 async for event in self.client.watch_events(after_event_id):
                     after_event_id = event.event_id
-                    if event.type in (FAILED, LEFT):
+                    if event.type in (FAILED, LEFT, SUSPECT):
+                        # A suspect gets no placements until it heartbeats again (the
+                        # refresh after its `refuted` event brings it back).
                         log.info("instance %s %s: %s", event.instance_id, event.type, event.reason)
                         view.mark_down(event.instance_id)
-                    elif event.type == JOINED:
+                    elif event.type in (JOINED, REFUTED):
                         view.request_refresh()
             except InvalidArgument as exc:
                 log.warning("gossip forgot event %r, watching from now: %s", after_event_id, exc)

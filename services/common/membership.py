@@ -7,7 +7,9 @@ listing at start and every `gossip_follow.DEFAULT_RESYNC_S`, deltas in between, 
 refresh costs gossip what changed, not the cluster's size); another follows the gossip
 event stream and, on a `failed` or `left` event, marks the instance down at once and
 tells every listener (the router, which then recovers the requests it had decoding
-there). Reads never await: a request picks its prefill instance from the last copy.
+there). A `suspect` event (a late heartbeat, death not confirmed) only stops new work
+going there: its streams stay, and a `refuted` event brings it back. Reads never await:
+a request picks its prefill instance from the last copy.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from kvrs.errors import KvrsError
 from services.common.gossip_follow import RegistryCopy
-from services.common.gossip_records import ALIVE, FAILED, LEFT, GossipReader, NodeRecord
+from services.common.gossip_records import ALIVE, FAILED, LEFT, SUSPECT, GossipReader, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,9 @@ class Instance:
     address: str
     transfer_address: str = ""
     alive: bool = True
+    """Takes new work: registered, heartbeating on time."""
+    suspect: bool = False
+    """Late heartbeat, death unconfirmed: no new work, but not down (its KV is still there)."""
     queued_work_s: float = 0.0
     queue_depth: int = 0
     running_requests: int = 0
@@ -52,6 +57,7 @@ def instance_from_record(record: NodeRecord) -> Instance:
         address=registration.address,
         transfer_address=registration.transfer_address,
         alive=record.state == ALIVE,
+        suspect=record.state == SUSPECT,
         queued_work_s=load.queued_work_s,
         queue_depth=load.queue_depth,
         running_requests=load.running_requests,
@@ -112,9 +118,11 @@ class Membership:
         return known is not None and known.alive
 
     def is_down(self, instance_id: str) -> bool:
-        """Known and not alive (failed, left, or named by a failure event)."""
+        """Known and gone (failed, left, or named by a failure event); a suspect is not."""
         known = self._instances.get(instance_id)
-        return instance_id in self._down or (known is not None and not known.alive)
+        return instance_id in self._down or (
+            known is not None and not known.alive and not known.suspect
+        )
 
     def alive(self, role: str) -> list[Instance]:
         return [i for i in self._instances.values() if i.alive and i.role == role]
@@ -139,14 +147,20 @@ class Membership:
     def _apply(self, instances: Iterable[Instance]) -> None:
         for instance in instances:
             if instance.instance_id in self._down:
-                instance = dataclasses.replace(instance, alive=False)
+                instance = dataclasses.replace(instance, alive=False, suspect=False)
             self._instances[instance.instance_id] = instance
+
+    def mark_suspect(self, instance_id: str) -> None:
+        """No new work for the instance until a refresh or a `refuted` event says otherwise."""
+        known = self._instances.get(instance_id)
+        if known is not None and known.alive:
+            self._instances[instance_id] = dataclasses.replace(known, alive=False, suspect=True)
 
     def mark_down(self, instance_id: str, reason: str) -> None:
         """Takes an instance out of service now and tells the listeners (once per failure)."""
         known = self._instances.get(instance_id)
         if known is not None:
-            self._instances[instance_id] = dataclasses.replace(known, alive=False)
+            self._instances[instance_id] = dataclasses.replace(known, alive=False, suspect=False)
         if instance_id in self._down:
             return
         self._down.add(instance_id)
@@ -170,6 +184,9 @@ class Membership:
                             event.instance_id,
                             f"gossip: {event.type} ({event.reason or 'no reason given'})",
                         )
+                    elif event.type == SUSPECT:
+                        log.info("gossip: %s suspect (%s)", event.instance_id, event.reason)
+                        self.mark_suspect(event.instance_id)
                     else:
                         self._down.discard(event.instance_id)
                         await self.refresh()

@@ -333,14 +333,17 @@ class HeartbeatLoop:
         load: LoadSource | None = None,
         interval_s: float | None = None,
         on_reregistered: Callable[[], Awaitable[None] | None] | None = None,
+        beating: Callable[[], bool] | None = None,
     ) -> None:
         """`interval_s` defaults to a quarter of the TTL the registry resolved (the
-        registration's own, or the server default)."""
+        registration's own, or the server default). A beat is skipped (the instance
+        falls silent) while `beating()` says False."""
         self._client = client
         self._registration = registration
         self._load_source = load
         self._interval_s = interval_s
         self._on_reregistered = on_reregistered
+        self._beating = beating
         self._last_load = NodeLoad()
         self._stream = client.heartbeat_stream()
         self._sent: NodeLoad | None = None
@@ -431,6 +434,8 @@ class HeartbeatLoop:
 
     async def _beat(self) -> None:
         instance_id = self._registration.instance_id
+        if self._beating is not None and not self._beating():
+            return
         load = await self._current_load()
         try:
             try:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from services.common import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_REDIS_URL,
+    ConfigError,
     GrpcSettings,
     RedisTls,
     env_float,
@@ -31,8 +32,12 @@ class Config:
     redis_tls: RedisTls = RedisTls()
     """KVRS_REDIS_TLS_CA_FILE / _CERT_FILE / _KEY_FILE: TLS material for a rediss:// Redis."""
     heartbeat_ttl_s: float = 2.0
-    """GOSSIP_HEARTBEAT_TTL_S: silence after which an instance is declared failed, unless
-    it registered with its own TTL."""
+    """GOSSIP_HEARTBEAT_TTL_S: silence after which an instance becomes suspect (no new
+    placements), unless it registered with its own TTL."""
+    confirm_ttls: float = 2.0
+    """GOSSIP_CONFIRM_TTLS: how many more of its TTLs a suspect instance has to heartbeat
+    again before it is declared failed (its streams then move), unless a direct probe
+    finds nothing listening at its address first; 0 = failed at the first missed TTL."""
     sweep_interval_s: float = 0.1
     """GOSSIP_SWEEP_INTERVAL_S: how often expired instances are looked for; a failure is
     reported at most this long after its TTL."""
@@ -58,6 +63,7 @@ class Config:
             redis_prefix=redis_prefix,
             redis_tls=redis_tls,
             heartbeat_ttl_s=env_float("GOSSIP_HEARTBEAT_TTL_S", 2.0, env),
+            confirm_ttls=env_float("GOSSIP_CONFIRM_TTLS", 2.0, env),
             sweep_interval_s=env_float("GOSSIP_SWEEP_INTERVAL_S", 0.1, env),
             events_maxlen=env_int("GOSSIP_EVENTS_MAXLEN", 10_000, env),
             changes_maxlen=env_int("GOSSIP_CHANGES_MAXLEN", 100_000, env),
@@ -65,6 +71,8 @@ class Config:
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             grpc=GrpcSettings.from_env(env),
         )
+        if not 0 <= config.confirm_ttls <= 100:
+            raise ConfigError(f"GOSSIP_CONFIRM_TTLS must be in [0, 100], got {config.confirm_ttls}")
         require_positive(
             ("GOSSIP_HEARTBEAT_TTL_S", config.heartbeat_ttl_s),
             ("GOSSIP_SWEEP_INTERVAL_S", config.sweep_interval_s),

@@ -12,6 +12,8 @@ from services.common.gossip_records import (
     FAILED,
     JOINED,
     LEFT,
+    REFUTED,
+    SUSPECT,
     LinkRecord,
     LinkSample,
     NodeChanges,
@@ -27,12 +29,15 @@ STATE_TO_PB = {
     ALIVE: gossip_pb2.NODE_STATE_ALIVE,
     FAILED: gossip_pb2.NODE_STATE_FAILED,
     LEFT: gossip_pb2.NODE_STATE_LEFT,
+    SUSPECT: gossip_pb2.NODE_STATE_SUSPECT,
 }
 STATE_FROM_PB = {value: name for name, value in STATE_TO_PB.items()}
 EVENT_TO_PB = {
     JOINED: gossip_pb2.NODE_EVENT_TYPE_JOINED,
     FAILED: gossip_pb2.NODE_EVENT_TYPE_FAILED,
     LEFT: gossip_pb2.NODE_EVENT_TYPE_LEFT,
+    SUSPECT: gossip_pb2.NODE_EVENT_TYPE_SUSPECT,
+    REFUTED: gossip_pb2.NODE_EVENT_TYPE_REFUTED,
 }
 EVENT_FROM_PB = {value: name for name, value in EVENT_TO_PB.items()}
 

@@ -50,6 +50,7 @@ async def build_server(
         events_maxlen=config.events_maxlen,
         down_retention_s=config.down_retention_s,
         changes_maxlen=config.changes_maxlen,
+        confirm_ttls=config.confirm_ttls,
     )
     servicer = GossipServicer(store, metrics)
 

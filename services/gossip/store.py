@@ -4,9 +4,11 @@ Keys (all under one hash-tagged prefix, so every script touches a single slot):
 
     gossip:node:<id>   hash    registration, load, state, last_seen_unix_ms, ttl_ms
     gossip:nodes       set     every remembered instance id
-    gossip:live        zset    alive instance id -> expiry (unix ms, Redis clock)
+    gossip:live        zset    alive or suspect instance id -> its next deadline (unix ms,
+                               Redis clock): suspicion for an alive one, failure for a suspect
     gossip:links       hash    json([src, dst]) -> "<measured_unix_ms> <json sample>"
-    gossip:events      stream  joined / failed / left, trimmed to about `events_maxlen`
+    gossip:events      stream  joined / suspect / refuted / failed / left, trimmed to about
+                               `events_maxlen`
     gossip:changes     stream  `id` of every instance whose registration, state or load
                                changed, trimmed to about `changes_maxlen`
 
@@ -17,6 +19,12 @@ stored one, so a cluster whose load is steady costs its views almost nothing.
 Every state change runs as one Lua script reading the Redis clock (`TIME`), so several
 gossip replicas share one clock and one truth: the script that removes an instance from
 the live set is the only one that reports it failed, and it does so exactly once.
+
+Failure is declared in two steps (see `gossip_records`): an instance silent for its TTL
+turns *suspect* ("suspect" event; its live-set score becomes its confirmation deadline,
+`confirm_ms` later); a heartbeat before that deadline refutes it ("refuted"), the
+deadline passing or `confirm_failure` (a direct probe found nothing listening) declares
+it failed. With `confirm_ms` 0 the first deadline fails it at once.
 
 Expiries are only trusted while heartbeats could reach the registry. After Redis was
 unreachable from this process (and when the process starts), the first operation gives
@@ -33,7 +41,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
 import redis.asyncio as redis_async
@@ -41,7 +49,7 @@ import redis.exceptions
 
 from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.gossip_records import (
-    ALIVE,
+    LIVE_STATES,
     MAX_REASON_BYTES,
     LinkRecord,
     LinkSample,
@@ -87,16 +95,30 @@ local function go_down(id, node, state, now)
   redis.call('PEXPIRE', node, ARGV[3])
   changed(id)
 end
+local function silence(node, now)
+  local last = tonumber(redis.call('HGET', node, 'last_seen_unix_ms')) or now
+  return 'no heartbeat for ' .. ((now - last) / 1000) .. ' s'
+end
 -- Declares `id` failed if it is still live; false when another caller already did.
-local function fail(id, now)
+local function fail(id, now, reason)
   if redis.call('ZREM', KEYS[1], id) == 0 then
     return false
   end
   local node = ARGV[1] .. id
-  local ttl_s = (tonumber(redis.call('HGET', node, 'ttl_ms')) or 0) / 1000
+  local why = reason or silence(node, now)
   go_down(id, node, 'failed', now)
-  emit('failed', id, node, now, 'no heartbeat for ' .. ttl_s .. ' s')
+  emit('failed', id, node, now, why)
   return true
+end
+local function confirm_ms(node)
+  return tonumber(redis.call('HGET', node, 'confirm_ms')) or 0
+end
+-- An alive instance past its deadline: suspect until `confirm_ms` from now.
+local function suspect(id, node, now)
+  redis.call('HSET', node, 'state', 'suspect', 'suspect_unix_ms', now)
+  redis.call('ZADD', KEYS[1], now + confirm_ms(node), id)
+  changed(id)
+  emit('suspect', id, node, now, silence(node, now))
 end
 local function expired(id, now)
   local expiry = redis.call('ZSCORE', KEYS[1], id)
@@ -112,26 +134,30 @@ local id, ttl_ms = ARGV[5], tonumber(ARGV[6])
 local node = ARGV[1] .. id
 local now = now_ms()
 local state = redis.call('HGET', node, 'state')
-if state == 'alive' and expired(id, now) then
+if (state == 'alive' and expired(id, now) and confirm_ms(node) <= 0)
+    or (state == 'suspect' and expired(id, now)) then
   fail(id, now)
   state = 'failed'
 end
+local live = state == 'alive' or state == 'suspect'
 local fields = {}
 for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', node, unpack(fields))
-if state ~= 'alive' then
+if not live then
   -- A (re)joining instance holds no requests: all of its KV memory is free.
   local capacity = redis.call('HGET', node, 'kv_capacity_blocks') or 0
   redis.call('HSET', node, 'queue_depth', 0, 'queued_work_s', 0, 'running_requests', 0,
     'free_kv_blocks', capacity, 'resident_prefix_hashes', '[]')
 end
 redis.call('HSET', node, 'state', 'alive', 'last_seen_unix_ms', now, 'ttl_ms', ttl_ms)
-redis.call('HDEL', node, 'down_unix_ms')
+redis.call('HDEL', node, 'down_unix_ms', 'suspect_unix_ms')
 redis.call('PERSIST', node)
 redis.call('ZADD', KEYS[1], now + ttl_ms, id)
 redis.call('SADD', KEYS[4], id)
 changed(id)
-if state ~= 'alive' then
+if state == 'suspect' then
+  emit('refuted', id, node, now, 'registered again while suspect')
+elseif not live then
   emit('joined', id, node, now, state and ('re-registered after ' .. state) or '')
 end
 return redis.call('HGETALL', node)
@@ -151,12 +177,22 @@ local state = redis.call('HGET', node, 'state')
 if not state then
   return {-1}
 end
-if state ~= 'alive' then
+if state ~= 'alive' and state ~= 'suspect' then
   return {-2, state}
 end
-if expired(id, now) then
+-- Late but before the sweep saw it: an alive instance is only late (unless it has no
+-- confirmation window); a suspect one past its confirmation deadline is dead.
+if expired(id, now) and (state == 'suspect' or confirm_ms(node) <= 0) then
   fail(id, now)
   return {-2, 'failed'}
+end
+if state == 'suspect' then
+  local suspected = tonumber(redis.call('HGET', node, 'suspect_unix_ms')) or now
+  redis.call('HSET', node, 'state', 'alive')
+  redis.call('HDEL', node, 'suspect_unix_ms')
+  changed(id)
+  emit('refuted', id, node, now,
+    'heartbeat ' .. ((now - suspected) / 1000) .. ' s after the suspicion')
 end
 if #ARGV > 5 then
   local names, values = {}, {}
@@ -194,7 +230,7 @@ if not state then
   return 0
 end
 redis.call('ZREM', KEYS[1], id)
-if state == 'alive' then
+if state == 'alive' or state == 'suspect' then
   emit('left', id, node, now, ARGV[6])
 end
 go_down(id, node, 'left', now)
@@ -202,17 +238,40 @@ return 1
 """
 )
 
-# KEYS: live, events, changes. ARGV: common, limit. Returns the ids this call declared failed.
+# KEYS: live, events, changes. ARGV: common, limit. Returns {failed ids, suspected ids,
+# examined}: those this call declared failed or suspect, and how many deadlines it saw.
 _SWEEP = (
     _LUA_COMMON
     + """
 local now = now_ms()
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
-local failed = {}
+local failed, suspected = {}, {}
 for _, id in ipairs(ids) do
-  if fail(id, now) then failed[#failed + 1] = id end
+  local node = ARGV[1] .. id
+  local state = redis.call('HGET', node, 'state')
+  if state == 'alive' and confirm_ms(node) > 0 then
+    suspect(id, node, now)
+    suspected[#suspected + 1] = id
+  elseif state == 'alive' or state == 'suspect' then
+    if fail(id, now) then failed[#failed + 1] = id end
+  else
+    redis.call('ZREM', KEYS[1], id)
+  end
 end
-return failed
+return {failed, suspected, #ids}
+"""
+)
+
+# KEYS: live, events, changes. ARGV: common, id, reason. Declares a suspect instance
+# failed now; 0 when it is not suspect (it heartbeat meanwhile, or is already down).
+_CONFIRM = (
+    _LUA_COMMON
+    + """
+local id = ARGV[5]
+if redis.call('HGET', ARGV[1] .. id, 'state') ~= 'suspect' then
+  return 0
+end
+return fail(id, now_ms(), ARGV[6]) and 1 or 0
 """
 )
 
@@ -246,8 +305,18 @@ return overdue
 
 _LOAD_FIELDS = ("queue_depth", "queued_work_s", "running_requests", "free_kv_blocks")
 SWEEP_BATCH = 500
+PROBE_TIMEOUT_S = 0.5
+"""How long the direct probe of a suspect instance waits for its listener to accept."""
 CHANGES_READ_MAX = 20_000
 """More change entries than this since a reader's id: a full listing costs less."""
+
+
+@dataclass
+class Swept:
+    """What one sweep changed."""
+
+    failed: list[str] = field(default_factory=list)
+    suspected: list[str] = field(default_factory=list)
 
 
 def _stream_id(value: str) -> tuple[int, int]:
@@ -352,10 +421,14 @@ class GossipStore:
         events_maxlen: int = 10_000,
         down_retention_s: float = 600.0,
         changes_maxlen: int = 100_000,
+        confirm_ttls: float = 0.0,
     ) -> None:
+        """`confirm_ttls`: how many of its TTLs a suspect instance has to heartbeat again
+        before it is declared failed; 0 = failed at the first missed deadline."""
         keys = Keys(prefix)
         self._redis = client
         self._default_ttl_s = default_ttl_s
+        self._confirm_ttls = confirm_ttls
         self._node_prefix = keys("gossip", "node", "")
         self._nodes = keys("gossip", "nodes")
         self._live = keys("gossip", "live")
@@ -374,6 +447,7 @@ class GossipStore:
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)
         self._sweep = client.register_script(_SWEEP)
+        self._confirm = client.register_script(_CONFIRM)
         self._report_link = client.register_script(_REPORT_LINK)
         self._resume = client.register_script(_RESUME)
         self._resume_pending = True
@@ -404,6 +478,7 @@ class GossipStore:
         ttl_ms = max(1, round((registration.heartbeat_ttl_s or self._default_ttl_s) * 1000))
         fields = asdict(registration)
         del fields["heartbeat_ttl_s"]
+        fields["confirm_ms"] = round(ttl_ms * self._confirm_ttls)
         pairs = [str(part) for item in fields.items() for part in item]
         async with self._redis_call(trusts_expiries=True):
             flat = await self._register(
@@ -461,20 +536,39 @@ class GossipStore:
         if not int(found):
             raise NotFound(f"instance {instance_id!r} is not registered")
 
-    async def sweep(self) -> list[str]:
-        """Declares every instance whose TTL passed failed; returns the ids this call failed."""
-        failed: list[str] = []
+    async def sweep(self) -> Swept:
+        """Acts on every deadline that passed: an alive instance turns suspect (failed when
+        there is no confirmation window), a suspect one failed. Returns what this call did."""
+        swept = Swept()
         while True:
             async with self._redis_call(trusts_expiries=True):
-                batch = await self._sweep(keys=self._script_keys, args=[*self._common, SWEEP_BATCH])
-            failed += [_text(item) for item in batch]
-            if len(batch) < SWEEP_BATCH:
-                return failed
+                failed, suspected, examined = await self._sweep(
+                    keys=self._script_keys, args=[*self._common, SWEEP_BATCH]
+                )
+            swept.failed += [_text(item) for item in failed]
+            swept.suspected += [_text(item) for item in suspected]
+            if int(examined) < SWEEP_BATCH:
+                return swept
+
+    async def confirm_failure(self, instance_id: str, reason: str) -> bool:
+        """Declares a suspect instance failed now (its death was confirmed); False when it
+        is no longer suspect."""
+        async with self._redis_call(trusts_expiries=False):
+            confirmed = await self._confirm(
+                keys=self._script_keys, args=[*self._common, instance_id, reason]
+            )
+        return bool(int(confirmed))
+
+    async def address_of(self, instance_id: str) -> str:
+        """The registered address of an instance ("" when unknown)."""
+        async with self._redis_call(trusts_expiries=False):
+            return _text(await self._redis.hget(self._node_prefix + instance_id, "address"))
 
     async def list_nodes(
         self, role: str | None = None, include_down: bool = False
     ) -> tuple[list[NodeRecord], int]:
-        """Instances (alive only unless `include_down`) and the Redis time of the listing."""
+        """Instances (alive or suspect only unless `include_down`) and the Redis time of
+        the listing."""
         async with self._redis_call(trusts_expiries=False):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.time()
@@ -486,7 +580,7 @@ class GossipStore:
             record
             for record in records
             if (not role or record.registration.role == role)
-            and (record.state == ALIVE or include_down)
+            and (record.state in LIVE_STATES or include_down)
         ], now_ms
 
     async def list_changes(self, after_change_id: str) -> NodeChanges:
@@ -560,11 +654,11 @@ class GossipStore:
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         records: list[LinkRecord] = []
         outdated: list[str] = []
-        for field, value in sorted(_decode_hash(raw).items()):
+        for link, value in sorted(_decode_hash(raw).items()):
             measured, _, body = value.partition(" ")
             age_s = max(0.0, (now_ms - int(measured)) / 1000)
             if age_s > self._down_retention_s:
-                outdated.append(field)
+                outdated.append(link)
                 continue
             records.append(LinkRecord(LinkSample(**json.loads(body)), int(measured), age_s))
         if outdated:
@@ -597,22 +691,70 @@ class GossipStore:
         return [_event(event_id, raw) for event_id, raw in reply[0][1]]
 
 
+async def nothing_listens_at(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """True only when `address` refuses a TCP connection: no process listens there.
+
+    The direct probe of a suspect instance. A refusal is proof (the process that held the
+    port is gone); a timeout proves nothing (a stopped or starved process still has its
+    listener, whose backlog accepts without it), nor does a name that does not resolve.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), timeout_s
+        )
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
+
+
+async def _probe_suspect(store: GossipStore, instance_id: str, metrics: Metrics) -> None:
+    try:
+        address = await store.address_of(instance_id)
+        if not address or not await nothing_listens_at(address):
+            return
+        reason = f"no heartbeat, and nothing listens at {address} (direct probe)"
+        if await store.confirm_failure(instance_id, reason):
+            log.info("instance %s failed: %s", instance_id, reason)
+            metrics.membership_events.labels(type="failed").inc()
+    except redis.exceptions.RedisError as exc:
+        log.warning("probe of suspect %s not acted on: %s", instance_id, exc)
+
+
 async def sweep_forever(
     store: GossipStore, interval_s: float, stop: asyncio.Event, metrics: Metrics
 ) -> None:
     """Runs `store.sweep()` every `interval_s` until `stop` is set; Redis outages are logged.
 
-    Every gossip replica runs one: the sweep script is atomic, so they never
-    double-report, and any surviving replica keeps detecting failures. It stops on an
-    event rather than by cancellation because redis-py can swallow a CancelledError that
-    lands inside a command (redis/redis-py#2028), which would leave the loop running.
+    Each instance the sweep makes suspect gets a direct probe (`nothing_listens_at`) at
+    once: a killed process is confirmed failed within the sweep interval, a starved or
+    stopped one waits out its confirmation window. Every gossip replica runs one: the
+    sweep script is atomic, so they never double-report, and any surviving replica keeps
+    detecting failures. It stops on an event rather than by cancellation because
+    redis-py can swallow a CancelledError that lands inside a command
+    (redis/redis-py#2028), which would leave the loop running.
     """
+    probes: set[asyncio.Task] = set()
     while not stop.is_set():
         try:
-            for instance_id in await store.sweep():
+            swept = await store.sweep()
+            for instance_id in swept.failed:
                 log.info("instance %s failed: heartbeats stopped", instance_id)
                 metrics.membership_events.labels(type="failed").inc()
+            for instance_id in swept.suspected:
+                log.info("instance %s suspect: heartbeat late", instance_id)
+                metrics.membership_events.labels(type="suspect").inc()
+                probe = asyncio.create_task(_probe_suspect(store, instance_id, metrics))
+                probes.add(probe)
+                probe.add_done_callback(probes.discard)
         except redis.exceptions.RedisError as exc:
             log.warning("failure sweep skipped: %s", exc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
+    for probe in list(probes):
+        await probe

@@ -479,6 +479,14 @@ class Router:
             policy=run.policy,
         )
         run.summary.recoveries.append(record)
+        log.info(
+            "recovering %s after %d tokens: %s lost (%s: %s)",
+            request.request_id,
+            len(run.generated),
+            lost.instance_id,
+            lost.detected_by,
+            lost.reason,
+        )
         with self.tracer.start_as_current_span("router.recover") as span:
             span.set_attributes(
                 {

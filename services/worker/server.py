@@ -34,10 +34,10 @@ from services.common import (
 )
 from services.common.gossip_records import NodeLoad, Registration
 from services.common.metrics import Metrics, serve_metrics
-from services.gossip.client import GossipClient, HeartbeatLoop
 from services.worker.compute import ComputeQueue, Estimates
 from services.worker.config import Config
 from services.worker.engine import SendResult, WorkerEngine
+from services.worker.heartbeat import HeartbeatThread
 from services.worker.kvstore import KvStore
 from services.worker.model import Transformer, resolve_dtype
 from services.worker.servicer import WorkerServicer, send_result_from_pb, ticket_to_pb
@@ -88,7 +88,7 @@ class WorkerServerHandle(ServerHandle):
     """A started worker; `stop` deregisters from gossip before draining."""
 
     engine: WorkerEngine | None = None
-    heartbeat: HeartbeatLoop | None = None
+    heartbeat: HeartbeatThread | None = None
     advertise_addr: str = ""
 
     async def stop(self, grace_s: float) -> None:
@@ -208,7 +208,7 @@ async def build_server(
         # Registered before SERVING: whoever waits for health (a launcher, a readiness
         # probe) then finds the worker in the cluster, with its free KV memory.
         if config.gossip_addr:
-            handle.heartbeat = await _join_gossip(config, handle, engine, provider)
+            handle.heartbeat = await _join_gossip(config, engine, handle.advertise_addr, provider)
         await handle.set_serving(True)
         for task in (
             asyncio.create_task(_canary_forever(engine, handle, config.canary_interval_s)),
@@ -231,15 +231,13 @@ async def build_server(
 
 
 async def _join_gossip(
-    config: Config, handle: WorkerServerHandle, engine: WorkerEngine, provider: TracerProvider
-) -> HeartbeatLoop:
-    client = GossipClient(config.gossip_addr, config.grpc, provider)
-    handle.cleanups.append(client.close)
+    config: Config, engine: WorkerEngine, advertise_addr: str, provider: TracerProvider
+) -> HeartbeatThread:
     location = config.location
     registration = Registration(
         instance_id=config.instance_id,
         role=config.role,
-        address=handle.advertise_addr,
+        address=advertise_addr,
         node=location.node,
         rack=location.rack,
         pod=location.pod,
@@ -275,12 +273,14 @@ async def _join_gossip(
             "re-registered after being declared failed; released %d requests", len(request_ids)
         )
 
-    heartbeat = HeartbeatLoop(
-        client,
+    heartbeat = HeartbeatThread(
+        config.gossip_addr,
+        config.grpc,
+        provider,
         registration,
         load=load,
-        interval_s=config.heartbeat_interval_s or None,
         on_reregistered=forget_requests,
+        interval_s=config.heartbeat_interval_s or None,
     )
     await heartbeat.start()
     return heartbeat

@@ -125,6 +125,8 @@ class ControlPlane:
     host: str = "127.0.0.1"
     """Where every server binds (a bridge address when workers run in namespaces)."""
     model: str = MODEL
+    gossip_confirm_ttls: float = 2.0
+    """Gossip's confirmation window (GOSSIP_CONFIRM_TTLS); 0 = a missed TTL fails at once."""
     loop: LoopThread = field(default_factory=LoopThread)
     addresses: dict[str, str] = field(default_factory=dict)
     handles: dict[str, Any] = field(default_factory=dict)
@@ -145,7 +147,12 @@ class ControlPlane:
         redis_settings = {"redis_url": self.redis_url, "redis_prefix": self.prefix}
         listen = f"{self.host}:0"
         gossip = await build_gossip(
-            GossipConfig(listen_addr=listen, heartbeat_ttl_s=600.0, **redis_settings),
+            GossipConfig(
+                listen_addr=listen,
+                heartbeat_ttl_s=600.0,
+                confirm_ttls=self.gossip_confirm_ttls,
+                **redis_settings,
+            ),
             self.provider,
         )
         self._add("gossip", gossip)

@@ -188,10 +188,13 @@ def test_a_redis_outage_longer_than_the_ttl_fails_no_healthy_instance(tmp_path):
     """Workers heartbeat all along; only Redis was away. A failure event makes routers
     recover every request on the instance, and the instance drop them (a storm). The one
     worker that really died during the outage is still reported, one TTL after Redis is
-    back."""
+    back (the registry's own deadline, without the confirmation window that would add two
+    more TTLs)."""
     redis_server = PrivateRedis(tmp_path / "redis")
     redis_server.start()
-    plane = ControlPlane(redis_server.url, "{kvrs}:").start(services=("gossip",), cluster=())
+    plane = ControlPlane(redis_server.url, "{kvrs}:", gossip_confirm_ttls=0.0).start(
+        services=("gossip",), cluster=()
+    )
     loops = start_heartbeats(plane, ttl_s=1.0, interval_s=0.2)
     dead, alive = loops[-1:], loops[:-1]
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from dataclasses import replace
 
 import grpc
@@ -20,19 +21,28 @@ from services.gossip.server import build_server
 TTL_S = 0.4
 
 
-def gossip_config(redis_url: str, redis_prefix: str, listen_addr: str = "127.0.0.1:0") -> Config:
+def gossip_config(
+    redis_url: str, redis_prefix: str, listen_addr: str = "127.0.0.1:0", confirm_ttls: float = 0.0
+) -> Config:
+    """Most tests here check the deadline itself: no confirmation window, a missed
+    deadline fails the instance (the suspect tests below give it one)."""
     return Config(
         listen_addr=listen_addr,
         redis_url=redis_url,
         redis_prefix=redis_prefix,
         heartbeat_ttl_s=TTL_S,
         sweep_interval_s=0.05,
+        confirm_ttls=confirm_ttls,
     )
 
 
-async def start_gossip(redis_url: str, redis_prefix: str, listen_addr: str = "127.0.0.1:0"):
+async def start_gossip(
+    redis_url: str, redis_prefix: str, listen_addr: str = "127.0.0.1:0", confirm_ttls: float = 0.0
+):
     provider = setup_tracing("test-gossip", exporter=InMemorySpanExporter())
-    return await build_server(gossip_config(redis_url, redis_prefix, listen_addr), provider)
+    return await build_server(
+        gossip_config(redis_url, redis_prefix, listen_addr, confirm_ttls), provider
+    )
 
 
 @pytest.fixture
@@ -192,6 +202,7 @@ async def test_late_heartbeat_before_the_sweep_still_fails(redis_url, redis_pref
         redis_prefix=redis_prefix,
         heartbeat_ttl_s=0.2,
         sweep_interval_s=30.0,
+        confirm_ttls=0.0,
     )
     handle = await build_server(config, provider)
     try:
@@ -535,3 +546,69 @@ async def test_heartbeat_loop_keeps_an_instance_alive_and_rejoins_after_failure(
     events = await collect(client, "0", 4)
     assert [e.type for e in events] == ["joined", "failed", "joined", "left"]
     assert events[3].reason == "drained"
+
+
+# -- suspect, then confirm ---------------------------------------------------------------
+
+
+@pytest.fixture
+async def confirming(redis_url, redis_prefix):
+    """A gossip server with the default confirmation window: 2 TTLs after the suspicion."""
+    handle = await start_gossip(redis_url, redis_prefix, confirm_ttls=2.0)
+    client = GossipClient(f"127.0.0.1:{handle.port}", timeout_s=5)
+    yield handle, client
+    await client.close()
+    await handle.stop(0)
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_a_late_heartbeat_makes_an_instance_suspect_and_the_next_one_refutes_it(
+    confirming,
+):
+    handle, client = confirming
+    # Its address is a live listener (the gossip server's own): the probe proves nothing.
+    await client.register(replace(decode("decode-0"), address=f"127.0.0.1:{handle.port}"))
+    await asyncio.sleep(TTL_S + 0.3)
+    [node] = await client.list_nodes()
+    assert node.state == "suspect", "a late instance is listed, as suspect"
+    await client.heartbeat("decode-0")
+    [node] = await client.list_nodes()
+    assert node.state == "alive"
+    events = await collect(client, "0", 3)
+    assert [e.type for e in events] == ["joined", "suspect", "refuted"]
+    assert events[1].reason.startswith("no heartbeat for ")
+
+
+async def test_a_suspect_that_stays_silent_is_failed_after_its_confirmation_window(confirming):
+    handle, client = confirming
+    await client.register(replace(decode("decode-0"), address=f"127.0.0.1:{handle.port}"))
+    events = await collect(client, "0", 3, timeout_s=3 * TTL_S + 3)
+    assert [e.type for e in events] == ["joined", "suspect", "failed"]
+    suspected_after_s = (events[1].unix_ms - events[0].unix_ms) / 1000
+    failed_after_s = (events[2].unix_ms - events[1].unix_ms) / 1000
+    assert TTL_S <= suspected_after_s < TTL_S + 1.0
+    assert 2 * TTL_S <= failed_after_s < 2 * TTL_S + 1.0, "failed 2 TTLs after the suspicion"
+    with pytest.raises(errors.FailedPrecondition):
+        await client.heartbeat("decode-0")
+
+
+async def test_a_suspect_whose_address_refuses_connections_is_failed_at_once(confirming):
+    _, client = confirming
+    await client.register(replace(decode("decode-0"), address=f"127.0.0.1:{closed_port()}"))
+    events = await collect(client, "0", 3, timeout_s=TTL_S + 2)
+    assert [e.type for e in events] == ["joined", "suspect", "failed"]
+    assert "nothing listens at" in events[2].reason
+    assert (events[2].unix_ms - events[1].unix_ms) / 1000 < TTL_S, "before the window ends"
+
+
+def test_confirm_ttls_is_validated():
+    assert Config.from_env({}).confirm_ttls == 2.0
+    assert Config.from_env({"GOSSIP_CONFIRM_TTLS": "0"}).confirm_ttls == 0.0
+    for bad in ("-1", "nan", "1000"):
+        with pytest.raises(ConfigError, match="GOSSIP_CONFIRM_TTLS"):
+            Config.from_env({"GOSSIP_CONFIRM_TTLS": bad})
