@@ -38,7 +38,7 @@ import grpc
 import redis
 
 from bench.soak import reference
-from kvrs.localcluster import SERVICES, ClusterOptions, ClusterState, start_cluster, stop_cluster
+from kvrs.cli.launcher import SERVICES, ClusterOptions, ClusterState, start_cluster, stop_cluster
 from kvrs.v1 import router_pb2, router_pb2_grpc
 
 CLUSTER = (

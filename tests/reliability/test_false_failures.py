@@ -22,7 +22,7 @@ import grpc
 import pytest
 import redis
 
-from kvrs.localcluster import SERVICES, ClusterOptions, start_cluster, stop_cluster
+from kvrs.cli.launcher import SERVICES, ClusterOptions, start_cluster, stop_cluster
 from kvrs.v1 import gossip_pb2, gossip_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.tiny_reference import reference
 
