@@ -10,8 +10,21 @@ from dataclasses import dataclass, field
 from kvrs.errors import KvrsError
 from kvrs.placement import make_placement_policy
 from kvrs.recovery import make_recovery_policy
-from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str, require_positive
+from services.common import (
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_REDIS_URL,
+    ConfigError,
+    GrpcSettings,
+    RedisTls,
+    env_float,
+    env_int,
+    env_str,
+    redis_from_env,
+    require_positive,
+)
 from services.common.decision_inputs import InputsConfig
+
+SLOT_RESERVATIONS = ("redis", "broker")
 
 
 def _default_holder_id() -> str:
@@ -28,6 +41,16 @@ class Config:
     """GOSSIP_ADDR: host:port of the gossip store."""
     slot_broker_addr: str = "127.0.0.1:50054"
     """SLOT_BROKER_ADDR: host:port of the slot broker."""
+    slot_reservations: str = "broker"
+    """SCHEDULER_SLOT_RESERVATIONS: `redis` reserves migration slots in the broker's Redis
+    with the broker's own script (one round trip, the same caps, published by the broker);
+    `broker` asks the slot broker over gRPC. Default: `redis` when REDIS_URL is set."""
+    redis_url: str = DEFAULT_REDIS_URL
+    """REDIS_URL: the slot broker's Redis (used when reserving there directly)."""
+    redis_prefix: str = DEFAULT_KEY_PREFIX
+    """KVRS_REDIS_PREFIX: the slot broker's key prefix."""
+    redis_tls: RedisTls = RedisTls()
+    """KVRS_REDIS_TLS_*: TLS material for a rediss:// Redis."""
     placement_policy: str = "netkv"
     """SCHEDULER_PLACEMENT_POLICY: SelectDecode's policy when a request names none
     (round_robin, least_loaded, cache_load, netkv)."""
@@ -59,10 +82,18 @@ class Config:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        redis_url, redis_prefix, redis_tls = redis_from_env(env)
+        redis_given = "REDIS_URL" in (os.environ if env is None else env)
         config = cls(
             listen_addr=env_str("SCHEDULER_LISTEN_ADDR", "0.0.0.0:50053", env),
             gossip_addr=env_str("GOSSIP_ADDR", "127.0.0.1:50051", env),
             slot_broker_addr=env_str("SLOT_BROKER_ADDR", "127.0.0.1:50054", env),
+            slot_reservations=env_str(
+                "SCHEDULER_SLOT_RESERVATIONS", "redis" if redis_given else "broker", env
+            ),
+            redis_url=redis_url,
+            redis_prefix=redis_prefix,
+            redis_tls=redis_tls,
             placement_policy=env_str("SCHEDULER_PLACEMENT_POLICY", "netkv", env),
             recovery_policy=env_str("SCHEDULER_RECOVERY_POLICY", "kvrs", env),
             view_refresh_s=env_float("SCHEDULER_VIEW_REFRESH_S", 0.1, env),
@@ -93,6 +124,11 @@ class Config:
         ):
             if value < 0:
                 raise ConfigError(f"{name} must be >= 0, got {value}")
+        if self.slot_reservations not in SLOT_RESERVATIONS:
+            raise ConfigError(
+                f"SCHEDULER_SLOT_RESERVATIONS must be one of {', '.join(SLOT_RESERVATIONS)}, "
+                f"got {self.slot_reservations!r}"
+            )
         for name, make, value in (
             ("SCHEDULER_PLACEMENT_POLICY", make_placement_policy, self.placement_policy),
             ("SCHEDULER_RECOVERY_POLICY", make_recovery_policy, self.recovery_policy),

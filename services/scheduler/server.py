@@ -1,4 +1,4 @@
-"""Scheduler server assembly: the cached gossip view, the slot broker client, the servicer."""
+"""Scheduler server assembly: the cached gossip view, migration slots, the servicer."""
 
 from __future__ import annotations
 
@@ -11,17 +11,19 @@ import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common import ServerHandle, run_until_signal, start_server
+from services.common import ServerHandle, connect_redis, run_until_signal, start_server
 from services.common.decision_inputs import load_inputs
 from services.common.gossip_source import GossipSource
 from services.common.gossip_view import ViewCache
 from services.common.metrics import Metrics, serve_metrics
+from services.common.slot_leases import SlotStore
 from services.gossip.client import GossipClient
 from services.scheduler.config import Config
 from services.scheduler.decisions import Scheduler
 from services.scheduler.peers import PeerChannel, SlotBrokerClient
 from services.scheduler.replay import RecentRecoveries
 from services.scheduler.servicer import SchedulerServicer
+from services.scheduler.slots import RedisSlots
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,18 @@ async def build_server(
     # Background refreshes are not traced (ten spans a second of noise); slot calls are,
     # so a recovery's trace shows its reservation.
     broker = PeerChannel(config.slot_broker_addr, config.grpc, provider)
-    slots = SlotBrokerClient(broker, config.holder_id, config.slot_ttl_s, config.peer_timeout_s)
+    slots = broker_slots = SlotBrokerClient(
+        broker, config.holder_id, config.slot_ttl_s, config.peer_timeout_s
+    )
+    redis_client = None
+    if config.slot_reservations == "redis":
+        redis_client = connect_redis(config.redis_url, config.redis_tls)
+        slots = RedisSlots(
+            SlotStore(redis_client, config.redis_prefix),
+            config.holder_id,
+            config.slot_ttl_s,
+            broker_slots,
+        )
     source = GossipSource(
         lambda: GossipClient(config.gossip_addr, config.grpc, timeout_s=config.peer_timeout_s),
         slots,
@@ -94,6 +107,8 @@ async def build_server(
                 await task
         await source.close()
         await broker.close()
+        if redis_client is not None:
+            await redis_client.aclose()
 
     handle.cleanups.append(stop_background)
     return handle

@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from kvrs.v1 import slots_pb2, slots_pb2_grpc
 from services.common import ServerHandle, connect_redis, run_until_signal, start_server
 from services.common.metrics import Metrics, serve_metrics
+from services.common.slot_leases import SlotPolicy, SlotStore, purge_forever
 from services.slot_broker.config import Config
-from services.slot_broker.leases import SlotStore, purge_forever
 from services.slot_broker.servicer import SlotBrokerServicer
 
 SERVICE_NAME = slots_pb2.DESCRIPTOR.services_by_name["SlotBrokerService"].full_name
@@ -31,12 +31,16 @@ async def build_server(
     store = SlotStore(
         client,
         config.redis_prefix,
-        cluster_cap=config.cluster_cap,
-        link_cap=config.link_cap,
-        default_ttl_s=config.lease_ttl_s,
-        max_ttl_s=config.max_lease_ttl_s,
+        SlotPolicy(
+            cluster_cap=config.cluster_cap,
+            link_cap=config.link_cap,
+            default_ttl_s=config.lease_ttl_s,
+            max_ttl_s=config.max_lease_ttl_s,
+        ),
         metrics=metrics,
     )
+    # Before serving: from here on every reservation, wherever it is made, is held to it.
+    await store.publish_policy()
     servicer = SlotBrokerServicer(store)
 
     def register(server: grpc.aio.Server) -> None:

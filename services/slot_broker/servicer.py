@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from kvrs.v1 import slots_pb2, slots_pb2_grpc
-from services.slot_broker.leases import Lease, SlotStore
+from services.common.slot_leases import Lease, SlotStore
 
 
 def _lease_to_pb(lease: Lease) -> slots_pb2.SlotLease:

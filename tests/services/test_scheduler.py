@@ -131,9 +131,9 @@ class Plane:
             "inputs": InputsConfig(model=MODEL),
         }
         config = Config(**{**settings, **overrides})
-        self.scheduler_handle = await build_server(config, self.provider)
-        channel = open_channel(f"127.0.0.1:{self.scheduler_handle.port}", GrpcSettings())
-        self._closers.append(lambda: self.scheduler_handle.stop(0))
+        self.scheduler_handle = handle = await build_server(config, self.provider)
+        channel = open_channel(f"127.0.0.1:{handle.port}", GrpcSettings())
+        self._closers.append(lambda: handle.stop(0))
         self._closers.append(channel.close)
         return scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
@@ -453,6 +453,47 @@ async def test_recover_falls_back_to_recompute_when_the_slot_cap_is_reached(plan
     assert retry.action == MIGRATE
     assert retry.slot_lease.lease_id == first.slot_lease.lease_id
     assert await plane.slots_in_use() == 1
+
+
+async def test_two_replicas_reserving_in_redis_keep_the_cap_exact(plane):
+    """Two scheduler replicas reserve slots in the broker's Redis themselves (one hop):
+    20 concurrent Recovers against a cap of 3 get exactly 3 leases between them, the
+    broker counts and releases them like its own, and unrenewed leases expire."""
+    await plane.register()
+    await plane.broker_handle.stop(0)
+    await plane.start_broker(slot_cap=3)
+    direct = {
+        "slot_reservations": "redis",
+        "redis_url": plane.redis_url,
+        "redis_prefix": plane.redis_prefix,
+        "slot_ttl_s": 1.0,
+    }
+    replicas = [await plane.scheduler(holder_id=f"replica-{i}", **direct) for i in range(2)]
+    replies = await asyncio.gather(
+        *(replicas[i % 2].Recover(recover(f"req-{i}"), timeout=5) for i in range(20))
+    )
+    granted = [reply for reply in replies if reply.slot_lease.lease_id]
+    assert len(granted) == 3
+    assert all(reply.action == MIGRATE for reply in granted)
+    assert {reply.slot_lease.holder_id for reply in granted} <= {"replica-0", "replica-1"}
+    refused = [reply for reply in replies if not reply.slot_lease.lease_id]
+    assert all(r.action == RECOMPUTE and "no migration slot" in r.reason for r in refused)
+    assert await plane.slots_in_use() == 3
+    spans = [span.name for span in plane.exporter.get_finished_spans()]
+    assert any("GetSlotStats" in name for name in spans), "the broker's spans are recorded"
+    assert not any("ReserveSlot" in name for name in spans), "a reservation took the extra hop"
+    released = await plane.broker.ReleaseSlot(
+        slots_pb2.ReleaseSlotRequest(lease_id=granted[0].slot_lease.lease_id), timeout=5
+    )
+    assert released.released
+    again = await replicas[1].Recover(recover("req-after-release"), timeout=5)
+    assert again.action == MIGRATE and again.slot_lease.lease_id
+    assert await plane.slots_in_use() == 3
+    # Nobody renews: every lease returns once its TTL passes, as a crashed holder's would.
+    deadline = time.monotonic() + 5
+    while await plane.slots_in_use() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert await plane.slots_in_use() == 0
 
 
 async def test_concurrent_retries_of_one_recover_share_one_decision(plane):

@@ -10,10 +10,13 @@ import signal
 import time
 
 import grpc
+import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from kvrs.errors import ResourceExhausted
 from kvrs.v1 import slots_pb2, slots_pb2_grpc
-from services.common import GrpcSettings, open_channel, setup_tracing
+from services.common import GrpcSettings, connect_redis, open_channel, setup_tracing
+from services.common.slot_leases import SlotStore
 from services.slot_broker.config import Config
 from services.slot_broker.server import build_server
 
@@ -38,9 +41,14 @@ async def _start(redis_url: str, redis_prefix: str, cap: int):
     return await build_server(config, setup_tracing("test", exporter=InMemorySpanExporter()))
 
 
-async def _contend(address, index, held, held_lock, peak, totals, cap) -> None:
+async def _contend(address, index, held, held_lock, peak, totals, cap, direct=None) -> None:
+    """`direct`: (redis_url, prefix) to reserve in Redis as a scheduler does, not via RPC."""
     channel = open_channel(address, GrpcSettings())
     stub = slots_pb2_grpc.SlotBrokerServiceStub(channel)
+    client = store = None
+    if direct is not None:
+        client = connect_redis(direct[0])
+        store = SlotStore(client, direct[1])
     attempts = iter(range(RESERVATIONS_PER_PROCESS))
     rng = random.Random(index)
     granted = denied = reported = 0
@@ -55,9 +63,21 @@ async def _contend(address, index, held, held_lock, peak, totals, cap) -> None:
                 dst_instance_id=f"d{attempt % 5}",
             )
             try:
-                reply = await stub.ReserveSlot(request, timeout=30)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if store is None:
+                    reply = await stub.ReserveSlot(request, timeout=30)
+                    lease_id, in_use = reply.lease.lease_id, reply.slots_in_use
+                else:
+                    grant = await store.reserve(
+                        request.request_id,
+                        request.holder_id,
+                        request.src_instance_id,
+                        request.dst_instance_id,
+                    )
+                    lease_id, in_use = grant.lease.lease_id, grant.slots_in_use
+            except (grpc.aio.AioRpcError, ResourceExhausted) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError) and (
+                    exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+                ):
                     raise
                 denied += 1
                 await asyncio.sleep(rng.uniform(0, 0.005))
@@ -68,27 +88,40 @@ async def _contend(address, index, held, held_lock, peak, totals, cap) -> None:
                 held.value += 1
                 peak.value = max(peak.value, held.value)
             granted += 1
-            reported = max(reported, reply.slots_in_use)
+            reported = max(reported, in_use)
             await asyncio.sleep(rng.uniform(0.02, 0.04))
             with held_lock:
                 held.value -= 1
-            await stub.ReleaseSlot(
-                slots_pb2.ReleaseSlotRequest(lease_id=reply.lease.lease_id), timeout=30
-            )
+            await stub.ReleaseSlot(slots_pb2.ReleaseSlotRequest(lease_id=lease_id), timeout=30)
 
     try:
         await asyncio.gather(*(claimant() for _ in range(TASKS_PER_PROCESS)))
         totals[index] = (granted, denied, reported)
     finally:
         await channel.close()
+        if client is not None:
+            await client.aclose()
 
 
-def contend(address, index, held, held_lock, peak, totals, cap) -> None:
+def contend(address, index, held, held_lock, peak, totals, cap, direct=None) -> None:
     """Child process: RESERVATIONS_PER_PROCESS reservations from TASKS_PER_PROCESS tasks."""
-    asyncio.run(_contend(address, index, held, held_lock, peak, totals, cap))
+    asyncio.run(_contend(address, index, held, held_lock, peak, totals, cap, direct))
 
 
 async def test_cap_holds_under_contention_from_many_processes(redis_url, redis_prefix):
+    await _contend_and_check(redis_url, redis_prefix, direct_processes=0)
+
+
+@pytest.mark.slow
+async def test_cap_holds_with_half_the_processes_reserving_in_redis_directly(
+    redis_url, redis_prefix
+):
+    """Half the claimants reserve as a scheduler does (the broker's script, straight in
+    Redis, under the caps the broker published), half through the broker: one cap."""
+    await _contend_and_check(redis_url, redis_prefix, direct_processes=PROCESSES // 2)
+
+
+async def _contend_and_check(redis_url, redis_prefix, direct_processes: int) -> None:
     handle = await _start(redis_url, redis_prefix, CAP)
     address = f"127.0.0.1:{handle.port}"
     manager = SPAWN.Manager()
@@ -98,7 +131,19 @@ async def test_cap_holds_under_contention_from_many_processes(redis_url, redis_p
     stub = slots_pb2_grpc.SlotBrokerServiceStub(channel)
     broker_peak = 0
     processes = [
-        SPAWN.Process(target=contend, args=(address, i, held, held_lock, peak, totals, CAP))
+        SPAWN.Process(
+            target=contend,
+            args=(
+                address,
+                i,
+                held,
+                held_lock,
+                peak,
+                totals,
+                CAP,
+                (redis_url, redis_prefix) if i < direct_processes else None,
+            ),
+        )
         for i in range(PROCESSES)
     ]
     try:

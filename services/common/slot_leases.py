@@ -7,10 +7,16 @@ Keys (under one hash-tagged prefix, so each script touches a single slot):
     slots:request:<rid>    string  request id -> lease id (idempotent retries)
     slots:links            hash    json([src, dst]) -> leases held on that link
     slots:totals           hash    granted / denied / expired / superseded counters
+    slots:policy           hash    cluster_cap, link_cap, default_ttl_ms, max_ttl_ms
 
 Every operation is one Lua script that first drops expired leases, then acts, all on
 the Redis clock: the caps hold whatever the number of broker replicas and callers, and
 a crashed holder's slot returns once its TTL passes (on the next call, or the sweeper's).
+
+The caps live in Redis too (`slots:policy`, written by the slot broker when it starts),
+and the reserve script reads them there: every caller of this module — the broker's
+replicas, and schedulers that reserve without the extra hop to the broker — enforces the
+same caps in the same atomic step, so the cap stays exact however many of each there are.
 """
 
 from __future__ import annotations
@@ -26,13 +32,13 @@ from dataclasses import dataclass
 import redis.asyncio as redis_async
 import redis.exceptions
 
-from kvrs.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.metrics import Metrics
 from services.common.redis_store import Keys
 
 log = logging.getLogger(__name__)
 
-# KEYS: leases zset, links hash, totals hash. ARGV[1]: the "slots:" key prefix.
+# KEYS: leases zset, links hash, totals hash, policy hash. ARGV[1]: the "slots:" key prefix.
 _LUA_COMMON = """
 local function now_ms()
   local t = redis.call('TIME')
@@ -74,13 +80,26 @@ local function lease_reply(status, lease_id, in_use)
 end
 """
 
-# ARGV: prefix, request_id, holder_id, src, dst, link, ttl_ms, cluster_cap, link_cap, lease_id
-# Returns {granted|existing, lease fields..., in_use} or {denied, cap name, in use, cap}.
+# ARGV: prefix, request_id, holder_id, src, dst, link, ttl_ms (0: the policy's), lease_id
+# Returns {granted|existing, lease fields..., in_use, cluster_cap},
+# {denied, cap name, in use, cap}, {badttl, max_ttl_ms} or {nopolicy}.
 _RESERVE = (
     _LUA_COMMON
     + """
 local request_id, holder_id, src, dst, link = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local ttl_ms, cluster_cap, link_cap = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local policy = redis.call('HMGET', KEYS[4], 'cluster_cap', 'link_cap', 'default_ttl_ms',
+  'max_ttl_ms')
+if not policy[1] then
+  return {'nopolicy'}
+end
+local cluster_cap, link_cap = tonumber(policy[1]), tonumber(policy[2])
+local ttl_ms = tonumber(ARGV[7])
+if ttl_ms == 0 then
+  ttl_ms = tonumber(policy[3])
+end
+if ttl_ms > tonumber(policy[4]) then
+  return {'badttl', policy[4]}
+end
 local now = now_ms()
 purge(now)
 local request = ARGV[1] .. 'request:' .. request_id
@@ -88,7 +107,9 @@ local existing = redis.call('GET', request)
 if existing then
   -- Same link: a retry, from this holder or from another replica after a lost reply.
   if redis.call('HGET', ARGV[1] .. 'lease:' .. existing, 'link') == link then
-    return lease_reply('existing', existing, redis.call('ZCARD', KEYS[1]))
+    local reply = lease_reply('existing', existing, redis.call('ZCARD', KEYS[1]))
+    table.insert(reply, cluster_cap)
+    return reply
   end
   -- Another link: the request is recovered again (its last target failed too); the
   -- migration the old lease was for is over, so its slot is returned first.
@@ -107,7 +128,7 @@ if link_cap > 0 then
     return {'denied', 'link_cap', on_link, link_cap}
   end
 end
-local lease_id = ARGV[10]
+local lease_id = ARGV[8]
 local expires = now + ttl_ms
 redis.call('HSET', ARGV[1] .. 'lease:' .. lease_id, 'request_id', request_id,
   'holder_id', holder_id, 'src_instance_id', src, 'dst_instance_id', dst, 'link', link,
@@ -116,21 +137,28 @@ redis.call('ZADD', KEYS[1], expires, lease_id)
 redis.call('HINCRBY', KEYS[2], link, 1)
 redis.call('SET', request, lease_id)
 redis.call('HINCRBY', KEYS[3], 'granted', 1)
-return lease_reply('granted', lease_id, in_use + 1)
+local reply = lease_reply('granted', lease_id, in_use + 1)
+table.insert(reply, cluster_cap)
+return reply
 """
 )
 
-# ARGV: prefix, lease_id, ttl_ms. Returns {renewed, lease fields...} or {missing}.
+# ARGV: prefix, lease_id, ttl_ms (0: the policy's). Returns {renewed, lease fields...} or
+# {missing}.
 _RENEW = (
     _LUA_COMMON
     + """
 local lease_id = ARGV[2]
+local ttl_ms = tonumber(ARGV[3])
+if ttl_ms == 0 then
+  ttl_ms = tonumber(redis.call('HGET', KEYS[4], 'default_ttl_ms') or '10000')
+end
 local now = now_ms()
 purge(now)
 if not redis.call('ZSCORE', KEYS[1], lease_id) then
   return {'missing'}
 end
-local expires = now + tonumber(ARGV[3])
+local expires = now + ttl_ms
 redis.call('ZADD', KEYS[1], expires, lease_id)
 redis.call('HSET', ARGV[1] .. 'lease:' .. lease_id, 'expires_unix_ms', expires)
 return lease_reply('renewed', lease_id, redis.call('ZCARD', KEYS[1]))
@@ -146,15 +174,35 @@ return drop(ARGV[2]) and 1 or 0
 """
 )
 
-# ARGV: prefix. Returns {in_use, links hash flat, totals hash flat, expired now}.
+# ARGV: prefix. Returns {in_use, links hash flat, totals hash flat, expired now,
+# cluster_cap, link_cap} (caps 0 when no policy is published).
 _STATS = (
     _LUA_COMMON
     + """
 local purged = purge(now_ms())
+local policy = redis.call('HMGET', KEYS[4], 'cluster_cap', 'link_cap')
 return {redis.call('ZCARD', KEYS[1]), redis.call('HGETALL', KEYS[2]),
-  redis.call('HGETALL', KEYS[3]), purged}
+  redis.call('HGETALL', KEYS[3]), purged, policy[1] or 0, policy[2] or 0}
 """
 )
+
+
+class NoSlotPolicy(FailedPrecondition):
+    """No slot broker has published the caps yet: nothing to hold a reservation to."""
+
+
+@dataclass(frozen=True)
+class SlotPolicy:
+    """The caps and lease lifetimes every reservation is held to (the broker's config)."""
+
+    cluster_cap: int
+    """Concurrent migrations allowed cluster-wide."""
+    link_cap: int = 0
+    """Concurrent migrations allowed per (src, dst) pair; 0 = no cap."""
+    default_ttl_s: float = 10.0
+    """Lease lifetime when the caller gives none."""
+    max_ttl_s: float = 600.0
+    """Longest lease a caller may ask for."""
 
 
 @dataclass(frozen=True)
@@ -230,38 +278,58 @@ def _require(field: str, value: str) -> None:
 
 
 class SlotStore:
-    """Lease operations; each raises `kvrs.errors` exceptions the server maps to codes."""
+    """Lease operations; each raises `kvrs.errors` exceptions the server maps to codes.
+
+    The slot broker owns a `policy` and publishes it (`publish_policy`); any other caller
+    (a scheduler reserving directly) passes none and is held to the published one.
+    """
 
     def __init__(
         self,
         client: redis_async.Redis,
         prefix: str,
-        cluster_cap: int,
-        link_cap: int = 0,
-        default_ttl_s: float = 10.0,
-        max_ttl_s: float = 600.0,
+        policy: SlotPolicy | None = None,
         metrics: Metrics | None = None,
     ) -> None:
         keys = Keys(prefix)
         self._client = client
         self._metrics = metrics
-        self.cluster_cap = cluster_cap
-        self.link_cap = link_cap
-        self.default_ttl_s = default_ttl_s
-        self.max_ttl_s = max_ttl_s
-        self._keys = [keys("slots", "leases"), keys("slots", "links"), keys("slots", "totals")]
+        self.policy = policy
+        self._keys = [
+            keys("slots", "leases"),
+            keys("slots", "links"),
+            keys("slots", "totals"),
+            keys("slots", "policy"),
+        ]
         self._prefix = keys("slots", "")
         self._reserve = client.register_script(_RESERVE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._stats = client.register_script(_STATS)
 
+    async def publish_policy(self) -> None:
+        """Makes this store's policy the one every reservation is held to."""
+        if self.policy is None:
+            raise FailedPrecondition("a slot store without a policy has none to publish")
+        await self._client.hset(
+            self._keys[3],
+            mapping={
+                "cluster_cap": self.policy.cluster_cap,
+                "link_cap": self.policy.link_cap,
+                "default_ttl_ms": round(self.policy.default_ttl_s * 1000),
+                "max_ttl_ms": round(self.policy.max_ttl_s * 1000),
+            },
+        )
+
     def _ttl_ms(self, ttl_s: float) -> int:
+        """Milliseconds of `ttl_s`; 0 stays 0: the script applies the published default."""
         if not math.isfinite(ttl_s) or ttl_s < 0:
             raise InvalidArgument("ttl_s", f"must be a finite number >= 0, got {ttl_s}")
-        if ttl_s > self.max_ttl_s:
-            raise InvalidArgument("ttl_s", f"must be at most {self.max_ttl_s} s, got {ttl_s}")
-        return max(1, round((ttl_s or self.default_ttl_s) * 1000))
+        if self.policy is not None and ttl_s > self.policy.max_ttl_s:
+            raise InvalidArgument(
+                "ttl_s", f"must be at most {self.policy.max_ttl_s} s, got {ttl_s}"
+            )
+        return max(1, round(ttl_s * 1000)) if ttl_s else 0
 
     async def reserve(
         self,
@@ -296,12 +364,16 @@ class SlotStore:
                 dst_instance_id,
                 link,
                 ttl_ms,
-                self.cluster_cap,
-                self.link_cap,
                 uuid.uuid4().hex,
             ],
         )
         status = _text(reply[0])
+        if status == "nopolicy":
+            raise NoSlotPolicy(
+                "no slot policy is published yet (the slot broker publishes it when it starts)"
+            )
+        if status == "badttl":
+            raise InvalidArgument("ttl_s", f"must be at most {int(reply[1]) / 1000} s, got {ttl_s}")
         if status == "denied":
             cap_name, in_use, cap = _text(reply[1]), int(reply[2]), int(reply[3])
             self._count("denied", in_use)
@@ -310,7 +382,7 @@ class SlotStore:
                 f"{in_use} of {cap} migration slots in use {where}", field=cap_name
             )
         self._count("granted", int(reply[7]))
-        return Grant(_lease(reply), int(reply[7]), self.cluster_cap, status == "existing")
+        return Grant(_lease(reply), int(reply[7]), int(reply[8]), status == "existing")
 
     async def renew(self, lease_id: str, ttl_s: float = 0.0) -> Lease:
         """Extends a lease to now + ttl; NotFound once it expired or was released."""
@@ -333,15 +405,18 @@ class SlotStore:
         return released
 
     async def stats(self) -> SlotStats:
-        in_use, links, totals, _ = await self._stats(keys=self._keys, args=[self._prefix])
+        """Leases held now, per link, and the totals, under the published caps."""
+        in_use, links, totals, _, cluster_cap, link_cap = await self._stats(
+            keys=self._keys, args=[self._prefix]
+        )
         totals = _pairs(totals)
         usage = []
         for link, count in sorted(_pairs(links).items()):
             src, dst = json.loads(link)
-            usage.append(LinkUsage(src, dst, int(count), self.link_cap))
+            usage.append(LinkUsage(src, dst, int(count), int(link_cap)))
         return SlotStats(
             slots_in_use=int(in_use),
-            cluster_cap=self.cluster_cap,
+            cluster_cap=int(cluster_cap),
             links=tuple(usage),
             granted_total=int(totals.get("granted", 0)),
             denied_total=int(totals.get("denied", 0)),
@@ -350,7 +425,7 @@ class SlotStore:
 
     async def purge(self) -> int:
         """Drops expired leases now; returns how many."""
-        in_use, _, _, purged = await self._stats(keys=self._keys, args=[self._prefix])
+        in_use, _, _, purged, _, _ = await self._stats(keys=self._keys, args=[self._prefix])
         self._count("expired", int(in_use), int(purged))
         return int(purged)
 
