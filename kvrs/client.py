@@ -355,6 +355,20 @@ class KvrsClient:
         )
         return await self._call(self._scheduler, "RecoverBatch", request, timeout_s)
 
+    async def report_outcome(
+        self, outcome: scheduler_pb2.DecisionOutcome, *, timeout_s: float | None = None
+    ) -> scheduler_pb2.ReportOutcomeResponse:
+        """Reports what an executed decision measured (stored where every replica reads it)."""
+        request = scheduler_pb2.ReportOutcomeRequest(outcome=outcome)
+        return await self._call(self._scheduler, "ReportOutcome", request, timeout_s)
+
+    async def get_corrections(
+        self, *, timeout_s: float | None = None
+    ) -> scheduler_pb2.GetCorrectionsResponse:
+        """The corrections decisions are priced with, and the prediction error per term."""
+        request = scheduler_pb2.GetCorrectionsRequest()
+        return await self._call(self._scheduler, "GetCorrections", request, timeout_s)
+
     # Cost oracle
 
     async def estimate_transfer(

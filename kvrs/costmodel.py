@@ -17,10 +17,21 @@ __all__ = ["CostModel", "prefix_hit_tokens"]
 class CostModel:
     """S(L), T_x, T_pf and T_ext for one served model, over one network model."""
 
-    def __init__(self, model: ModelSpec, compute: ComputeProfile, network: NetworkModel):
+    def __init__(
+        self,
+        model: ModelSpec,
+        compute: ComputeProfile,
+        network: NetworkModel,
+        margins: Mapping[str, float] | None = None,
+    ):
         self.model = model
         self.compute = compute
         self.network = network
+        self.margins: Mapping[str, float] = dict(margins or {})
+        """Measured relative error of each recovery action's predictions (by action value):
+        an option more complex than MIGRATE must win by more than its error, and the
+        deadline check uses the upper end, cost · (1 + error). Empty: decide on the point
+        estimates."""
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self.kv_bits_per_token = BITS_PER_BYTE * model.kv_bytes_per_token
 

@@ -554,8 +554,12 @@ class _Options:
         options: tuple[OptionCost, ...],
         reason: str,
         check_deadline: bool,
+        margin: float = 0.0,
     ) -> RecoveryDecision:
-        """The decision for `chosen` (None: nothing feasible), ABORTing on a missed deadline."""
+        """The decision for `chosen` (None: nothing feasible), ABORTing on a missed deadline.
+
+        The deadline is checked against the upper end of the prediction, cost · (1 +
+        margin): a request whose recovery will likely be late fails fast instead."""
         request = self.request
         if chosen is None:
             return RecoveryDecision(
@@ -573,7 +577,8 @@ class _Options:
             )
         deadline = request.deadline_s
         slack = _INF if deadline is None else deadline - self.now_s - chosen.cost_s
-        if check_deadline and slack < 0.0:
+        late = slack < 0.0 if not margin else slack - margin * chosen.cost_s < 0.0
+        if check_deadline and late:
             return RecoveryDecision(
                 request.request_id,
                 Action.ABORT,
@@ -582,7 +587,8 @@ class _Options:
                 chosen.cost_s,
                 0,
                 options,
-                "no option meets the deadline",
+                "no option meets the deadline"
+                + (f" (with its measured error, {100 * margin:.0f} %)" if margin else ""),
                 slack,
                 chosen,
                 policy,
@@ -610,6 +616,29 @@ class _Options:
             policy=policy,
         )
         return decision
+
+
+def _within_error(
+    options: tuple[OptionCost, ...],
+    chosen: OptionCost,
+    reason: str,
+    margins: Mapping[str, float],
+) -> tuple[OptionCost, str]:
+    """MIGRATE unless the cheaper option beats it by more than its own measured error.
+
+    MIGRATE moves no compute; RECOMPUTE and HYBRID add work whose predictions have their
+    own error, so a point estimate a hair below MIGRATE's is no reason to take them.
+    """
+    migrate = options[0]
+    if chosen is migrate or not migrate.feasible or migrate.action is not Action.MIGRATE:
+        return chosen, reason
+    error = margins.get(chosen.action.value, 0.0)
+    if chosen.cost_s * (1.0 + error) < migrate.cost_s:
+        return chosen, f"{reason}; wins by more than its measured error ({100 * error:.0f} %)"
+    return migrate, (
+        f"MIGRATE: {chosen.action.name} is cheaper by less than its measured error "
+        f"({chosen.cost_s:.4f} s · (1 + {error:.2f}) >= {migrate.cost_s:.4f} s)"
+    )
 
 
 def _cheapest(options: tuple[OptionCost, ...]) -> OptionCost | None:
@@ -656,7 +685,11 @@ class Kvrs:
             reason = f"cheapest feasible option ({block})"
         else:
             reason = "cheapest option"
-        return ctx.decision(self.name, chosen, options, reason, check_deadline=True)
+        margins = cost.margins
+        if margins and chosen is not None:
+            chosen, reason = _within_error(options, chosen, reason, margins)
+        margin = margins.get(chosen.action.value, 0.0) if chosen is not None else 0.0
+        return ctx.decision(self.name, chosen, options, reason, check_deadline=True, margin=margin)
 
 
 class Rom:

@@ -102,6 +102,12 @@ def register(parser: argparse.ArgumentParser) -> None:
             default="",
             help="slot broker host:port (default: the local cluster, or SLOT_BROKER_ADDR)",
         )
+        parser.add_argument(
+            "--scheduler-addrs",
+            default="",
+            help="scheduler replicas, comma-separated, asked for the prediction error and "
+            "corrections (default: the local cluster, or SCHEDULER_ADDRS)",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -288,11 +294,17 @@ async def _collect(args: argparse.Namespace, state: Any) -> dict[str, Any]:
         env.update(state.client_env())
     gossip_addr = args.gossip_addr or env.get("GOSSIP_ADDR", "")
     slot_broker_addr = args.slot_broker_addr or env.get("SLOT_BROKER_ADDR", "")
+    scheduler_addrs = args.scheduler_addrs or env.get("SCHEDULER_ADDRS", "")
     settings = GrpcSettings(tls=TlsConfig.from_env(env))
-    report: dict[str, Any] = {"gossip_addr": gossip_addr, "slot_broker_addr": slot_broker_addr}
+    report: dict[str, Any] = {
+        "gossip_addr": gossip_addr,
+        "slot_broker_addr": slot_broker_addr,
+        "scheduler_addrs": scheduler_addrs,
+    }
     async with KvrsClient(
         gossip_addr=gossip_addr,
         slot_broker_addr=slot_broker_addr,
+        scheduler_addrs=scheduler_addrs,
         settings=settings,
         timeout_s=2.0,
         max_attempts=2,
@@ -308,6 +320,11 @@ async def _collect(args: argparse.Namespace, state: Any) -> dict[str, Any]:
             report["slots"] = _slots(await client.get_slot_stats())
         except errors.KvrsError as exc:
             report["slots_error"] = str(exc)
+        if scheduler_addrs:
+            try:
+                report["predictions"] = _predictions(await client.get_corrections())
+            except errors.KvrsError as exc:
+                report["predictions_error"] = str(exc)
     if state is not None:
         now_ms = int(time.time() * 1000)
         report["run_dir"] = state.run_dir
@@ -373,6 +390,71 @@ def _slots(stats: Any) -> dict[str, Any]:
             for link in stats.links
         ],
     }
+
+
+def _predictions(reply: Any) -> dict[str, Any]:
+    return {
+        "samples": reply.samples,
+        "compute_factor": reply.compute_factor,
+        "wait_per_decode_s": reply.wait_per_decode_s,
+        "links": [
+            {
+                "src_instance_id": link.src_instance_id,
+                "dst_instance_id": link.dst_instance_id,
+                "fixed_s": link.fixed_s,
+                "bandwidth_bps": link.bandwidth_bps,
+                "samples": link.samples,
+            }
+            for link in reply.links
+        ],
+        "errors": [
+            {"kind": e.kind, "term": e.term, "p50": e.p50, "p90": e.p90, "samples": e.samples}
+            for e in reply.errors
+        ],
+    }
+
+
+def _render_predictions(report: dict[str, Any]) -> list[str]:
+    parts = [f"\npredictions (scheduler {report['scheduler_addrs']})"]
+    if "predictions_error" in report:
+        return [*parts, f"  unavailable: {report['predictions_error']}"]
+    predictions = report["predictions"]
+    parts.append(
+        f"  fitted from {predictions['samples']} outcomes: compute x"
+        f"{predictions['compute_factor']:.2f}, decode interference "
+        f"{predictions['wait_per_decode_s'] * 1000:.2f} ms per decoding request"
+    )
+    rows = [
+        [
+            e["kind"],
+            e["term"],
+            f"{100 * e['p50']:.0f}",
+            f"{100 * e['p90']:.0f}",
+            str(e["samples"]),
+        ]
+        for e in predictions["errors"]
+    ]
+    parts.append(
+        _table(
+            ["KIND", "TERM", "ERROR_P50_%", "ERROR_P90_%", "DECISIONS"],
+            rows,
+            empty="  (no executed decision reported yet)",
+        )
+    )
+    rows = [
+        [
+            link["src_instance_id"],
+            link["dst_instance_id"],
+            f"{link['fixed_s'] * 1000:.2f}",
+            f"{link['bandwidth_bps'] / _BPS_PER_GBPS:.3f}",
+            str(link["samples"]),
+        ]
+        for link in predictions["links"]
+    ]
+    if rows:
+        parts.append("  links as decisions measured them:")
+        parts.append(_table(["SRC", "DST", "FIXED_MS", "GBPS", "TRANSFERS"], rows))
+    return parts
 
 
 def _render(report: dict[str, Any]) -> str:
@@ -469,6 +551,8 @@ def _render(report: dict[str, Any]) -> str:
                 for s in slots["links"]
             ]
             parts.append(_table(["SRC", "DST", "IN_USE", "CAP"], rows))
+    if report.get("scheduler_addrs"):
+        parts.extend(_render_predictions(report))
     return "\n".join(parts)
 
 

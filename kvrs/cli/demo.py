@@ -1,7 +1,7 @@
 """`kvrs demo`: requests through a local cluster, a decode worker killed mid-stream, and how
 each affected request recovered.
 
-    kvrs demo [--requests 8] [--cluster-dir DIR]
+    kvrs demo [--requests 8] [--cluster-dir DIR] [--json FILE]
 
 Measures the workers' model on this machine (`kvrs calibrate`, so predicted costs are this
 machine's), starts a local cluster (`kvrs up`'s launcher; or reuses the one in
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import shutil
@@ -75,6 +76,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
     parser.add_argument(
         "--timeout-s", type=float, default=120.0, help="deadline of each request (default 120)"
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write every recovery (action, predicted_s, measured_s, each term "
+        "predicted and measured) to FILE as JSON",
     )
     parser.add_argument(
         "--no-calibrate",
@@ -188,6 +197,11 @@ async def _demo(args: argparse.Namespace, state) -> int:
         victim = await _kill_busiest_decode(state, settings, streams, tasks)
         await asyncio.gather(*tasks)
         _report(streams, victim, args.max_new_tokens)
+        if args.json is not None:
+            args.json.write_text(
+                json.dumps({"victim": victim, "recoveries": recoveries(streams)}, indent=2)
+            )
+            print(f"recoveries written to {args.json}")
         completed = sum(1 for s in streams if len(s.tokens) == args.max_new_tokens)
         print(f"\n{completed}/{len(streams)} requests completed")
         identical = await _replay(router, streams, args)
@@ -269,6 +283,46 @@ async def _kill_busiest_decode(state, settings, streams, tasks) -> str:
     return victim
 
 
+LEGEND = (
+    ("REQUEST", "the request's id"),
+    ("AT TOKEN", "tokens the client had received when its decode instance died"),
+    (
+        "ACTION",
+        "how it continued: MIGRATE (pull the prompt's KV from its prefill instance), "
+        "RECOMPUTE (prefill prompt + generated tokens again on a prefill instance, then pull "
+        "it), HYBRID (recompute the first SPLIT tokens on the target while the rest streams "
+        "in)",
+    ),
+    ("TARGET", "the decode instance that took the request over"),
+    (
+        "PREDICTED s",
+        "the chosen option's predicted time from the decision to KV ready on the target",
+    ),
+    ("MEASURED s", "the same time as measured by the router"),
+    ("ERROR %", "|measured - predicted| / measured"),
+    (
+        "MIGRATE/RECOMPUTE/HYBRID s",
+        "each option's predicted time on its best target (- = infeasible or not priced)",
+    ),
+    ("SPLIT", "HYBRID only: tokens [0, SPLIT) recomputed on the target, the rest migrated"),
+    ("SLACK s", "deadline - now - predicted time (- = the request has no deadline)"),
+    ("BATCH", "requests planned together with this one (they share links and queues)"),
+    ("REASON", "why the scheduler chose this option"),
+)
+TERM_LEGEND = (
+    (
+        "wait",
+        "queue wait before the compute: at the target (its extend) or, for "
+        "RECOMPUTE, at the prefill instance",
+    ),
+    ("setup", "transfer set-up: the calls, the ticket and the pair before the KV streams"),
+    ("stream", "the KV on the wire"),
+    ("prefill", "compute from scratch: RECOMPUTE's prefill, HYBRID's recomputed prefix"),
+    ("extend", "the target's compute on top of the moved KV (the generated tokens)"),
+    ("1st tok", "decision to the first token the new decode instance streamed"),
+)
+
+
 def _best(options, action: int) -> float:
     costs = [o.cost_s for o in options if o.action == action and o.feasible]
     return min(costs) if costs else math.inf
@@ -278,21 +332,83 @@ def _seconds(value: float) -> str:
     return "-" if not math.isfinite(value) else f"{value:.4f}"
 
 
+def _error(predicted_s: float, measured_s: float) -> float:
+    from kvrs.learning import relative_error
+
+    return relative_error(predicted_s, measured_s)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    lo = math.floor(position)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (position - lo)
+
+
+def _term_pairs(report) -> dict[str, tuple[float, float]]:
+    """(predicted, measured) of each term of one recovery, as the legend names them."""
+    p, m = report.predicted_terms, report.measured_terms
+    return {
+        "wait": (p.source_wait_s + p.target_wait_s, m.source_wait_s + m.target_wait_s),
+        "setup": (p.setup_s, m.setup_s),
+        "stream": (p.stream_s, m.stream_s),
+        "prefill": (p.prefill_s, m.prefill_s),
+        "extend": (p.extend_s, m.extend_s),
+        "1st tok": (p.first_token_s, m.first_token_s),
+    }
+
+
+def recoveries(streams: list[Stream]) -> list[dict[str, Any]]:
+    """Every executed recovery as `--json` writes it (predicted_s / measured_s: decision
+    to KV ready on the target; every term predicted and measured)."""
+    from kvrs.learning import TERMS
+
+    rows = []
+    for stream in streams:
+        if stream.summary is None:
+            continue
+        for report in stream.summary.recoveries:
+            action = ACTION_NAMES.get(report.action, "?")
+            row: dict[str, Any] = {
+                "request_id": stream.request_id,
+                "at_token": report.generated_tokens,
+                "action": action,
+                "target": report.target_instance_id,
+                "source": report.source_instance_id,
+                "split_tokens": report.split_tokens if report.action == 3 else 0,
+                "batch_size": report.batch_size,
+                "succeeded": report.succeeded,
+                "reason": report.reason,
+                "predicted_s": report.predicted_cost_s,
+                "measured_s": report.measured_s,
+                "error": _error(report.predicted_cost_s, report.measured_s),
+                "predicted": {t: getattr(report.predicted_terms, t) for t in TERMS},
+                "measured": {t: getattr(report.measured_terms, t) for t in TERMS},
+            }
+            rows.append(row)
+    return rows
+
+
 def _report(streams: list[Stream], victim: str, max_new_tokens: int) -> None:
     header = [
         "REQUEST",
         "AT TOKEN",
         "ACTION",
         "TARGET",
+        "PREDICTED s",
+        "MEASURED s",
+        "ERROR %",
         "MIGRATE s",
         "RECOMPUTE s",
         "HYBRID s",
-        "MEASURED s",
         "SPLIT",
         "SLACK s",
         "BATCH",
+        "REASON",
     ]
-    rows = []
+    terms_header = ["REQUEST", *(f"{name} p/m ms" for name, _ in TERM_LEGEND)]
+    rows, term_rows, errors = [], [], []
     for stream in streams:
         summary = stream.summary
         if summary is None:
@@ -301,19 +417,32 @@ def _report(streams: list[Stream], victim: str, max_new_tokens: int) -> None:
             action = ACTION_NAMES.get(report.action, "?")
             if not report.succeeded and report.action != 4:
                 action += " (failed)"
+            error = _error(report.predicted_cost_s, report.measured_s)
+            if report.succeeded:
+                errors.append(error)
             rows.append(
                 [
                     stream.request_id,
                     str(report.generated_tokens),
                     action,
                     report.target_instance_id or "-",
+                    _seconds(report.predicted_cost_s),
+                    _seconds(report.measured_s),
+                    f"{100 * error:.0f}" if report.succeeded else "-",
                     _seconds(_best(report.options, 1)),
                     _seconds(_best(report.options, 2)),
                     _seconds(_best(report.options, 3)),
-                    _seconds(report.measured_s),
                     str(report.split_tokens) if report.action == 3 else "-",
                     _seconds(report.slo_slack_s),
                     str(report.batch_size),
+                    report.reason,
+                ]
+            )
+            pairs = _term_pairs(report)
+            term_rows.append(
+                [
+                    stream.request_id,
+                    *(f"{1000 * p:.1f}/{1000 * m:.1f}" for p, m in pairs.values()),
                 ]
             )
     print(
@@ -323,13 +452,27 @@ def _report(streams: list[Stream], victim: str, max_new_tokens: int) -> None:
     if not rows:
         print("  (none: every request had finished before the kill)")
         return
+    _table(header, rows)
+    if errors:
+        print(
+            f"  prediction error over {len(errors)} recoveries: "
+            f"p50 {100 * _quantile(errors, 0.5):.0f} %, p90 {100 * _quantile(errors, 0.9):.0f} %"
+        )
+    print("\nthe same recoveries term by term (predicted/measured, ms):")
+    _table(terms_header, term_rows)
+    print("\ncolumns:")
+    for name, meaning in (*LEGEND, *TERM_LEGEND):
+        print(f"  {name:<26} {meaning}")
+    for stream in streams:
+        if stream.error:
+            print(f"  {stream.request_id}: {stream.error}")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     print("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for row in rows:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
-    for stream in streams:
-        if stream.error:
-            print(f"  {stream.request_id}: {stream.error}")
 
 
 async def _replay(router, streams: list[Stream], args: argparse.Namespace) -> int:

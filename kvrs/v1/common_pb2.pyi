@@ -62,3 +62,23 @@ class TransferEstimate(_message.Message):
     telemetry_stale: bool
     flows_on_path: int
     def __init__(self, src_instance_id: _Optional[str] = ..., dst_instance_id: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., tier: _Optional[int] = ..., bottleneck_bandwidth_bps: _Optional[float] = ..., rtt_s: _Optional[float] = ..., telemetry_age_s: _Optional[float] = ..., telemetry_stale: _Optional[bool] = ..., flows_on_path: _Optional[int] = ...) -> None: ...
+
+class DecisionTerms(_message.Message):
+    __slots__ = ("source_wait_s", "target_wait_s", "setup_s", "stream_s", "prefill_s", "extend_s", "total_s", "first_token_s")
+    SOURCE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SETUP_S_FIELD_NUMBER: _ClassVar[int]
+    STREAM_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    source_wait_s: float
+    target_wait_s: float
+    setup_s: float
+    stream_s: float
+    prefill_s: float
+    extend_s: float
+    total_s: float
+    first_token_s: float
+    def __init__(self, source_wait_s: _Optional[float] = ..., target_wait_s: _Optional[float] = ..., setup_s: _Optional[float] = ..., stream_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., extend_s: _Optional[float] = ..., total_s: _Optional[float] = ..., first_token_s: _Optional[float] = ...) -> None: ...

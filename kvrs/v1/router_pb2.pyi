@@ -41,7 +41,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ...) -> None: ...
 
 class GenerateSummary(_message.Message):
-    __slots__ = ("request_id", "prefill_instance_id", "decode_instance_id", "final_decode_instance_id", "prompt_tokens", "generated_tokens", "finish_reason", "ttft_s", "ttft_slo_met", "total_s", "predicted_ttft_s", "prefill_s", "kv_transfer_s", "kv_bytes", "recoveries", "trace_id")
+    __slots__ = ("request_id", "prefill_instance_id", "decode_instance_id", "final_decode_instance_id", "prompt_tokens", "generated_tokens", "finish_reason", "ttft_s", "ttft_slo_met", "total_s", "predicted_ttft_s", "prefill_s", "kv_transfer_s", "kv_bytes", "recoveries", "trace_id", "placement_measured_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class GenerateSummary(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_MEASURED_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_instance_id: str
     decode_instance_id: str
@@ -74,10 +75,11 @@ class GenerateSummary(_message.Message):
     kv_bytes: int
     recoveries: _containers.RepeatedCompositeFieldContainer[RecoveryReport]
     trace_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., final_decode_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., ttft_slo_met: _Optional[bool] = ..., total_s: _Optional[float] = ..., predicted_ttft_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryReport, _Mapping]]] = ..., trace_id: _Optional[str] = ...) -> None: ...
+    placement_measured_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., final_decode_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., ttft_slo_met: _Optional[bool] = ..., total_s: _Optional[float] = ..., predicted_ttft_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryReport, _Mapping]]] = ..., trace_id: _Optional[str] = ..., placement_measured_s: _Optional[float] = ...) -> None: ...
 
 class RecoveryReport(_message.Message):
-    __slots__ = ("failed_instance_id", "detected_by", "generated_tokens", "action", "target_instance_id", "source_instance_id", "split_tokens", "predicted_cost_s", "options", "slo_slack_s", "reason", "policy", "batch_size", "measured_s", "decision_s", "succeeded", "error")
+    __slots__ = ("failed_instance_id", "detected_by", "generated_tokens", "action", "target_instance_id", "source_instance_id", "split_tokens", "predicted_cost_s", "options", "slo_slack_s", "reason", "policy", "batch_size", "measured_s", "decision_s", "succeeded", "error", "predicted_terms", "measured_terms")
     FAILED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DETECTED_BY_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +97,8 @@ class RecoveryReport(_message.Message):
     DECISION_S_FIELD_NUMBER: _ClassVar[int]
     SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TERMS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TERMS_FIELD_NUMBER: _ClassVar[int]
     failed_instance_id: str
     detected_by: str
     generated_tokens: int
@@ -112,4 +116,6 @@ class RecoveryReport(_message.Message):
     decision_s: float
     succeeded: bool
     error: str
-    def __init__(self, failed_instance_id: _Optional[str] = ..., detected_by: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., action: _Optional[_Union[_common_pb2.RecoveryAction, str]] = ..., target_instance_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., split_tokens: _Optional[int] = ..., predicted_cost_s: _Optional[float] = ..., options: _Optional[_Iterable[_Union[_scheduler_pb2.OptionCost, _Mapping]]] = ..., slo_slack_s: _Optional[float] = ..., reason: _Optional[str] = ..., policy: _Optional[str] = ..., batch_size: _Optional[int] = ..., measured_s: _Optional[float] = ..., decision_s: _Optional[float] = ..., succeeded: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    predicted_terms: _common_pb2.DecisionTerms
+    measured_terms: _common_pb2.DecisionTerms
+    def __init__(self, failed_instance_id: _Optional[str] = ..., detected_by: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., action: _Optional[_Union[_common_pb2.RecoveryAction, str]] = ..., target_instance_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., split_tokens: _Optional[int] = ..., predicted_cost_s: _Optional[float] = ..., options: _Optional[_Iterable[_Union[_scheduler_pb2.OptionCost, _Mapping]]] = ..., slo_slack_s: _Optional[float] = ..., reason: _Optional[str] = ..., policy: _Optional[str] = ..., batch_size: _Optional[int] = ..., measured_s: _Optional[float] = ..., decision_s: _Optional[float] = ..., succeeded: _Optional[bool] = ..., error: _Optional[str] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., measured_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ...) -> None: ...

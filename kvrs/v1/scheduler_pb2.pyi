@@ -43,7 +43,7 @@ class CandidateScore(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., score_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., tier: _Optional[int] = ...) -> None: ...
 
 class SelectDecodeResponse(_message.Message):
-    __slots__ = ("decode_instance_id", "decode_address", "predicted_ttft_s", "transfer_s", "wait_s", "prefix_hit_tokens", "kv_bytes", "transfer", "runner_up_instance_id", "runner_up_ttft_s", "policy", "view_stale", "view_age_s", "decode_transfer_address", "candidates_considered")
+    __slots__ = ("decode_instance_id", "decode_address", "predicted_ttft_s", "transfer_s", "wait_s", "prefix_hit_tokens", "kv_bytes", "transfer", "runner_up_instance_id", "runner_up_ttft_s", "policy", "view_stale", "view_age_s", "decode_transfer_address", "candidates_considered", "predicted_terms")
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class SelectDecodeResponse(_message.Message):
     VIEW_AGE_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_CONSIDERED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TERMS_FIELD_NUMBER: _ClassVar[int]
     decode_instance_id: str
     decode_address: str
     predicted_ttft_s: float
@@ -74,7 +75,8 @@ class SelectDecodeResponse(_message.Message):
     view_age_s: float
     decode_transfer_address: str
     candidates_considered: int
-    def __init__(self, decode_instance_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferEstimate, _Mapping]] = ..., runner_up_instance_id: _Optional[str] = ..., runner_up_ttft_s: _Optional[float] = ..., policy: _Optional[str] = ..., view_stale: _Optional[bool] = ..., view_age_s: _Optional[float] = ..., decode_transfer_address: _Optional[str] = ..., candidates_considered: _Optional[int] = ...) -> None: ...
+    predicted_terms: _common_pb2.DecisionTerms
+    def __init__(self, decode_instance_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferEstimate, _Mapping]] = ..., runner_up_instance_id: _Optional[str] = ..., runner_up_ttft_s: _Optional[float] = ..., policy: _Optional[str] = ..., view_stale: _Optional[bool] = ..., view_age_s: _Optional[float] = ..., decode_transfer_address: _Optional[str] = ..., candidates_considered: _Optional[int] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ...) -> None: ...
 
 class OptionCost(_message.Message):
     __slots__ = ("action", "target_instance_id", "source_instance_id", "cost_s", "wait_s", "transfer_s", "compute_s", "split_tokens", "feasible", "infeasible_reason")
@@ -125,7 +127,7 @@ class RecoverRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., failed_instance_id: _Optional[str] = ..., source_prefill_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., policy: _Optional[str] = ..., source_kv_lost: _Optional[bool] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., skip_slot: _Optional[bool] = ...) -> None: ...
 
 class RecoverResponse(_message.Message):
-    __slots__ = ("request_id", "action", "target_instance_id", "target_address", "source_instance_id", "source_address", "predicted_cost_s", "options", "hybrid_split_tokens", "slot_lease", "reason", "slo_slack_s", "view_stale", "view_age_s", "runner_up", "target_transfer_address", "source_transfer_address")
+    __slots__ = ("request_id", "action", "target_instance_id", "target_address", "source_instance_id", "source_address", "predicted_cost_s", "options", "hybrid_split_tokens", "slot_lease", "reason", "slo_slack_s", "view_stale", "view_age_s", "runner_up", "target_transfer_address", "source_transfer_address", "predicted_terms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     TARGET_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +145,7 @@ class RecoverResponse(_message.Message):
     RUNNER_UP_FIELD_NUMBER: _ClassVar[int]
     TARGET_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TERMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     action: _common_pb2.RecoveryAction
     target_instance_id: str
@@ -160,7 +163,8 @@ class RecoverResponse(_message.Message):
     runner_up: str
     target_transfer_address: str
     source_transfer_address: str
-    def __init__(self, request_id: _Optional[str] = ..., action: _Optional[_Union[_common_pb2.RecoveryAction, str]] = ..., target_instance_id: _Optional[str] = ..., target_address: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., source_address: _Optional[str] = ..., predicted_cost_s: _Optional[float] = ..., options: _Optional[_Iterable[_Union[OptionCost, _Mapping]]] = ..., hybrid_split_tokens: _Optional[int] = ..., slot_lease: _Optional[_Union[_slots_pb2.SlotLease, _Mapping]] = ..., reason: _Optional[str] = ..., slo_slack_s: _Optional[float] = ..., view_stale: _Optional[bool] = ..., view_age_s: _Optional[float] = ..., runner_up: _Optional[str] = ..., target_transfer_address: _Optional[str] = ..., source_transfer_address: _Optional[str] = ...) -> None: ...
+    predicted_terms: _common_pb2.DecisionTerms
+    def __init__(self, request_id: _Optional[str] = ..., action: _Optional[_Union[_common_pb2.RecoveryAction, str]] = ..., target_instance_id: _Optional[str] = ..., target_address: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., source_address: _Optional[str] = ..., predicted_cost_s: _Optional[float] = ..., options: _Optional[_Iterable[_Union[OptionCost, _Mapping]]] = ..., hybrid_split_tokens: _Optional[int] = ..., slot_lease: _Optional[_Union[_slots_pb2.SlotLease, _Mapping]] = ..., reason: _Optional[str] = ..., slo_slack_s: _Optional[float] = ..., view_stale: _Optional[bool] = ..., view_age_s: _Optional[float] = ..., runner_up: _Optional[str] = ..., target_transfer_address: _Optional[str] = ..., source_transfer_address: _Optional[str] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ...) -> None: ...
 
 class RecoverItem(_message.Message):
     __slots__ = ("request_id", "source_prefill_instance_id", "prompt_tokens", "generated_tokens", "deadline_unix_ms", "source_kv_lost")
@@ -199,3 +203,89 @@ class RecoverBatchResponse(_message.Message):
     decisions: _containers.RepeatedCompositeFieldContainer[RecoverResponse]
     planned_makespan_s: float
     def __init__(self, decisions: _Optional[_Iterable[_Union[RecoverResponse, _Mapping]]] = ..., planned_makespan_s: _Optional[float] = ...) -> None: ...
+
+class DecisionOutcome(_message.Message):
+    __slots__ = ("kind", "request_id", "source_instance_id", "target_instance_id", "decided_unix_ms", "predicted", "measured", "kv_bytes", "prefill_tokens", "cached_tokens", "extend_tokens", "target_running_requests")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    request_id: str
+    source_instance_id: str
+    target_instance_id: str
+    decided_unix_ms: int
+    predicted: _common_pb2.DecisionTerms
+    measured: _common_pb2.DecisionTerms
+    kv_bytes: int
+    prefill_tokens: int
+    cached_tokens: int
+    extend_tokens: int
+    target_running_requests: int
+    def __init__(self, kind: _Optional[str] = ..., request_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., target_instance_id: _Optional[str] = ..., decided_unix_ms: _Optional[int] = ..., predicted: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., measured: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extend_tokens: _Optional[int] = ..., target_running_requests: _Optional[int] = ...) -> None: ...
+
+class ReportOutcomeRequest(_message.Message):
+    __slots__ = ("outcome",)
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    outcome: DecisionOutcome
+    def __init__(self, outcome: _Optional[_Union[DecisionOutcome, _Mapping]] = ...) -> None: ...
+
+class ReportOutcomeResponse(_message.Message):
+    __slots__ = ("stored_outcomes",)
+    STORED_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    stored_outcomes: int
+    def __init__(self, stored_outcomes: _Optional[int] = ...) -> None: ...
+
+class GetCorrectionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LinkCorrection(_message.Message):
+    __slots__ = ("src_instance_id", "dst_instance_id", "fixed_s", "bandwidth_bps", "samples")
+    SRC_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    FIXED_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    src_instance_id: str
+    dst_instance_id: str
+    fixed_s: float
+    bandwidth_bps: float
+    samples: int
+    def __init__(self, src_instance_id: _Optional[str] = ..., dst_instance_id: _Optional[str] = ..., fixed_s: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class TermError(_message.Message):
+    __slots__ = ("kind", "term", "p50", "p90", "samples")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    P50_FIELD_NUMBER: _ClassVar[int]
+    P90_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    term: str
+    p50: float
+    p90: float
+    samples: int
+    def __init__(self, kind: _Optional[str] = ..., term: _Optional[str] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class GetCorrectionsResponse(_message.Message):
+    __slots__ = ("links", "compute_factor", "wait_per_decode_s", "errors", "samples")
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    WAIT_PER_DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    links: _containers.RepeatedCompositeFieldContainer[LinkCorrection]
+    compute_factor: float
+    wait_per_decode_s: float
+    errors: _containers.RepeatedCompositeFieldContainer[TermError]
+    samples: int
+    def __init__(self, links: _Optional[_Iterable[_Union[LinkCorrection, _Mapping]]] = ..., compute_factor: _Optional[float] = ..., wait_per_decode_s: _Optional[float] = ..., errors: _Optional[_Iterable[_Union[TermError, _Mapping]]] = ..., samples: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,16 @@ class SchedulerServiceStub:
                 request_serializer=kvrs_dot_v1_dot_scheduler__pb2.RecoverBatchRequest.SerializeToString,
                 response_deserializer=kvrs_dot_v1_dot_scheduler__pb2.RecoverBatchResponse.FromString,
                 _registered_method=True)
+        self.ReportOutcome = channel.unary_unary(
+                '/kvrs.v1.SchedulerService/ReportOutcome',
+                request_serializer=kvrs_dot_v1_dot_scheduler__pb2.ReportOutcomeRequest.SerializeToString,
+                response_deserializer=kvrs_dot_v1_dot_scheduler__pb2.ReportOutcomeResponse.FromString,
+                _registered_method=True)
+        self.GetCorrections = channel.unary_unary(
+                '/kvrs.v1.SchedulerService/GetCorrections',
+                request_serializer=kvrs_dot_v1_dot_scheduler__pb2.GetCorrectionsRequest.SerializeToString,
+                response_deserializer=kvrs_dot_v1_dot_scheduler__pb2.GetCorrectionsResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -75,6 +85,21 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportOutcome(self, request, context):
+        """Reports what an executed decision measured, term by term; stored where every
+        replica reads it, and fitted into the corrections decisions are priced with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCorrections(self, request, context):
+        """The corrections in force and the prediction error per decision kind and term.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +117,16 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.RecoverBatch,
                     request_deserializer=kvrs_dot_v1_dot_scheduler__pb2.RecoverBatchRequest.FromString,
                     response_serializer=kvrs_dot_v1_dot_scheduler__pb2.RecoverBatchResponse.SerializeToString,
+            ),
+            'ReportOutcome': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportOutcome,
+                    request_deserializer=kvrs_dot_v1_dot_scheduler__pb2.ReportOutcomeRequest.FromString,
+                    response_serializer=kvrs_dot_v1_dot_scheduler__pb2.ReportOutcomeResponse.SerializeToString,
+            ),
+            'GetCorrections': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCorrections,
+                    request_deserializer=kvrs_dot_v1_dot_scheduler__pb2.GetCorrectionsRequest.FromString,
+                    response_serializer=kvrs_dot_v1_dot_scheduler__pb2.GetCorrectionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +210,60 @@ class SchedulerService:
             '/kvrs.v1.SchedulerService/RecoverBatch',
             kvrs_dot_v1_dot_scheduler__pb2.RecoverBatchRequest.SerializeToString,
             kvrs_dot_v1_dot_scheduler__pb2.RecoverBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportOutcome(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrs.v1.SchedulerService/ReportOutcome',
+            kvrs_dot_v1_dot_scheduler__pb2.ReportOutcomeRequest.SerializeToString,
+            kvrs_dot_v1_dot_scheduler__pb2.ReportOutcomeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCorrections(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrs.v1.SchedulerService/GetCorrections',
+            kvrs_dot_v1_dot_scheduler__pb2.GetCorrectionsRequest.SerializeToString,
+            kvrs_dot_v1_dot_scheduler__pb2.GetCorrectionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

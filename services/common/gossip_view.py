@@ -6,6 +6,12 @@ gossip is unreachable the last copy keeps serving, flagged stale once it is olde
 `stale_after_s`. The copy is one immutable `DecisionState`, swapped whole, so a decision
 never sees half of a refresh.
 
+Each build applies what executed decisions taught (`kvrs.learning.Corrections`): a link a
+decision has measured is priced with its fitted fixed cost and rate, the compute profile
+is scaled by the measured compute factor, and a decode instance's W(x) grows by its
+measured interference per decoding request plus the work this scheduler assigned to it
+after its last heartbeat (`AssignedWork`).
+
 Gossip keeps failed and departed instances listed for minutes, so an alive instance that
 vanishes from a listing without a trace was lost by the registry (a Redis restart
 without persistence), not by the cluster: it stays in the view, flagged stale, for one
@@ -27,6 +33,7 @@ from kvrs.cluster import ClusterView, InstanceState
 from kvrs.costmodel import CostModel
 from kvrs.errors import DeadlineExceeded, NotFound, Unavailable
 from kvrs.estimator import LinkEstimate
+from kvrs.learning import AssignedWork, Corrections
 from kvrs.network import NetworkModel
 from kvrs.topology import InstanceSpec, LinkId, Location, Role
 from services.common.decision_inputs import DecisionInputs
@@ -36,6 +43,8 @@ log = logging.getLogger(__name__)
 
 UNKNOWN_FREE_KV_TOKENS = 2**62
 """Free KV memory of an instance that registered no KV capacity: never the limit."""
+DOWN_LINK_BPS = 1.0
+"""A probe rate at or below this marks a link down (the prober's DOWN_BANDWIDTH_BPS)."""
 
 
 @dataclass(frozen=True)
@@ -105,8 +114,12 @@ class ViewCache:
         refresh_s: float,
         stale_after_s: float,
         clock: Callable[[], float] = time.time,
+        corrections: Callable[[], Corrections] = Corrections,
+        assigned: AssignedWork | None = None,
     ) -> None:
         self.inputs = inputs
+        self.corrections = corrections
+        self.assigned = assigned
         self.refresh_s = refresh_s
         self.stale_after_s = stale_after_s
         self._source = source
@@ -235,7 +248,7 @@ class ViewCache:
         return tuple(carried)
 
     def _apply_changes(
-        self, previous: DecisionState, snapshot: GossipSnapshot
+        self, previous: DecisionState, snapshot: GossipSnapshot, corrections: Corrections
     ) -> tuple[ClusterView, tuple[str, ...]]:
         """The previous view with the changed instances rebuilt (work in proportion to
         the change), and the instances still carried after the registry lost them."""
@@ -246,7 +259,7 @@ class ViewCache:
             instance_id = node.registration.instance_id
             if not self.is_known(instance_id):
                 self.inputs.topology.add_instance(_instance_spec(node.registration))
-            changed[instance_id] = self._instance_state(node)
+            changed[instance_id] = self._instance_state(node, corrections, now_s)
             self._vanished_at_s.pop(instance_id, None)
             if node.state == ALIVE:
                 self._alive[instance_id] = node
@@ -266,9 +279,10 @@ class ViewCache:
         return cluster, tuple(carried)
 
     def _build(self, snapshot: GossipSnapshot) -> DecisionState:
+        corrections = self.corrections()
         previous = self._state
         if snapshot.changed is not None and previous is not None:
-            cluster, carried_ids = self._apply_changes(previous, snapshot)
+            cluster, carried_ids = self._apply_changes(previous, snapshot, corrections)
         else:
             instances: dict[str, InstanceState] = {}
             carried = self._carry_vanished(snapshot)
@@ -276,7 +290,9 @@ class ViewCache:
                 registration = node.registration
                 if not self.is_known(registration.instance_id):
                     self.inputs.topology.add_instance(_instance_spec(registration))
-                instances[registration.instance_id] = self._instance_state(node)
+                instances[registration.instance_id] = self._instance_state(
+                    node, corrections, snapshot.fetched_at_s
+                )
             cluster = ClusterView(instances=instances, now_s=snapshot.fetched_at_s)
             carried_ids = tuple(record.registration.instance_id for record in carried)
         links = tuple(
@@ -298,11 +314,17 @@ class ViewCache:
                 for link in links
             ),
             tuple(sorted(snapshot.flows.items())),
+            corrections.key(),
         )
         if previous is not None and previous.telemetry_key == key:
             cost = previous.cost
         else:
-            cost = CostModel(self.inputs.model, self.inputs.compute, self._network(snapshot, links))
+            cost = CostModel(
+                self.inputs.model,
+                corrections.compute_profile(self.inputs.compute),
+                self._network(snapshot, links, corrections),
+                margins=corrections.margins(),
+            )
         return DecisionState(
             cost=cost,
             cluster=cluster,
@@ -312,30 +334,60 @@ class ViewCache:
             carried_ids=frozenset(carried_ids),
         )
 
-    def _network(self, snapshot: GossipSnapshot, links: tuple[LinkRecord, ...]) -> NetworkModel:
+    def _network(
+        self, snapshot: GossipSnapshot, links: tuple[LinkRecord, ...], corrections: Corrections
+    ) -> NetworkModel:
         """A network model priced from the links' measurements and the flows in flight.
 
         A measurement's time is the gossip store's clock (`measured_unix_ms`), the same
         clock for every replica, so an unchanged measurement keeps its age across refreshes.
+        A path decisions have measured takes their fixed cost and rate instead of the
+        probe's (probes move one size class; decisions move KV of every size, under the
+        load the cluster really carries) — unless its probe says it is down.
         """
         network = NetworkModel(self.inputs.topology, self.inputs.staleness)
+        fitted = dict(corrections.links)
         for link in links:
             sample = link.sample
+            pair = (sample.src_instance_id, sample.dst_instance_id)
+            learned = fitted.pop(pair, None)
+            if learned is not None and sample.bandwidth_bps > DOWN_LINK_BPS:
+                bandwidth_bps, rtt_s = learned.bandwidth_bps, learned.fixed_s
+            else:
+                bandwidth_bps, rtt_s = sample.bandwidth_bps, sample.rtt_s
             network.set_link_estimate(
-                sample.src_instance_id,
-                sample.dst_instance_id,
+                *pair,
                 LinkEstimate(
-                    bandwidth_bps=sample.bandwidth_bps,
-                    rtt_s=sample.rtt_s,
+                    bandwidth_bps=bandwidth_bps,
+                    rtt_s=rtt_s,
                     measured_at_s=link.measured_unix_ms / 1000.0,
                     samples=sample.samples,
                 ),
             )
+        for (src_id, dst_id), learned in fitted.items():
+            if self._in_topology(src_id) and self._in_topology(dst_id):
+                network.set_link_estimate(
+                    src_id,
+                    dst_id,
+                    LinkEstimate(
+                        bandwidth_bps=learned.bandwidth_bps,
+                        rtt_s=learned.fixed_s,
+                        measured_at_s=snapshot.fetched_at_s,
+                        samples=learned.samples,
+                    ),
+                )
         network.set_flows(self._link_flows(snapshot.flows))
         return network
 
-    def _instance_state(self, node: NodeRecord) -> InstanceState:
+    def _instance_state(
+        self, node: NodeRecord, corrections: Corrections, now_s: float
+    ) -> InstanceState:
         registration, load = node.registration, node.load
+        wait_s = load.queued_work_s
+        if registration.role == Role.DECODE.value:
+            wait_s += corrections.wait_per_decode_s * load.running_requests
+        if self.assigned is not None:
+            wait_s += self.assigned.pending_s(registration.instance_id, now_s, now_s - node.age_s)
         if registration.kv_capacity_blocks > 0:
             free_kv_tokens = load.free_kv_blocks * self.inputs.model.block_tokens
         else:
@@ -343,7 +395,7 @@ class ViewCache:
         return InstanceState(
             instance_id=registration.instance_id,
             role=Role(registration.role),
-            wait_s=load.queued_work_s,
+            wait_s=wait_s,
             queue_depth=load.queue_depth,
             running_requests=load.running_requests,
             free_kv_tokens=free_kv_tokens,

@@ -52,6 +52,21 @@ class Metrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        self.prediction_ratio = Histogram(
+            "kvrs_prediction_ratio",
+            "Measured / predicted seconds of each executed decision, by decision kind "
+            "(placement, migrate, recompute, hybrid) and term (kvrs.learning.TERMS).",
+            ["kind", "term"],
+            buckets=(0.125, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 8, 16),
+            registry=r,
+        )
+        self.prediction_error = Histogram(
+            "kvrs_prediction_error",
+            "|measured - predicted| / measured of each executed decision, by kind and term.",
+            ["kind", "term"],
+            buckets=(0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 0.9, 1.0),
+            registry=r,
+        )
         self.telemetry_age_s = Gauge(
             "kvrs_telemetry_age_seconds",
             "Age of the cluster view a decision used.",

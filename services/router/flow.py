@@ -13,11 +13,17 @@
 The router keeps the tokens the client has received; a recovery continues from exactly
 there, so the client sees one stream with no token repeated or missing. Nothing here
 speaks gRPC: `peers.py` supplies the workers and the control plane.
+
+Every executed decision (the placement, each recovery) is measured term by term next to
+its prediction once the next token streams, and reported: a `kvrs.outcome` event on the
+request's span, the `kvrs_prediction_*` histograms, and ReportOutcome to the scheduler,
+which fits its corrections from them (`kvrs.learning`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -35,6 +41,7 @@ from kvrs.errors import (
     NotFound,
     Unavailable,
 )
+from kvrs.learning import TERMS, Outcome, Terms, relative_error
 from kvrs.profile import ComputeProfile
 from kvrs.recovery import Action
 from kvrs.tokenizer import prefix_block_hashes
@@ -47,6 +54,7 @@ from services.router.records import (
     DETECTED_BY_GOSSIP,
     DETECTED_BY_STREAM,
     FINISH_ABORT,
+    Awaiting,
     Decision,
     Endpoint,
     GenerateInput,
@@ -90,6 +98,8 @@ class Control(Protocol):
     async def renew_slot(self, lease_id: str) -> int: ...
 
     async def release_slot(self, lease_id: str) -> bool: ...
+
+    async def report_outcome(self, outcome: Outcome) -> None: ...
 
 
 class Aborted(Exception):
@@ -138,6 +148,7 @@ class Router:
         self._decoding: dict[str, set[Run]] = {}
         self._inboxes: dict[Run, tuple[str, asyncio.Queue]] = {}
         self._prefill_inflight_s: dict[str, float] = {}
+        self._reports: set[asyncio.Task] = set()
         membership.add_failure_listener(self._gossip_failure)
         # Every action's series exists from the start, at zero: a dashboard shows "0
         # recoveries" rather than no data until the first failure.
@@ -167,6 +178,7 @@ class Router:
                 }
             )
             run.summary.trace_id = format(span.get_span_context().trace_id, "032x")
+            run.span = span
             try:
                 first = await self._prefill(run)
                 run.generated.append(first)
@@ -296,6 +308,7 @@ class Router:
         """
         request = run.request
         assert run.prefill is not None
+        decided_unix_s = time.time()
         with self.tracer.start_as_current_span("router.select_decode"):
             placement = await self.control.select_decode(
                 request.request_id,
@@ -312,6 +325,8 @@ class Router:
         # Counted among the instance's requests from now on, so a failure during the pull
         # is planned together with the requests already decoding there.
         self._attach(run, placement.decode, asyncio.Queue())
+        started = time.monotonic()
+        running = self.decoding_on(placement.decode.instance_id) - 1
         try:
             pulled = await self.executor.pull(
                 run,
@@ -324,10 +339,30 @@ class Router:
             )
         except StepFailed as failed:
             return failed.lost
+        kv_ready_s = time.monotonic()
         summary.kv_transfer_s = pulled.transfer_s
         summary.kv_bytes = pulled.kv_bytes
         self.metrics.transfer_bytes.labels(direction="placement").inc(pulled.kv_bytes)
         run.decode, run.kv_id = placement.decode, run.prefill_kv_id
+        run.awaiting = Awaiting(
+            kind="placement",
+            source_id=run.prefill.instance_id,
+            target_id=placement.decode.instance_id,
+            decided_unix_s=decided_unix_s,
+            started_s=started,
+            kv_ready_s=kv_ready_s,
+            predicted=_with(placement.predicted, prefill_s=self.profile.prefill_s(prompt_tokens)),
+            measured=Terms(
+                setup_s=max(0.0, kv_ready_s - started - pulled.transfer_s),
+                stream_s=pulled.transfer_s,
+                prefill_s=summary.prefill_s,
+            ),
+            kv_bytes=pulled.kv_bytes,
+            prefill_tokens=prompt_tokens,
+            cached_tokens=prompt_tokens,
+            extend_tokens=1,
+            target_running=running,
+        )
         return None
 
     # -- decode and recovery --------------------------------------------------------
@@ -378,13 +413,15 @@ class Router:
                         f"decode stream silent for {idle_s:.1f} s",
                     )
                 if isinstance(item, tuple):
-                    index, token_id = item
+                    index, token_id, step_s = item
                     if index != len(run.generated):
                         raise KvrsError(
                             f"{at.instance_id} streamed index {index} where "
                             f"{len(run.generated)} was next"
                         )
                     run.generated.append(token_id)
+                    if run.awaiting is not None:
+                        self._outcome(run, run.awaiting, step_s)
                     yield Token(index, token_id)
                 elif isinstance(item, _End):
                     if run.remaining_tokens > 0:
@@ -503,24 +540,111 @@ class Router:
             if decision.action is Action.ABORT:
                 record.error = decision.reason
                 raise Aborted(_abort_error(run, decision))
+            decided_unix_s = time.time()
+            running = self.decoding_on(decision.target.instance_id)
             started = time.monotonic()
             try:
                 with self.tracer.start_as_current_span("router.recover.execute"):
-                    await self.executor.execute(run, decision)
+                    steps, moved_bytes = await self.executor.execute(run, decision)
             except StepFailed as failed:
                 record.measured_s = time.monotonic() - started
                 record.error = str(failed)
                 span.set_attribute("kvrs.recovery.error", record.error)
                 return failed.lost
-            record.measured_s = time.monotonic() - started
+            kv_ready_s = time.monotonic()
+            record.measured_s = kv_ready_s - started
+            record.measured = _with(steps, total_s=record.measured_s)
             record.succeeded = True
             span.set_attribute("kvrs.recovery.measured_s", record.measured_s)
+            span.set_attributes(_term_attributes(decision.predicted, record.measured))
             action = decision.action.value
             self.metrics.recovery_predicted_s.labels(action=action).observe(
                 decision.predicted_cost_s
             )
             self.metrics.recovery_actual_s.labels(action=action).observe(record.measured_s)
+            prompt_tokens = len(request.prompt)
+            if decision.action is Action.RECOMPUTE:
+                context = prompt_tokens + len(run.generated) - 1
+                prefill_tokens, cached, extended = context, context, 1
+            else:
+                split = decision.split_tokens if decision.action is Action.HYBRID else 0
+                prefill_tokens, cached, extended = split, prompt_tokens, len(run.generated)
+            run.awaiting = Awaiting(
+                kind=action,
+                source_id=decision.source.instance_id,
+                target_id=decision.target.instance_id,
+                decided_unix_s=decided_unix_s,
+                started_s=started,
+                kv_ready_s=kv_ready_s,
+                predicted=decision.predicted,
+                measured=record.measured,
+                kv_bytes=moved_bytes,
+                prefill_tokens=prefill_tokens,
+                cached_tokens=cached,
+                extend_tokens=extended,
+                target_running=running,
+                record=record,
+            )
             return None
+
+    def _outcome(self, run: Run, awaiting: Awaiting, step_s: float) -> None:
+        """Completes an executed decision's measurement at its first token and reports it."""
+        run.awaiting = None
+        now_s = time.monotonic()
+        first_token_s = now_s - awaiting.started_s
+        predicted = _with(awaiting.predicted, first_token_s=awaiting.predicted.total_s)
+        if awaiting.kind == "placement":
+            # The decode instance fed the first token as an extend: its wait and compute.
+            measured = _with(
+                awaiting.measured,
+                target_wait_s=max(0.0, now_s - awaiting.kv_ready_s - step_s),
+                extend_s=step_s,
+                total_s=first_token_s,
+                first_token_s=first_token_s,
+            )
+            run.summary.placement_measured_s = first_token_s
+        else:
+            measured = _with(awaiting.measured, first_token_s=first_token_s)
+            if awaiting.record is not None:
+                awaiting.record.measured = measured
+        outcome = Outcome(
+            kind=awaiting.kind,
+            request_id=run.request.request_id,
+            source_id=awaiting.source_id,
+            target_id=awaiting.target_id,
+            at_s=awaiting.decided_unix_s,
+            predicted=predicted,
+            measured=measured,
+            kv_bytes=awaiting.kv_bytes,
+            prefill_tokens=awaiting.prefill_tokens,
+            cached_tokens=awaiting.cached_tokens,
+            extend_tokens=awaiting.extend_tokens,
+            target_running=awaiting.target_running,
+        )
+        for term in TERMS:
+            p, m = getattr(predicted, term), getattr(measured, term)
+            if p <= 0.0 and m <= 0.0:
+                continue
+            self.metrics.prediction_error.labels(outcome.kind, term).observe(relative_error(p, m))
+            if p > 0.0:
+                self.metrics.prediction_ratio.labels(outcome.kind, term).observe(m / p)
+        if run.span is not None:
+            run.span.add_event(
+                "kvrs.outcome",
+                {"kvrs.outcome.kind": outcome.kind, **_term_attributes(predicted, measured)},
+            )
+        task = asyncio.get_running_loop().create_task(self._report(outcome))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report(self, outcome: Outcome) -> None:
+        try:
+            await self.control.report_outcome(outcome)
+        except KvrsError as exc:
+            # The measurement is on the span and the metrics already; the fit misses one.
+            log.info(
+                "reporting the %s outcome of %s failed: %s", outcome.kind, outcome.request_id, exc
+            )
 
     async def _decide(
         self, run: Run, lost: Lost, batchable: bool, record: RecoveryRecord
@@ -594,6 +718,21 @@ def _abort_error(run: Run, decision: Decision) -> KvrsError:
             f"slack {decision.slo_slack_s:.3f} s)"
         )
     return Unavailable(why)
+
+
+def _with(terms: Terms, **values: float) -> Terms:
+    return dataclasses.replace(terms, **values)
+
+
+def _term_attributes(predicted: Terms, measured: Terms) -> dict[str, float]:
+    """`kvrs.predicted.<term>` and `kvrs.measured.<term>` of every term either side has."""
+    attributes: dict[str, float] = {}
+    for term in TERMS:
+        p, m = getattr(predicted, term), getattr(measured, term)
+        if p > 0.0 or m > 0.0:
+            attributes[f"kvrs.predicted.{term}"] = p
+            attributes[f"kvrs.measured.{term}"] = m
+    return attributes
 
 
 def _annotate_decision(span: Span, decision: Decision) -> None:

@@ -13,9 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvrs.client import KvrsClient
+from kvrs.learning import Outcome
 from kvrs.recovery import Action
 from kvrs.v1 import scheduler_pb2
 from services.common.core_pb import ACTION_FROM_PB, option_from_pb
+from services.common.outcomes import outcome_to_pb, terms_from_pb
 from services.router.records import Decision, Endpoint, Placement
 
 
@@ -59,6 +61,7 @@ class ControlPlane:
             predicted_ttft_s=reply.predicted_ttft_s,
             kv_bytes=reply.kv_bytes,
             policy=reply.policy,
+            predicted=terms_from_pb(reply.predicted_terms),
         )
 
     async def recover(
@@ -101,6 +104,9 @@ class ControlPlane:
         )
         return [decision_from_pb(d, batch_size=len(items)) for d in reply.decisions]
 
+    async def report_outcome(self, outcome: Outcome) -> None:
+        await self.client.report_outcome(outcome_to_pb(outcome))
+
     async def renew_slot(self, lease_id: str) -> int:
         """Extends a lease; returns its new expiry (unix ms)."""
         lease = await self.client.renew_slot(lease_id)
@@ -125,4 +131,5 @@ def decision_from_pb(reply: scheduler_pb2.RecoverResponse, batch_size: int) -> D
         lease_id=lease.lease_id if lease is not None and lease.lease_id else "",
         lease_expires_unix_ms=lease.expires_unix_ms if lease is not None else 0,
         batch_size=batch_size,
+        predicted=terms_from_pb(reply.predicted_terms),
     )

@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Span
+
 from kvrs.errors import InvalidArgument
+from kvrs.learning import Terms
 from kvrs.placement import PLACEMENT_POLICY_NAMES
 from kvrs.recovery import RECOVERY_POLICY_NAMES, Action, OptionCost
 from services.worker.client import Endpoint
@@ -72,6 +75,8 @@ class Placement:
     predicted_ttft_s: float
     kv_bytes: int
     policy: str
+    predicted: Terms = Terms()
+    """The prediction term by term (with the first token's extend)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,8 @@ class Decision:
     """The migration slot the scheduler reserved (MIGRATE / HYBRID); "" = none."""
     lease_expires_unix_ms: int = 0
     batch_size: int = 1
+    predicted: Terms = Terms()
+    """predicted_cost_s term by term."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ class RecoveryRecord:
     measured_s: float = 0.0
     succeeded: bool = False
     error: str = ""
+    measured: Terms = Terms()
+    """measured_s term by term (first_token_s once the new decode instance streamed)."""
 
 
 @dataclass
@@ -136,6 +145,8 @@ class Summary:
     kv_bytes: int = 0
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     trace_id: str = ""
+    placement_measured_s: float = 0.0
+    """SelectDecode's answer to the first decoded token."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +161,29 @@ class Lost:
     unreachable: bool = True
     """The instance does not answer at all (nothing more is sent to it, not even a
     release); False when it answered with an error (e.g. its KV was evicted)."""
+
+
+@dataclass
+class Awaiting:
+    """An executed decision whose outcome is complete once the next token streams."""
+
+    kind: str
+    """kvrs.learning KINDS: "placement" or the recovery action."""
+    source_id: str
+    target_id: str
+    decided_unix_s: float
+    started_s: float
+    """Monotonic time the router received the decision."""
+    kv_ready_s: float
+    """Monotonic time the KV was ready on the target."""
+    predicted: Terms
+    measured: Terms
+    kv_bytes: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    extend_tokens: int = 0
+    target_running: int = 0
+    record: RecoveryRecord | None = None
 
 
 @dataclass(eq=False)
@@ -178,6 +212,10 @@ class Run:
     recomputes: int = 0
     pending_loss: Lost | None = None
     """Set when a decode phase ended because its instance was lost."""
+    awaiting: Awaiting | None = None
+    """The decision whose outcome waits for the next streamed token."""
+    span: Span | None = None
+    """The request's span (outcomes land on it as events)."""
 
     @property
     def remaining_tokens(self) -> int:

@@ -14,6 +14,11 @@ every generated token, ready to decode token n:
 Any step that fails names the instance that stopped answering in a `StepFailed`, so the
 caller can decide again without it (a lost source means RECOMPUTE). The migration slot
 the scheduler reserved is renewed while the steps run and released after them.
+
+Each step is timed at the router and by the worker that ran it, which together split
+the decision's time into the terms the scheduler predicted (`kvrs.learning.Terms`):
+a call's wall time less the worker's compute is its queue wait (and call overhead); a
+pull's wall time less its time on the wire is its set-up.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from typing import Protocol
 from opentelemetry.trace import Tracer
 
 from kvrs.errors import InvalidArgument, KvrsError
+from kvrs.learning import Terms
 from kvrs.recovery import Action
 from services.router.records import DETECTED_BY_TRANSFER, Decision, Endpoint, Lost, Run
-from services.worker.client import Prefilled, Pulled
+from services.worker.client import Extended, Prefilled, Pulled
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +47,7 @@ ALIVE_CHECK_TIMEOUT_S = 0.5
 class Workers(Protocol):
     async def prefill(self, at: Endpoint, kv_id: str, prompt: Sequence[int]) -> Prefilled: ...
 
-    async def extend(self, at: Endpoint, kv_id: str, tokens: Sequence[int]) -> int: ...
+    async def extend(self, at: Endpoint, kv_id: str, tokens: Sequence[int]) -> Extended: ...
 
     async def pull_kv(
         self,
@@ -62,7 +68,7 @@ class Workers(Protocol):
         generated: Sequence[int],
         max_new_tokens: int,
         release_when_done: bool,
-    ) -> AsyncIterator[tuple[int, int]]: ...
+    ) -> AsyncIterator[tuple[int, int, float]]: ...
 
     async def release_kv(
         self, at: Endpoint, kv_id: str, timeout_s: float | None = None
@@ -93,18 +99,19 @@ class RecoveryExecutor:
         self.slots = slots
         self.tracer = tracer
 
-    async def execute(self, run: Run, decision: Decision) -> None:
-        """Leaves `run.decode` / `run.kv_id` on the target, ready to decode.
+    async def execute(self, run: Run, decision: Decision) -> tuple[Terms, int]:
+        """Leaves `run.decode` / `run.kv_id` on the target, ready to decode; returns the
+        measured terms of the steps (total_s and first_token_s are the caller's) and the
+        KV bytes moved.
 
         Raises StepFailed naming the instance that failed; InvalidArgument passes through.
         """
         async with self._slot(decision):
             if decision.action is Action.RECOMPUTE:
-                await self._recompute(run, decision)
-            elif decision.action in (Action.MIGRATE, Action.HYBRID):
-                await self._migrate(run, decision)
-            else:
-                raise InvalidArgument("action", f"{decision.action.value} has no steps")
+                return await self._recompute(run, decision)
+            if decision.action in (Action.MIGRATE, Action.HYBRID):
+                return await self._migrate(run, decision)
+            raise InvalidArgument("action", f"{decision.action.value} has no steps")
 
     async def pull(
         self,
@@ -150,7 +157,7 @@ class RecoveryExecutor:
             )
             return pulled
 
-    async def _migrate(self, run: Run, decision: Decision) -> None:
+    async def _migrate(self, run: Run, decision: Decision) -> tuple[Terms, int]:
         prompt = run.request.prompt
         assert run.prefill is not None
         source = (
@@ -163,18 +170,28 @@ class RecoveryExecutor:
             # PullKv needs at least one token to move; k = L would be a full recompute.
             split = max(0, min(decision.split_tokens, len(prompt) - 1))
         kv_id = run.prefill_kv_id
-        await self.pull(
+        started = time.monotonic()
+        pulled = await self.pull(
             run, decision.target, kv_id, source, split, len(prompt), len(prompt), prompt[:split]
         )
-        await self._extend(run, decision.target, kv_id, run.generated)
+        pull_s = time.monotonic() - started
+        target_wait_s, extend_s = await self._extend(run, decision.target, kv_id, run.generated)
         run.decode, run.kv_id = decision.target, kv_id
+        return Terms(
+            target_wait_s=target_wait_s,
+            setup_s=max(0.0, pull_s - max(pulled.transfer_s, pulled.recompute_s)),
+            stream_s=pulled.transfer_s,
+            prefill_s=pulled.recompute_s,
+            extend_s=extend_s,
+        ), pulled.kv_bytes
 
-    async def _recompute(self, run: Run, decision: Decision) -> None:
+    async def _recompute(self, run: Run, decision: Decision) -> tuple[Terms, int]:
         run.recomputes += 1
         kv_id = f"{run.request.request_id}~r{run.recomputes}"
         context = [*run.request.prompt, *run.generated[:-1]]
         source = decision.source
         run.hold(source, kv_id)
+        started = time.monotonic()
         with self.tracer.start_as_current_span("router.prefill") as span:
             span.set_attributes(
                 {
@@ -189,6 +206,7 @@ class RecoveryExecutor:
                 raise
             except KvrsError as exc:
                 raise StepFailed(await self._lost_one(run, source, exc)) from exc
+        prefill_call_s = time.monotonic() - started
         if prefilled.first_token_id != run.generated[-1]:
             log.warning(
                 "recompute of %s on %s predicts token %d where %d was generated",
@@ -197,15 +215,32 @@ class RecoveryExecutor:
                 prefilled.first_token_id,
                 run.generated[-1],
             )
-        await self.pull(
+        started = time.monotonic()
+        pulled = await self.pull(
             run, decision.target, kv_id, source, 0, len(context), len(run.request.prompt)
         )
-        await self._extend(run, decision.target, kv_id, run.generated[-1:])
+        pull_s = time.monotonic() - started
+        target_wait_s, extend_s = await self._extend(
+            run, decision.target, kv_id, run.generated[-1:]
+        )
         run.decode, run.kv_id = decision.target, kv_id
         # The recompute's KV holds the prompt too: later migrations pull from it.
         run.prefill, run.prefill_kv_id, run.prefill_kv_lost = source, kv_id, False
+        return Terms(
+            source_wait_s=max(0.0, prefill_call_s - prefilled.prefill_s),
+            target_wait_s=target_wait_s,
+            setup_s=max(0.0, pull_s - pulled.transfer_s),
+            stream_s=pulled.transfer_s,
+            prefill_s=prefilled.prefill_s,
+            extend_s=extend_s,
+        ), pulled.kv_bytes
 
-    async def _extend(self, run: Run, at: Endpoint, kv_id: str, tokens: Sequence[int]) -> None:
+    async def _extend(
+        self, run: Run, at: Endpoint, kv_id: str, tokens: Sequence[int]
+    ) -> tuple[float, float]:
+        """The extend's (wait, compute) seconds: its call's wall time less its forward pass,
+        and the forward pass."""
+        started = time.monotonic()
         with self.tracer.start_as_current_span("router.extend") as span:
             span.set_attributes(
                 {
@@ -215,11 +250,12 @@ class RecoveryExecutor:
                 }
             )
             try:
-                await self.workers.extend(at, kv_id, tokens)
+                extended = await self.workers.extend(at, kv_id, tokens)
             except InvalidArgument:
                 raise
             except KvrsError as exc:
                 raise StepFailed(await self._lost_one(run, at, exc)) from exc
+        return max(0.0, time.monotonic() - started - extended.extend_s), extended.extend_s
 
     async def _who_failed(
         self, run: Run, target: Endpoint, source: Endpoint, exc: KvrsError

@@ -9,6 +9,7 @@ import grpc
 
 from kvrs.v1 import router_pb2, router_pb2_grpc
 from services.common.core_pb import ACTION_TO_PB, option_to_pb
+from services.common.outcomes import terms_to_pb
 from services.router.flow import Router
 from services.router.records import GenerateInput, RecoveryRecord, Summary, Token
 
@@ -38,6 +39,7 @@ def recovery_to_pb(record: RecoveryRecord) -> router_pb2.RecoveryReport:
         succeeded=record.succeeded,
         error=record.error,
         slo_slack_s=math.inf,
+        measured_terms=terms_to_pb(record.measured),
     )
     decision = record.decision
     if decision is not None:
@@ -50,6 +52,7 @@ def recovery_to_pb(record: RecoveryRecord) -> router_pb2.RecoveryReport:
         report.slo_slack_s = decision.slo_slack_s
         report.reason = decision.reason
         report.batch_size = decision.batch_size
+        report.predicted_terms.CopyFrom(terms_to_pb(decision.predicted))
     return report
 
 
@@ -71,6 +74,7 @@ def summary_to_pb(summary: Summary) -> router_pb2.GenerateSummary:
         kv_bytes=summary.kv_bytes,
         recoveries=[recovery_to_pb(record) for record in summary.recoveries],
         trace_id=summary.trace_id,
+        placement_measured_s=summary.placement_measured_s,
     )
 
 

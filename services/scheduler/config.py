@@ -16,6 +16,7 @@ from services.common import (
     ConfigError,
     GrpcSettings,
     RedisTls,
+    env_bool,
     env_float,
     env_int,
     env_str,
@@ -46,9 +47,10 @@ class Config:
     with the broker's own script (one round trip, the same caps, published by the broker);
     `broker` asks the slot broker over gRPC. Default: `redis` when REDIS_URL is set."""
     redis_url: str = DEFAULT_REDIS_URL
-    """REDIS_URL: the slot broker's Redis (used when reserving there directly)."""
+    """REDIS_URL: the slot broker's Redis (used when reserving there directly), which
+    also holds the shared outcome log."""
     redis_prefix: str = DEFAULT_KEY_PREFIX
-    """KVRS_REDIS_PREFIX: the slot broker's key prefix."""
+    """KVRS_REDIS_PREFIX: the slot broker's key prefix (and the outcome log's)."""
     redis_tls: RedisTls = RedisTls()
     """KVRS_REDIS_TLS_*: TLS material for a rediss:// Redis."""
     placement_policy: str = "netkv"
@@ -75,6 +77,13 @@ class Config:
     """SCHEDULER_RECOVER_REPLAY_ENTRIES: at most this many decisions are remembered."""
     metrics_addr: str = ""
     """KVRS_METRICS_ADDR: host:port of the Prometheus endpoint; empty = off."""
+    learning: bool = True
+    """SCHEDULER_LEARNING: price decisions with the corrections fitted from reported
+    outcomes (1, the default) or with the base model alone (0)."""
+    learning_refresh_s: float = 1.0
+    """SCHEDULER_LEARNING_REFRESH_S: how often the shared outcome log is re-read and refitted."""
+    outcome_capacity: int = 2048
+    """SCHEDULER_OUTCOME_CAPACITY: outcomes the shared log keeps (the newest)."""
     inputs: InputsConfig = field(default_factory=InputsConfig)
     """KVRS_TOPOLOGY_FILE, KVRS_MODEL, KVRS_PROFILE_FILE, KVRS_TELEMETRY_STALE_AFTER_S."""
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
@@ -104,6 +113,9 @@ class Config:
             recover_replay_s=env_float("SCHEDULER_RECOVER_REPLAY_S", 30.0, env),
             recover_replay_entries=env_int("SCHEDULER_RECOVER_REPLAY_ENTRIES", 4096, env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
+            learning=env_bool("SCHEDULER_LEARNING", True, env),
+            learning_refresh_s=env_float("SCHEDULER_LEARNING_REFRESH_S", 1.0, env),
+            outcome_capacity=env_int("SCHEDULER_OUTCOME_CAPACITY", 2048, env),
             inputs=InputsConfig.from_env(env),
             grpc=GrpcSettings.from_env(env),
         )
@@ -117,6 +129,8 @@ class Config:
             ("SCHEDULER_VIEW_STALE_AFTER_S", self.view_stale_after_s),
             ("SCHEDULER_PEER_TIMEOUT_S", self.peer_timeout_s),
             ("SCHEDULER_RECOVER_REPLAY_ENTRIES", self.recover_replay_entries),
+            ("SCHEDULER_LEARNING_REFRESH_S", self.learning_refresh_s),
+            ("SCHEDULER_OUTCOME_CAPACITY", self.outcome_capacity),
         )
         for name, value in (
             ("SCHEDULER_SLOT_TTL_S", self.slot_ttl_s),

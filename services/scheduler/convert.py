@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from kvrs.learning import Corrections
 from kvrs.v1 import scheduler_pb2, slots_pb2
 from services.common.core_pb import ACTION_TO_PB, option_to_pb, transfer_to_pb
+from services.common.outcomes import terms_to_pb
 from services.scheduler.leases import Lease
 from services.scheduler.records import (
     BatchOutcome,
@@ -42,6 +44,7 @@ def selection_to_pb(selection: Selection) -> scheduler_pb2.SelectDecodeResponse:
         view_stale=selection.view_stale,
         view_age_s=selection.view_age_s,
         candidates_considered=placement.candidates_considered,
+        predicted_terms=terms_to_pb(selection.predicted),
     )
     if placement.runner_up is not None:
         response.runner_up_instance_id = placement.runner_up.instance_id
@@ -110,6 +113,7 @@ def recovery_to_pb(outcome: RecoveryOutcome) -> scheduler_pb2.RecoverResponse:
         slo_slack_s=decision.slack_s,
         view_stale=outcome.view_stale,
         view_age_s=outcome.view_age_s,
+        predicted_terms=terms_to_pb(outcome.predicted),
     )
     if outcome.lease is not None:
         response.slot_lease.CopyFrom(_lease_to_pb(outcome.lease))
@@ -123,4 +127,28 @@ def batch_to_pb(outcome: BatchOutcome) -> scheduler_pb2.RecoverBatchResponse:
     return scheduler_pb2.RecoverBatchResponse(
         decisions=[recovery_to_pb(item) for item in outcome.outcomes],
         planned_makespan_s=outcome.makespan_s,
+    )
+
+
+def corrections_to_pb(corrections: Corrections) -> scheduler_pb2.GetCorrectionsResponse:
+    return scheduler_pb2.GetCorrectionsResponse(
+        links=[
+            scheduler_pb2.LinkCorrection(
+                src_instance_id=src_id,
+                dst_instance_id=dst_id,
+                fixed_s=link.fixed_s,
+                bandwidth_bps=link.bandwidth_bps,
+                samples=link.samples,
+            )
+            for (src_id, dst_id), link in sorted(corrections.links.items())
+        ],
+        compute_factor=corrections.compute_factor,
+        wait_per_decode_s=corrections.wait_per_decode_s,
+        errors=[
+            scheduler_pb2.TermError(
+                kind=kind, term=term, p50=stats.p50, p90=stats.p90, samples=stats.samples
+            )
+            for (kind, term), stats in sorted(corrections.errors.items())
+        ],
+        samples=corrections.samples,
     )

@@ -26,6 +26,14 @@ from kvrs.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvrs.learning import (
+    AssignedWork,
+    Corrections,
+    Outcome,
+    chosen_option,
+    placement_terms,
+    recovery_terms,
+)
 from kvrs.network import TransferEstimate
 from kvrs.placement import PlacementPolicy, PlacementRequest, make_placement_policy
 from kvrs.recovery import (
@@ -40,6 +48,7 @@ from services.common.gossip_view import DecisionView, ViewCache
 from services.common.metrics import Metrics
 from services.scheduler import spans
 from services.scheduler.leases import Lease, SlotBroker
+from services.scheduler.outcomes import Learning
 from services.scheduler.records import (
     NEEDS_SLOT,
     BatchOutcome,
@@ -68,8 +77,12 @@ class Scheduler:
         recent: RecentRecoveries,
         clock: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
+        learning: Learning | None = None,
+        assigned: AssignedWork | None = None,
     ) -> None:
         self.view = view
+        self.learning = learning
+        self.assigned = assigned
         self.metrics = metrics
         self.slots = slots
         self.tracer = tracer
@@ -164,6 +177,7 @@ class Scheduler:
             transfer_address=chosen.transfer_address,
             view_age_s=view.age_s,
             view_stale=view.stale,
+            predicted=placement_terms(placement, request.prompt_tokens, view.cost),
         )
 
     # -- Recover --------------------------------------------------------------------------
@@ -280,6 +294,7 @@ class Scheduler:
             view_age_s=view.age_s,
             view_stale=view.stale,
             transfer=_chosen_transfer(core_request, decision, view) if priced else None,
+            predicted=recovery_terms(decision, core_request, view.cost, view.cluster.now_s),
         )
 
     def _core_request(self, request: RecoverInput, view: DecisionView) -> RecoveryRequest:
@@ -405,8 +420,38 @@ class Scheduler:
             )
         return await self._hold_slot(core_request, decision, policy, view, skip_slot)
 
+    # -- outcomes ---------------------------------------------------------------------------
+
+    async def report_outcome(self, outcome: Outcome) -> int:
+        """Stores an executed decision's outcome and refits; the outcomes held now."""
+        if self.learning is None:
+            raise FailedPrecondition("this scheduler keeps no outcomes")
+        return await self.learning.record(outcome)
+
+    def corrections(self) -> Corrections:
+        """The corrections in force (neutral ones when this scheduler does not learn)."""
+        return Corrections() if self.learning is None else self.learning.corrections
+
+    def _assign(self, instance_id: str, work_s: float) -> None:
+        """Counts `work_s` just sent to `instance_id` in its W(x) until a heartbeat does."""
+        if self.assigned is None or work_s <= 0.0:
+            return
+        self.assigned.add(instance_id, self._clock(), work_s)
+        self.view.request_refresh()
+
     def _record(self, kind: str, outcomes: Sequence[RecoveryOutcome], started: float) -> None:
-        """Counts each decision by action, its predicted cost and its slot outcome."""
+        """Counts each decision by action, its predicted cost and its slot outcome, and
+        counts its compute in W(x) of the instance that runs it."""
+        for outcome in outcomes:
+            decision = outcome.decision
+            option = chosen_option(decision)
+            if option is not None:
+                worker = (
+                    decision.source_id
+                    if decision.action is Action.RECOMPUTE
+                    else decision.target_id
+                )
+                self._assign(worker, option.compute_s)
         metrics = self.metrics
         if metrics is None:
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvrs.learning import Terms
 from kvrs.network import TransferEstimate
 from kvrs.placement import Placement
 from kvrs.recovery import Action, RecoveryDecision
@@ -49,6 +50,8 @@ class Selection:
     transfer_address: str
     view_age_s: float
     view_stale: bool
+    predicted: Terms = Terms()
+    """predicted_ttft_s term by term, with the first token's extend."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class RecoveryOutcome:
     replayed: bool = False
     transfer: TransferEstimate | None = None
     """The chosen option's KV transfer as priced now (for the decision span)."""
+    predicted: Terms = Terms()
+    """The chosen option's cost term by term."""
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,19 @@ from dataclasses import dataclass, fields
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
+from kvrs.learning import AssignedWork, Corrections
 from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import ServerHandle, connect_redis, run_until_signal, start_server
 from services.common.decision_inputs import load_inputs
 from services.common.gossip_source import GossipSource
 from services.common.gossip_view import ViewCache
 from services.common.metrics import Metrics, serve_metrics
+from services.common.redis_store import Keys
 from services.common.slot_leases import SlotStore
 from services.gossip.client import GossipClient
 from services.scheduler.config import Config
 from services.scheduler.decisions import Scheduler
+from services.scheduler.outcomes import Learning, OutcomeLog, close_quietly
 from services.scheduler.peers import PeerChannel, SlotBrokerClient
 from services.scheduler.replay import RecentRecoveries
 from services.scheduler.servicer import SchedulerServicer
@@ -36,6 +39,7 @@ class SchedulerServerHandle(ServerHandle):
 
     scheduler: Scheduler | None = None
     view: ViewCache | None = None
+    learning: Learning | None = None
 
 
 async def build_server(
@@ -54,9 +58,9 @@ async def build_server(
     slots = broker_slots = SlotBrokerClient(
         broker, config.holder_id, config.slot_ttl_s, config.peer_timeout_s
     )
-    redis_client = None
+    # One Redis connection: the shared outcome log, and the slots when reserved there.
+    redis_client = connect_redis(config.redis_url, config.redis_tls)
     if config.slot_reservations == "redis":
-        redis_client = connect_redis(config.redis_url, config.redis_tls)
         slots = RedisSlots(
             SlotStore(redis_client, config.redis_prefix),
             config.holder_id,
@@ -68,7 +72,20 @@ async def build_server(
         slots,
         resync_s=config.inputs.view_resync_s,
     )
-    view = ViewCache(inputs, source, config.view_refresh_s, config.view_stale_after_s)
+    learning = Learning(
+        OutcomeLog(redis_client, Keys(config.redis_prefix), config.outcome_capacity),
+        inputs.compute,
+    )
+    assigned = AssignedWork()
+    view = ViewCache(
+        inputs,
+        source,
+        config.view_refresh_s,
+        config.view_stale_after_s,
+        corrections=(lambda: learning.corrections) if config.learning else Corrections,
+        assigned=assigned if config.learning else None,
+    )
+    await learning.refresh()
     if not await view.refresh():
         log.warning("gossip at %s did not answer; serving once it does", config.gossip_addr)
     scheduler = Scheduler(
@@ -81,6 +98,8 @@ async def build_server(
             config.recover_replay_s, config.recover_replay_entries, clock=view.clock
         ),
         metrics=metrics,
+        learning=learning,
+        assigned=assigned if config.learning else None,
     )
 
     def register(server: grpc.aio.Server) -> None:
@@ -93,9 +112,11 @@ async def build_server(
         **{item.name: getattr(base, item.name) for item in fields(base)},
         scheduler=scheduler,
         view=view,
+        learning=learning,
     )
     tasks = [
         asyncio.create_task(view.run(), name="scheduler-view-refresh"),
+        asyncio.create_task(learning.run(config.learning_refresh_s), name="scheduler-learning"),
         asyncio.create_task(source.watch(view), name="scheduler-gossip-events"),
     ]
 
@@ -107,8 +128,7 @@ async def build_server(
                 await task
         await source.close()
         await broker.close()
-        if redis_client is not None:
-            await redis_client.aclose()
+        await close_quietly(redis_client)
 
     handle.cleanups.append(stop_background)
     return handle

@@ -5,8 +5,10 @@ from __future__ import annotations
 import grpc
 
 from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.outcomes import outcome_from_pb
 from services.scheduler.convert import (
     batch_to_pb,
+    corrections_to_pb,
     recover_from_pb,
     recover_items_from_pb,
     recovery_to_pb,
@@ -41,3 +43,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             skip_slot=request.skip_slot,
         )
         return batch_to_pb(outcome)
+
+    async def ReportOutcome(
+        self, request: scheduler_pb2.ReportOutcomeRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ReportOutcomeResponse:
+        held = await self.scheduler.report_outcome(outcome_from_pb(request.outcome))
+        return scheduler_pb2.ReportOutcomeResponse(stored_outcomes=held)
+
+    async def GetCorrections(
+        self, request: scheduler_pb2.GetCorrectionsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.GetCorrectionsResponse:
+        return corrections_to_pb(self.scheduler.corrections())

@@ -24,7 +24,7 @@ from kvrs.rpc import error_from_rpc
 from kvrs.v1 import worker_pb2, worker_pb2_grpc
 from services.common import GrpcSettings, open_channel
 
-__all__ = ["Endpoint", "Prefilled", "Pulled", "WorkerPool"]
+__all__ = ["Endpoint", "Extended", "Prefilled", "Pulled", "WorkerPool"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,15 @@ class Prefilled:
     first_token_id: int
     kv_bytes: int
     prefill_s: float
+    queued_s: float = 0.0
+    """Time the prefill waited for the worker's compute thread."""
+
+
+@dataclass(frozen=True)
+class Extended:
+    next_token_id: int
+    extend_s: float
+    """The extend's forward pass alone (its wait for the compute thread excluded)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,8 @@ class Pulled:
     transfer_s: float
     total_s: float
     recomputed_tokens: int
+    recompute_s: float = 0.0
+    """HYBRID: the prefix recompute, overlapped with the transfer."""
 
 
 DROPPED_CHANNEL_GRACE_S = 3600.0
@@ -114,15 +125,15 @@ class WorkerPool:
             reply = await self._stub(at.address).Prefill(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._failed(exc, at) from exc
-        return Prefilled(reply.first_token_id, reply.kv_bytes, reply.prefill_s)
+        return Prefilled(reply.first_token_id, reply.kv_bytes, reply.prefill_s, reply.queued_s)
 
-    async def extend(self, at: Endpoint, kv_id: str, tokens: Sequence[int]) -> int:
+    async def extend(self, at: Endpoint, kv_id: str, tokens: Sequence[int]) -> Extended:
         request = worker_pb2.ExtendRequest(request_id=kv_id, token_ids=list(tokens))
         try:
             reply = await self._stub(at.address).Extend(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._failed(exc, at) from exc
-        return reply.next_token_id
+        return Extended(reply.next_token_id, reply.extend_s)
 
     async def pull_kv(
         self,
@@ -150,7 +161,11 @@ class WorkerPool:
         except grpc.aio.AioRpcError as exc:
             raise self._failed(exc, at) from exc
         return Pulled(
-            reply.transferred_kv_bytes, reply.transfer_s, reply.total_s, reply.recomputed_tokens
+            reply.transferred_kv_bytes,
+            reply.transfer_s,
+            reply.total_s,
+            reply.recomputed_tokens,
+            reply.recompute_s,
         )
 
     async def decode(
@@ -160,8 +175,9 @@ class WorkerPool:
         generated: Sequence[int],
         max_new_tokens: int,
         release_when_done: bool,
-    ) -> AsyncIterator[tuple[int, int]]:
-        """(index, token_id) pairs as the worker streams them."""
+    ) -> AsyncIterator[tuple[int, int, float]]:
+        """(index, token_id, step_s) as the worker streams them (step_s: the compute of the
+        step that produced the token, 0 for one already known)."""
         request = worker_pb2.DecodeRequest(
             request_id=kv_id,
             generated_token_ids=list(generated),
@@ -171,7 +187,7 @@ class WorkerPool:
         call = self._stub(at.address).Decode(request)
         try:
             async for message in call:
-                yield message.index, message.token_id
+                yield message.index, message.token_id, message.step_s
         except grpc.aio.AioRpcError as exc:
             raise self._failed(exc, at) from exc
         finally:

@@ -77,6 +77,8 @@ class Plane:
                 slot_broker_addr=self.address("slot-broker"),
                 inputs=InputsConfig(model="tiny"),
                 view_refresh_s=0.05,
+                redis_url=self.redis_url,
+                redis_prefix=self.redis_prefix,
             ),
             self.provider,
         )

@@ -258,3 +258,66 @@ async def test_a_client_that_hangs_up_leaves_no_kv_behind(plane, hang_up_after):
             break
     call.cancel()
     await wait_until_released(plane)
+
+
+def _count(histogram, **labels) -> float:
+    """The observation count of one labelled series of a Prometheus histogram."""
+    return sum(
+        sample.value
+        for metric in histogram.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_count")
+        and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def test_a_recoverys_measured_terms_reach_the_span_the_metrics_and_the_store(plane):
+    request = generate(
+        "r-measured",
+        max_new_tokens=600,
+        decode_instance_id="decode-0",
+        recovery_policy="always_migrate",
+    )
+    (task,) = await start_streams(plane, [request], min_tokens=5)
+    await plane.gossip.deregister("decode-0", "operator drained it")
+    tokens, summary, error = await task
+    assert error is None and tokens == reference(PROMPT, 600)
+    (recovery,) = summary.recoveries
+    assert recovery.action == common_pb2.RECOVERY_ACTION_MIGRATE and recovery.succeeded
+    predicted, measured = recovery.predicted_terms, recovery.measured_terms
+    assert predicted.total_s == pytest.approx(recovery.predicted_cost_s)
+    assert measured.total_s == pytest.approx(recovery.measured_s)
+    assert measured.stream_s > 0.0 and measured.extend_s > 0.0
+    assert measured.first_token_s >= measured.total_s
+    assert summary.placement_measured_s > 0.0
+    # The span: the recovery's terms on router.recover, the outcome as an event.
+    spans = plane.exporter.get_finished_spans()
+    in_trace = [s for s in spans if format(s.context.trace_id, "032x") == summary.trace_id]
+    (recover,) = [s for s in in_trace if s.name == "router.recover"]
+    assert recover.attributes["kvrs.measured.total_s"] == pytest.approx(recovery.measured_s)
+    assert recover.attributes["kvrs.predicted.total_s"] == pytest.approx(predicted.total_s)
+    (generate_span,) = [s for s in in_trace if s.name == "router.generate"]
+    events = [e for e in generate_span.events if e.name == "kvrs.outcome"]
+    assert [e.attributes["kvrs.outcome.kind"] for e in events] == ["placement", "migrate"]
+    assert events[1].attributes["kvrs.measured.first_token_s"] == pytest.approx(
+        measured.first_token_s
+    )
+    # The metrics: one observation per term either side has.
+    metrics = plane.metrics
+    assert _count(metrics.prediction_error, kind="migrate", term="total_s") == 1
+    assert _count(metrics.prediction_ratio, kind="migrate", term="extend_s") == 1
+    assert _count(metrics.prediction_error, kind="placement", term="total_s") == 1
+    # The store every scheduler replica reads, and the corrections fitted from it.
+    learning = plane.handles["scheduler"].learning
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while True:
+        stored = await learning.store.read()
+        if len(stored) >= 2 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    by_kind = {o.kind: o for o in stored if o.request_id == "r-measured"}
+    assert set(by_kind) == {"placement", "migrate"}
+    assert by_kind["migrate"].measured.total_s == pytest.approx(recovery.measured_s)
+    assert by_kind["migrate"].kv_bytes == summary.kv_bytes
+    await learning.refresh()
+    assert ("migrate", "total_s") in learning.corrections.errors

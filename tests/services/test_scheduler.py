@@ -129,6 +129,8 @@ class Plane:
             "view_stale_after_s": 0.3,
             "holder_id": "test-scheduler",
             "inputs": InputsConfig(model=MODEL),
+            "redis_url": self.redis_url,
+            "redis_prefix": self.redis_prefix,
         }
         config = Config(**{**settings, **overrides})
         self.scheduler_handle = handle = await build_server(config, self.provider)
@@ -744,3 +746,79 @@ async def test_decision_spans_carry_the_documented_attributes(plane):
         and s.parent.span_id == migrated.context.span_id
     ]
     assert reserve
+
+
+# -- outcomes ---------------------------------------------------------------------------
+
+
+def outcome(request_id: str, kind: str = "migrate", measured_s: float = 0.2, **fields):
+    return scheduler_pb2.DecisionOutcome(
+        kind=kind,
+        request_id=request_id,
+        source_instance_id="prefill-0",
+        target_instance_id="decode-rack",
+        decided_unix_ms=int(time.time() * 1000),
+        predicted=common_pb2.DecisionTerms(total_s=0.1, extend_s=0.05),
+        measured=common_pb2.DecisionTerms(total_s=measured_s, extend_s=0.1),
+        cached_tokens=1000,
+        extend_tokens=20,
+        **fields,
+    )
+
+
+async def test_recover_splits_its_prediction_into_terms(plane):
+    await plane.register()
+    stub = await plane.scheduler()
+    reply = await stub.Recover(recover(), timeout=5)
+    assert reply.action == MIGRATE, reply.reason
+    terms = reply.predicted_terms
+    migrate = next(o for o in reply.options if o.action == MIGRATE)
+    assert terms.total_s == pytest.approx(reply.predicted_cost_s)
+    assert terms.target_wait_s == pytest.approx(migrate.wait_s)
+    assert terms.setup_s + terms.stream_s == pytest.approx(migrate.transfer_s)
+    assert terms.setup_s > 0.0 and terms.stream_s > 0.0
+    assert terms.extend_s == pytest.approx(migrate.compute_s)
+    assert terms.source_wait_s == terms.prefill_s == 0.0
+
+
+async def test_replicas_share_reported_outcomes_and_fit_the_same_corrections(plane):
+    await plane.register()
+    first = await plane.scheduler(learning_refresh_s=0.05)
+    second = await plane.scheduler(learning_refresh_s=0.05)
+    for i in range(4):
+        reply = await first.ReportOutcome(
+            scheduler_pb2.ReportOutcomeRequest(outcome=outcome(f"r-{i}")), timeout=5
+        )
+    assert reply.stored_outcomes == 4
+    # A retried report (same outcome) is stored once.
+    again = await first.ReportOutcome(
+        scheduler_pb2.ReportOutcomeRequest(outcome=outcome("r-3")), timeout=5
+    )
+    assert again.stored_outcomes in (4, 5)
+    deadline = time.monotonic() + 5.0
+    while True:
+        seen = await second.GetCorrections(scheduler_pb2.GetCorrectionsRequest(), timeout=5)
+        if seen.samples >= 4 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    mine = await first.GetCorrections(scheduler_pb2.GetCorrectionsRequest(), timeout=5)
+    assert seen.samples == mine.samples >= 4
+    errors = {(e.kind, e.term): e for e in seen.errors}
+    assert errors[("migrate", "total_s")].p50 == pytest.approx(0.5)
+    assert seen.compute_factor == mine.compute_factor != 1.0
+
+
+async def test_report_outcome_rejects_a_bad_outcome_naming_the_field(plane):
+    stub = await plane.scheduler()
+    await expect_error(
+        stub.ReportOutcome,
+        scheduler_pb2.ReportOutcomeRequest(outcome=outcome("r", kind="teleport")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "outcome.kind",
+    )
+    await expect_error(
+        stub.ReportOutcome,
+        scheduler_pb2.ReportOutcomeRequest(outcome=outcome("r", measured_s=-1.0)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "outcome.measured.total_s",
+    )

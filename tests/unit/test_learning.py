@@ -1,0 +1,241 @@
+"""Learning from outcomes: each correction moves with its own term only, stays bounded,
+ignores outliers and old outcomes, and decisions keep MIGRATE unless a more complex
+option wins by more than its measured error."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvrs.cluster import ClusterView, InstanceState
+from kvrs.costmodel import CostModel
+from kvrs.errors import InvalidArgument
+from kvrs.learning import (
+    AssignedWork,
+    Corrections,
+    LearningConfig,
+    Outcome,
+    Terms,
+    error_stats,
+    fit,
+    relative_error,
+)
+from kvrs.model import model_spec
+from kvrs.network import NetworkModel
+from kvrs.profile import ComputeProfile
+from kvrs.recovery import Action, Kvrs, RecoveryRequest
+from kvrs.topology import InstanceSpec, Location, Role, Tier, TierSpec, Topology
+
+BASE = ComputeProfile("tiny", a_s=1e-3, b_s_per_token=1e-4)
+NOW_S = 1_000_000.0
+MB = 1_000_000
+
+
+def transfer(kv_bytes: int, fixed_s: float, bps: float, at_s: float = NOW_S, **kw) -> Outcome:
+    """A placement that moved `kv_bytes` over p0 -> d0 in fixed_s + 8·bytes / bps."""
+    stream_s = 8 * kv_bytes / bps
+    return Outcome(
+        kind="placement",
+        request_id=f"r-{kv_bytes}-{at_s}",
+        source_id="p0",
+        target_id="d0",
+        at_s=at_s,
+        predicted=Terms(setup_s=1e-3, stream_s=8 * kv_bytes / 1e11, total_s=1e-3),
+        measured=Terms(setup_s=fixed_s, stream_s=stream_s, total_s=fixed_s + stream_s),
+        kv_bytes=kv_bytes,
+        **kw,
+    )
+
+
+def prefill(tokens: int, factor: float, at_s: float = NOW_S) -> Outcome:
+    """A RECOMPUTE whose prefill took `factor` times the base profile's time."""
+    return Outcome(
+        kind="recompute",
+        request_id=f"r-pf-{tokens}-{at_s}",
+        source_id="p0",
+        target_id="d0",
+        at_s=at_s,
+        predicted=Terms(prefill_s=BASE.prefill_s(tokens), total_s=BASE.prefill_s(tokens)),
+        measured=Terms(prefill_s=factor * BASE.prefill_s(tokens), total_s=1.0),
+        prefill_tokens=tokens,
+    )
+
+
+def test_transfers_of_many_sizes_fit_the_links_fixed_cost_and_rate_and_nothing_else() -> None:
+    outcomes = [transfer(n * MB, fixed_s=0.005, bps=2e9) for n in (1, 2, 3, 5, 8, 13)]
+    corrections = fit(outcomes, BASE, NOW_S)
+    link = corrections.link("p0", "d0")
+    assert link is not None and link.samples == 6
+    assert link.fixed_s == pytest.approx(0.005, rel=1e-6)
+    assert link.bandwidth_bps == pytest.approx(2e9, rel=1e-6)
+    assert corrections.link("d0", "p0") is None
+    assert corrections.compute_factor == 1.0
+    assert corrections.wait_per_decode_s == 0.0
+
+
+def test_transfers_of_one_size_fit_only_the_fixed_cost_at_the_predicted_rate() -> None:
+    outcomes = [transfer(4 * MB, fixed_s=0.02, bps=1e11) for _ in range(5)]
+    outcomes = [dataclasses.replace(o, request_id=f"r{i}") for i, o in enumerate(outcomes)]
+    link = fit(outcomes, BASE, NOW_S).link("p0", "d0")
+    assert link is not None
+    assert link.bandwidth_bps == pytest.approx(1e11)
+    assert link.fixed_s == pytest.approx(0.02, rel=1e-6)
+
+
+def test_slow_forward_passes_move_the_compute_factor_and_no_link() -> None:
+    outcomes = [prefill(tokens, factor=2.5) for tokens in (100, 400, 900, 1600)]
+    corrections = fit(outcomes, BASE, NOW_S)
+    assert corrections.compute_factor == pytest.approx(2.5)
+    assert corrections.links == {}
+    scaled = corrections.compute_profile(BASE)
+    assert scaled.prefill_s(500) == pytest.approx(2.5 * BASE.prefill_s(500))
+    assert scaled.extend_s(500, 20) == pytest.approx(2.5 * BASE.extend_s(500, 20))
+
+
+def test_a_decode_targets_excess_wait_per_decoding_request_is_its_interference() -> None:
+    outcomes = [
+        dataclasses.replace(
+            transfer(MB, 0.001, 1e11),
+            request_id=f"r-{running}",
+            measured=Terms(setup_s=0.001, target_wait_s=0.003 * running),
+            target_running=running,
+        )
+        for running in (1, 2, 4, 8)
+    ]
+    corrections = fit(outcomes, BASE, NOW_S)
+    assert corrections.wait_per_decode_s == pytest.approx(0.003)
+    assert corrections.compute_factor == 1.0
+
+
+def test_one_absurd_measurement_moves_no_correction_much() -> None:
+    normal = [prefill(tokens, factor=2.0) for tokens in (100, 200, 300, 400, 500, 600, 700)]
+    normal += [transfer(n * MB, fixed_s=0.005, bps=2e9) for n in (1, 2, 3, 5, 8, 13)]
+    absurd = [
+        dataclasses.replace(prefill(250, factor=1e6), request_id="stalled"),
+        dataclasses.replace(transfer(4 * MB, fixed_s=30.0, bps=2e9), request_id="stalled-x"),
+    ]
+    clean, dirty = fit(normal, BASE, NOW_S), fit(normal + absurd, BASE, NOW_S)
+    assert dirty.compute_factor == pytest.approx(clean.compute_factor, rel=0.05)
+    link, dirty_link = clean.link("p0", "d0"), dirty.link("p0", "d0")
+    assert link is not None and dirty_link is not None
+    assert dirty_link.fixed_s == pytest.approx(link.fixed_s, abs=0.01)
+    assert dirty_link.bandwidth_bps == pytest.approx(link.bandwidth_bps, rel=0.3)
+
+
+def test_a_links_rate_stays_in_its_band_around_the_predicted_rate() -> None:
+    outcomes = [transfer(n * MB, fixed_s=0.005, bps=1e6) for n in (1, 2, 3, 5, 8, 13)]
+    link = fit(outcomes, BASE, NOW_S, LearningConfig(max_rate_factor=10.0)).link("p0", "d0")
+    assert link is not None and link.bandwidth_bps == pytest.approx(1e10)
+
+
+def test_corrections_stay_in_their_band_and_need_enough_outcomes() -> None:
+    config = LearningConfig(max_factor=4.0, min_samples=3)
+    assert fit([prefill(100, 100.0), prefill(200, 100.0)], BASE, NOW_S, config).compute_factor == 1
+    many = [prefill(100 * i, 100.0) for i in range(1, 6)]
+    assert fit(many, BASE, NOW_S, config).compute_factor == 4.0
+    fast = [prefill(100 * i, 1e-3) for i in range(1, 6)]
+    assert fit(fast, BASE, NOW_S, config).compute_factor == 0.25
+
+
+def test_old_outcomes_age_out_and_the_window_keeps_the_newest() -> None:
+    config = LearningConfig(max_age_s=60.0, window=5)
+    old = [prefill(100 * i, 3.0, at_s=NOW_S - 120.0) for i in range(1, 6)]
+    new = [prefill(100 * i, 1.5, at_s=NOW_S - 1.0) for i in range(1, 6)]
+    assert fit(old, BASE, NOW_S, config).compute_factor == 1.0
+    assert fit(old + new, BASE, NOW_S, config).compute_factor == pytest.approx(1.5)
+    assert fit(new + old, BASE, NOW_S - 100.0, config).samples == 5
+
+
+def test_error_statistics_per_kind_and_term() -> None:
+    outcomes = [
+        Outcome(
+            kind="migrate",
+            request_id=f"m{i}",
+            source_id="p0",
+            target_id="d0",
+            at_s=NOW_S,
+            predicted=Terms(total_s=1.0),
+            measured=Terms(total_s=measured),
+        )
+        for i, measured in enumerate((1.0, 1.25, 2.0, 4.0, 0.5))
+    ]
+    stats = error_stats(outcomes, last_n=64)
+    total = stats[("migrate", "total_s")]
+    assert total.samples == 5
+    assert total.p50 == pytest.approx(0.5)  # errors 0, 0.2, 0.5, 0.75, 1.0
+    assert ("migrate", "setup_s") not in stats
+    assert relative_error(0.0, 0.0) == 0.0 and relative_error(1.0, 0.0) == 1.0
+
+
+def test_a_bad_outcome_names_its_field() -> None:
+    with pytest.raises(InvalidArgument) as raised:
+        Outcome("teleport", "r", "p0", "d0", NOW_S, Terms(), Terms())
+    assert raised.value.field == "kind"
+    with pytest.raises(InvalidArgument) as raised:
+        Outcome("migrate", "r", "p0", "d0", NOW_S, Terms(), Terms(total_s=float("nan")))
+    assert raised.value.field == "measured.total_s"
+    outcome = transfer(MB, 0.001, 1e9)
+    assert Outcome.from_json(outcome.to_json()) == outcome
+
+
+def test_assigned_work_counts_until_a_newer_heartbeat_or_done() -> None:
+    work = AssignedWork()
+    work.add("d0", at_s=10.0, work_s=0.5)
+    work.add("d0", at_s=10.1, work_s=0.5)
+    assert work.pending_s("d0", now_s=10.2, reported_at_s=9.9) == pytest.approx(0.8)
+    assert work.pending_s("d1", now_s=10.2, reported_at_s=9.9) == 0.0
+    # A heartbeat taken after the first assignment already counts it.
+    assert work.pending_s("d0", now_s=10.2, reported_at_s=10.05) == pytest.approx(0.4)
+    assert work.pending_s("d0", now_s=20.0, reported_at_s=10.05) == 0.0
+
+
+def _cluster(margins: dict[str, float] | None = None) -> tuple[CostModel, ClusterView]:
+    """p0 and d0 on one node: MIGRATE and a HYBRID that saves very little."""
+    tiers = {tier: TierSpec(capacity_bps=8e9, hop_latency_s=0.0) for tier in Tier}
+    topology = Topology(tiers, setup_latency_s=0.0)
+    topology.add_instance(InstanceSpec("p0", Role.PREFILL, Location("n0", "r0")))
+    topology.add_instance(InstanceSpec("d0", Role.DECODE, Location("n0", "r0", gpu_index=1)))
+    profile = ComputeProfile("tiny", a_s=0.0, b_s_per_token=4e-4)
+    cost = CostModel(model_spec("tiny"), profile, NetworkModel(topology), margins=margins)
+    view = ClusterView(
+        {"p0": InstanceState("p0", Role.PREFILL), "d0": InstanceState("d0", Role.DECODE)}, 0.0
+    )
+    return cost, view
+
+
+def test_a_more_complex_option_must_beat_migrate_by_more_than_its_measured_error() -> None:
+    request = RecoveryRequest("r", prompt_tokens=4000, generated_tokens=10, source_prefill_id="p0")
+    cost, view = _cluster()
+    plain = Kvrs().decide(request, view, cost, 0.0)
+    migrate = next(o for o in plain.options if o.action is Action.MIGRATE)
+    assert plain.action is Action.HYBRID and plain.cost_s < migrate.cost_s
+    gain = 1.0 - plain.cost_s / migrate.cost_s
+    cautious_cost, _ = _cluster({"hybrid": 2 * gain})
+    cautious = Kvrs().decide(request, view, cautious_cost, 0.0)
+    assert cautious.action is Action.MIGRATE and "measured error" in cautious.reason
+    bold_cost, _ = _cluster({"hybrid": gain / 2})
+    assert Kvrs().decide(request, view, bold_cost, 0.0).action is Action.HYBRID
+
+
+def test_abort_checks_the_upper_end_of_the_prediction() -> None:
+    cost, view = _cluster()
+    probe = RecoveryRequest("r", prompt_tokens=4000, generated_tokens=10, source_prefill_id="p0")
+    predicted_s = Kvrs().decide(probe, view, cost, 0.0).cost_s
+    request = dataclasses.replace(probe, deadline_s=1.2 * predicted_s)
+    assert Kvrs().decide(request, view, cost, 0.0).action is not Action.ABORT
+    wary, _ = _cluster({"migrate": 0.5, "hybrid": 0.5, "recompute": 0.5})
+    aborted = Kvrs().decide(request, view, wary, 0.0)
+    assert aborted.action is Action.ABORT and "measured error" in aborted.reason
+
+
+def test_margins_need_enough_outcomes_and_are_capped() -> None:
+    outcomes = [
+        Outcome("hybrid", f"h{i}", "p0", "d0", NOW_S, Terms(total_s=0.1), Terms(total_s=1.0))
+        for i in range(3)
+    ]
+    corrections = fit(outcomes, BASE, NOW_S)
+    assert corrections.margins() == {"hybrid": 0.9}
+    assert corrections.margins(cap=0.5) == {"hybrid": 0.5}
+    assert fit(outcomes[:2], BASE, NOW_S).margins() == {}
+    assert Corrections().margins() == {}
