@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Writes a development CA, a server certificate (SANs: localhost, 127.0.0.1, every
 # compose service name, and the epp Service and worker pods of deploy/k8s, e.g.
-# prefill-0.prefill) and a client certificate for mTLS into DIR (default ./certs).
+# prefill-0.prefill), a client certificate for mTLS, and one certificate per local
+# worker (prefill-0 ... decode-1: SANs its name, localhost, 127.0.0.1) into DIR (default
+# ./certs).
 # For local clusters and tests only: production certificates come from your own PKI.
 set -euo pipefail
 dir=${1:-certs}
@@ -21,5 +23,12 @@ issue() {
 issue server "subjectAltName=$san
 extendedKeyUsage=serverAuth,clientAuth"
 issue client "extendedKeyUsage=clientAuth"
+# One certificate per worker: with mTLS, gossip lets an instance register and heartbeat
+# only as an id its certificate names, so each worker can speak only for itself.
+instances="prefill-0 prefill-1 decode-0 decode-1"
+for instance in $instances; do
+  issue "$instance" "subjectAltName=DNS:$instance,DNS:localhost,IP:127.0.0.1
+extendedKeyUsage=serverAuth,clientAuth"
+done
 chmod 600 ./*.key
-echo "wrote $(pwd)/{ca,server,client}.{pem,key}"
+echo "wrote $(pwd)/{ca,server,client,${instances// /,}}.{pem,key}"

@@ -52,7 +52,10 @@ async def build_server(
         changes_maxlen=config.changes_maxlen,
         confirm_ttls=config.confirm_ttls,
     )
-    servicer = GossipServicer(store, metrics)
+    tls = config.grpc.tls
+    servicer = GossipServicer(
+        store, metrics, check_identity=tls.enabled and tls.require_client_cert
+    )
 
     def register(server: grpc.aio.Server) -> None:
         gossip_pb2_grpc.add_GossipServiceServicer_to_server(servicer, server)

@@ -1,4 +1,14 @@
-"""GossipService: protobuf in, `GossipStore` call, protobuf out."""
+"""GossipService: protobuf in, `GossipStore` call, protobuf out.
+
+With mTLS (`KVRS_TLS_REQUIRE_CLIENT_CERT`), the calls that speak for an instance —
+RegisterNode, Heartbeat, StreamHeartbeats, DeregisterNode — are accepted only for an
+`instance_id` the caller's client certificate names (its Common Name or one of its DNS
+subject alternative names): an instance cannot register, heartbeat or leave as another.
+Anything else is PERMISSION_DENIED, naming the field. How much this protects depends on
+the certificates issued: one certificate per instance (deploy/gen-certs.sh writes them
+for the local cluster's workers) confines each to its own id; a certificate shared by
+many services names all of them.
+"""
 
 from __future__ import annotations
 
@@ -18,10 +28,21 @@ WATCH_BLOCK_S = 0.25
 """Longest wait on the event stream before a watcher re-checks for server shutdown."""
 
 
+def certified_names(context: grpc.aio.ServicerContext) -> frozenset[str]:
+    """The identities the caller's verified client certificate carries (empty without one)."""
+    auth = context.auth_context()
+    return frozenset(
+        name.decode(errors="replace")
+        for name in (*auth.get("x509_common_name", ()), *auth.get("peer_dns", ()))
+    )
+
+
 class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
-    def __init__(self, store: GossipStore, metrics: Metrics) -> None:
+    def __init__(self, store: GossipStore, metrics: Metrics, check_identity: bool = False) -> None:
+        """`check_identity`: the servers demand client certificates (mTLS); see the module."""
         self._store = store
         self._metrics = metrics
+        self._check_identity = check_identity
         self._closing = asyncio.Event()
         self.active_watchers = 0
         """WatchEvents streams open now (each holds a Redis connection while it waits)."""
@@ -30,7 +51,26 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         """Ends every open WatchEvents stream with OK within `WATCH_BLOCK_S`."""
         self._closing.set()
 
+    def _refusal(self, context: grpc.aio.ServicerContext, instance_id: str) -> str:
+        """Why the caller may not speak for `instance_id` ("" when it may)."""
+        if not self._check_identity:
+            return ""
+        names = certified_names(context)
+        if instance_id in names:
+            return ""
+        self._metrics.heartbeats.labels(outcome="denied").inc()
+        return (
+            f"instance_id: the client certificate names {', '.join(sorted(names)) or 'nothing'}"
+            f", not {instance_id!r}"
+        )
+
+    async def _authorize(self, context: grpc.aio.ServicerContext, instance_id: str) -> None:
+        refusal = self._refusal(context, instance_id)
+        if refusal:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+
     async def RegisterNode(self, request, context: grpc.aio.ServicerContext):
+        await self._authorize(context, request.instance_id)
         record = await self._store.register(convert.registration_from_pb(request))
         return gossip_pb2.RegisterNodeResponse(node=convert.node_to_pb(record))
 
@@ -53,6 +93,7 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
             self._metrics.heartbeats.labels(outcome=outcome).inc()
 
     async def Heartbeat(self, request, context: grpc.aio.ServicerContext):
+        await self._authorize(context, request.instance_id)
         expires_ms = await self._heartbeat(request)
         return gossip_pb2.HeartbeatResponse(expires_unix_ms=expires_ms)
 
@@ -63,6 +104,14 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         # again and keeps beating over the same stream. Redis being down says nothing
         # about the instance: it ends the stream UNAVAILABLE, as the unary call fails.
         async for request in request_iterator:
+            refusal = self._refusal(context, request.instance_id)
+            if refusal:
+                yield gossip_pb2.StreamHeartbeatsResponse(
+                    instance_id=request.instance_id,
+                    code=grpc.StatusCode.PERMISSION_DENIED.value[0],
+                    message=refusal,
+                )
+                continue
             try:
                 expires_ms = await self._heartbeat(request)
             except (InvalidArgument, NotFound, FailedPrecondition) as exc:
@@ -77,6 +126,7 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
             )
 
     async def DeregisterNode(self, request, context: grpc.aio.ServicerContext):
+        await self._authorize(context, request.instance_id)
         await self._store.deregister(request.instance_id, request.reason)
         self._metrics.membership_events.labels(type="left").inc()
         return gossip_pb2.DeregisterNodeResponse()

@@ -8,6 +8,10 @@ The 200 and the event stream start only once the first token is there, so a requ
 that fails before any output (bad input, no capacity, nothing alive) gets a real HTTP
 status; a failure after that arrives as a last `data: {"error": ...}` event, without
 `[DONE]`, which OpenAI's clients raise as an error.
+
+With API keys configured, every /v1/ route wants `Authorization: Bearer <key>` (401
+otherwise, as vLLM's `--api-key` does); `/health` (liveness: the process answers) and
+`/ready` (readiness: its router reports SERVING) stay open to probes.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +39,9 @@ from services.common.metrics import Metrics
 from services.common.tokenizer import TextCodec, load_codec
 from services.openai_http.config import Config
 from services.openai_http.generation import Finished, GenerateCall, Generator, Token
+
+Readiness = Callable[[], Awaitable[str]]
+"""The router's health status name (SERVING when the adapter can serve completions)."""
 
 DECODE_INSTANCE_HEADER = "x-kvrs-decode-instance"
 """Response header of a non-streamed completion: the decode instance(s) that finished it."""
@@ -143,7 +151,8 @@ async def _merged(
 
 
 class CompletionsApi:
-    """`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`."""
+    """`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+    `GET /ready`."""
 
     def __init__(
         self,
@@ -152,6 +161,7 @@ class CompletionsApi:
         tracer: Tracer,
         metrics: Metrics | None = None,
         codec: TextCodec | None = None,
+        readiness: Readiness | None = None,
     ) -> None:
         self.config = config
         self.codec = codec or load_codec(config.checkpoint)
@@ -159,18 +169,52 @@ class CompletionsApi:
         self.generator = generator
         self.tracer = tracer
         self.metrics = metrics
+        self.readiness = readiness
         self.created_unix_s = int(time.time())
+        self._keys = [key.encode() for key in config.api_keys]
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._authenticate] if self._keys else [])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
         return app
 
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        offered = presented.strip().encode()
+        # Every key is compared, in constant time: neither which key nor how much of one
+        # matched shows in the answer's timing.
+        matched = [hmac.compare_digest(offered, key) for key in self._keys]
+        if scheme.lower() == "bearer" and any(matched):
+            return await handler(request)
+        self._count("unauthorized")
+        return web.json_response(
+            protocol.error_body(
+                "missing or wrong API key: send Authorization: Bearer <key>",
+                "invalid_request_error",
+                None,
+                "invalid_api_key",
+            ),
+            status=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
     async def health(self, request: web.Request) -> web.Response:
+        """Liveness: the process and its event loop answer; nothing else is asked."""
         return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness: 200 only while the router answers its health check SERVING."""
+        status = "SERVING" if self.readiness is None else await self.readiness()
+        if status == "SERVING":
+            return web.json_response({"status": "ready", "router": status})
+        return web.json_response({"status": "not ready", "router": status}, status=503)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(protocol.models_body(self.config.model, self.created_unix_s))

@@ -13,8 +13,14 @@ from services.common import ConfigError, GrpcSettings, env_float, env_int, env_s
 class Config:
     """Everything `python -m services.openai_http` needs; `from_env` names any bad variable."""
 
-    listen_addr: str = "0.0.0.0:8000"
-    """OPENAI_HTTP_LISTEN_ADDR: host:port the HTTP server binds ("127.0.0.1:0" in tests)."""
+    listen_addr: str = "127.0.0.1:8000"
+    """OPENAI_HTTP_LISTEN_ADDR: host:port the HTTP server binds; loopback unless told
+    otherwise ("0.0.0.0:8000" in a container, "127.0.0.1:0" in tests)."""
+    api_keys: tuple[str, ...] = ()
+    """OPENAI_HTTP_API_KEY: keys a client must present as `Authorization: Bearer <key>` on
+    every /v1/ route (comma-separated for several, as during a rotation); empty = open."""
+    readiness_timeout_s: float = 1.0
+    """OPENAI_HTTP_READINESS_TIMEOUT_S: how long GET /ready waits for the router's health."""
     router_addr: str = "127.0.0.1:50056"
     """ROUTER_ADDR: the router whose RouterService.Generate serves every completion."""
     model: str = DEFAULT_MODEL
@@ -42,7 +48,13 @@ class Config:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
         checkpoint = env_str("KVRS_MODEL", DEFAULT_MODEL, env)
         config = cls(
-            listen_addr=env_str("OPENAI_HTTP_LISTEN_ADDR", "0.0.0.0:8000", env),
+            listen_addr=env_str("OPENAI_HTTP_LISTEN_ADDR", "127.0.0.1:8000", env),
+            api_keys=tuple(
+                key.strip()
+                for key in env_str("OPENAI_HTTP_API_KEY", "", env).split(",")
+                if key.strip()
+            ),
+            readiness_timeout_s=env_float("OPENAI_HTTP_READINESS_TIMEOUT_S", 1.0, env),
             router_addr=env_str("ROUTER_ADDR", "127.0.0.1:50056", env),
             model=env_str("OPENAI_HTTP_MODEL", "", env) or served_model_name(checkpoint),
             checkpoint=checkpoint,
@@ -63,6 +75,10 @@ class Config:
         if not self.request_timeout_s > 0:
             raise ConfigError(
                 f"OPENAI_HTTP_REQUEST_TIMEOUT_S must be > 0, got {self.request_timeout_s}"
+            )
+        if not self.readiness_timeout_s > 0:
+            raise ConfigError(
+                f"OPENAI_HTTP_READINESS_TIMEOUT_S must be > 0, got {self.readiness_timeout_s}"
             )
         if self.ttft_slo_s < 0:
             raise ConfigError(f"OPENAI_HTTP_TTFT_SLO_S must be >= 0, got {self.ttft_slo_s}")

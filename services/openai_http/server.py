@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.errors import KvrsError
 from services.common import ConfigError, Metrics, serve_metrics
+from services.common.healthcheck import check_health
 from services.common.server import Cleanup
 from services.common.tokenizer import load_codec
 from services.openai_http.app import CompletionsApi
@@ -43,12 +44,26 @@ async def build_server(
     provider: TracerProvider,
     metrics: Metrics | None = None,
 ) -> HttpServerHandle:
-    """Serves the OpenAI API on `config.listen_addr` with completions from `generator`."""
+    """Serves the OpenAI API on `config.listen_addr` with completions from `generator`;
+    `/ready` asks the router at `config.router_addr`."""
     try:
         codec = load_codec(config.checkpoint)
     except KvrsError as exc:
         raise ConfigError(f"KVRS_MODEL {config.checkpoint}: {exc}") from None
-    api = CompletionsApi(config, generator, provider.get_tracer("kvrs.openai_http"), metrics, codec)
+
+    async def router_health() -> str:
+        return await check_health(
+            config.router_addr, config.grpc, timeout_s=config.readiness_timeout_s
+        )
+
+    api = CompletionsApi(
+        config,
+        generator,
+        provider.get_tracer("kvrs.openai_http"),
+        metrics,
+        codec,
+        readiness=router_health,
+    )
     runner = web.AppRunner(
         api.app(),
         handle_signals=False,
@@ -57,7 +72,7 @@ async def build_server(
     )
     await runner.setup()
     host, _, port = config.listen_addr.rpartition(":")
-    site = web.TCPSite(runner, host or "0.0.0.0", int(port))
+    site = web.TCPSite(runner, host.strip("[]") or "127.0.0.1", int(port))
     await site.start()
     bound = runner.addresses[0][1]
     log.info(

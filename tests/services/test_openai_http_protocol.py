@@ -275,7 +275,7 @@ def test_config_reads_the_environment_and_names_bad_values():
         Config.from_env({"KVRS_MODEL": "tiny", "OPENAI_HTTP_MODEL": "kvrs-tiny"}).model
         == "kvrs-tiny"
     )
-    assert Config.from_env({}).listen_addr == "0.0.0.0:8000"
+    assert Config.from_env({}).listen_addr == "127.0.0.1:8000"
     for env, name in (
         ({"OPENAI_HTTP_MAX_TOKENS": "0"}, "OPENAI_HTTP_MAX_TOKENS"),
         ({"OPENAI_HTTP_REQUEST_TIMEOUT_S": "-1"}, "OPENAI_HTTP_REQUEST_TIMEOUT_S"),

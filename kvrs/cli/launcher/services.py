@@ -103,9 +103,13 @@ class ServiceSpec:
 
 def _worker(name: str, role: str, port: int) -> ServiceSpec:
     def env(wiring: Wiring) -> dict[str, str]:
+        # With TLS, each worker presents its own certificate: gossip then lets it speak
+        # only for its own instance id.
+        own_tls = tls_env(wiring.run_dir / "certs", name) if wiring.options.tls else {}
         return {
             "WORKER_INSTANCE_ID": name,
             "WORKER_ADVERTISE_ADDR": wiring.address(name),
+            **own_tls,
         }
 
     return ServiceSpec(
@@ -156,7 +160,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "OPENAI_HTTP_LISTEN_ADDR",
         stage=3,
         port=8000,
-        health_path="/health",
+        health_path="/ready",
     ),
 )
 """The cluster, in start order: adding a service is adding a row."""
@@ -173,7 +177,7 @@ def _pinned_adapter(decode_instance: str, port: int) -> ServiceSpec:
         "OPENAI_HTTP_LISTEN_ADDR",
         stage=3,
         port=port,
-        health_path="/health",
+        health_path="/ready",
         env=lambda wiring: {"OPENAI_HTTP_DECODE_INSTANCE": decode_instance},
     )
 
