@@ -20,7 +20,14 @@ from kvrs._pathmatrix import FlowPlan
 from kvrs.cluster import ClusterView
 from kvrs.costmodel import CostModel
 from kvrs.errors import InvalidArgument
-from kvrs.recovery import Action, OptionCost, RecoveryDecision, RecoveryPolicy, RecoveryRequest
+from kvrs.recovery import (
+    Action,
+    OptionCost,
+    RecoveryDecision,
+    RecoveryPolicy,
+    RecoveryRequest,
+    kv_tokens_moved,
+)
 from kvrs.topology import LinkId
 
 __all__ = ["BatchPlan", "plan_batch"]
@@ -133,18 +140,17 @@ def _recost(
         others[link] = others.get(link, flows[link]) - 1
     bps, rtt_s = cost.network.rate_and_rtt(decision.source_id, decision.target_id, now_s, others)
     bits_per_token = cost.kv_bits_per_token
+    tokens = kv_tokens_moved(
+        decision.action, request.prompt_tokens, request.generated_tokens, decision.split_tokens
+    )
+    transfer_s = rtt_s + bits_per_token * tokens / bps
     if decision.action is Action.MIGRATE:
-        transfer_s = rtt_s + bits_per_token * request.prompt_tokens / bps
         total = chosen.wait_s + transfer_s + chosen.compute_s
     elif decision.action is Action.RECOMPUTE:
-        tokens = request.prompt_tokens + request.generated_tokens
-        transfer_s = rtt_s + bits_per_token * tokens / bps
         total = chosen.wait_s + chosen.compute_s + transfer_s
     else:
-        k = decision.split_tokens
-        transfer_s = rtt_s + bits_per_token * (request.prompt_tokens - k) / bps
         ext_s = cost.extend_s(request.prompt_tokens, request.generated_tokens)
-        total = chosen.wait_s + max(cost.prefill_s(k), transfer_s) + ext_s
+        total = chosen.wait_s + max(cost.prefill_s(decision.split_tokens), transfer_s) + ext_s
     if transfer_s == chosen.transfer_s:
         return decision
     # Copies filled in place, as `kvrs._frozen.build` does, without its keyword packing.

@@ -17,6 +17,7 @@ RecomputeOrMigrate rule; `AlwaysMigrate` and `AlwaysRecompute` force one mode.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from kvrs.profile import ComputeProfile
 from kvrs.topology import LinkId
 
 __all__ = [
+    "NEEDS_SLOT",
     "RECOVERY_POLICY_NAMES",
     "Action",
     "AlwaysMigrate",
@@ -41,7 +43,9 @@ __all__ = [
     "RecoveryPolicy",
     "RecoveryRequest",
     "Rom",
+    "decide_without_slot",
     "hybrid_split",
+    "kv_tokens_moved",
     "make_recovery_policy",
 ]
 
@@ -62,6 +66,10 @@ class Action(Enum):
     RECOMPUTE = "recompute"
     HYBRID = "hybrid"
     ABORT = "abort"
+
+
+NEEDS_SLOT = frozenset({Action.MIGRATE, Action.HYBRID})
+"""Actions that stream KV off a prefill instance, so hold one of the migration slots."""
 
 
 @dataclass(frozen=True)
@@ -809,6 +817,44 @@ class AlwaysRecompute:
             f"MIGRATE ({recompute.infeasible_reason})",
             check_deadline=False,
         )
+
+
+def kv_tokens_moved(
+    action: Action, prompt_tokens: int, generated_tokens: int, split_tokens: int = 0
+) -> int:
+    """Tokens of KV the decision streams to its target.
+
+    MIGRATE moves the prompt's KV, S(L); HYBRID the part it does not recompute, S(L − k)
+    with k clamped to [0, L]; RECOMPUTE the KV its prefill instance rebuilt, of the prompt
+    and every generated token, S(L + g); ABORT nothing. The scheduler prices this, the
+    batch planner re-prices it, and the router and the simulator move it.
+    """
+    if action is Action.MIGRATE:
+        return prompt_tokens
+    if action is Action.HYBRID:
+        return prompt_tokens - max(0, min(split_tokens, prompt_tokens))
+    if action is Action.RECOMPUTE:
+        return prompt_tokens + generated_tokens
+    return 0
+
+
+def decide_without_slot(
+    policy: RecoveryPolicy,
+    request: RecoveryRequest,
+    view: ClusterView,
+    cost: CostModel,
+    now_s: float,
+    why: str,
+) -> RecoveryDecision:
+    """The decision when the migration slot a MIGRATE or HYBRID needs was not granted.
+
+    A decision is made on a view, and its slot is reserved afterwards; meanwhile other
+    decisions may have taken the last slots (or the broker may not answer). The policy
+    then decides again with no slot free, on the caller's view of now, and the reason
+    says first why the slot was missing (`why`).
+    """
+    fallback = policy.decide(request, view, cost, now_s, migration_slot_free=False)
+    return dataclasses.replace(fallback, reason=f"{why}; {fallback.reason}")
 
 
 RECOVERY_POLICY_NAMES = ("always_migrate", "always_recompute", "rom", "kvrs")

@@ -28,7 +28,16 @@ from kvrs.cluster import InstanceList
 from kvrs.costmodel import CostModel, prefix_hit_tokens
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvrs.placement import PlacementRequest, make_placement_policy
-from kvrs.recovery import Action, RecoveryDecision, RecoveryRequest, make_recovery_policy
+from kvrs.prefill import choose_prefill
+from kvrs.recovery import (
+    NEEDS_SLOT,
+    Action,
+    RecoveryDecision,
+    RecoveryRequest,
+    decide_without_slot,
+    kv_tokens_moved,
+    make_recovery_policy,
+)
 from kvrs.sim.background import BackgroundTraffic
 from kvrs.sim.cache import BlockIndex, PrefixCache
 from kvrs.sim.config import PolicySpec, SimConfig
@@ -107,10 +116,11 @@ class Flight:
 class _PrefillRouting:
     """What prefill routing reads from one list of prefill states, read once per list."""
 
-    __slots__ = ("wait_s", "by_pool")
+    __slots__ = ("wait_s", "queue_depth", "by_pool")
 
     def __init__(self, candidates: InstanceList, prefills: dict[str, PrefillInstance]) -> None:
         self.wait_s = np.array([state.wait_s for state in candidates])
+        self.queue_depth = np.array([state.queue_depth for state in candidates])
         self.by_pool: dict[PrefixCache, list[int]] = defaultdict(list)
         for i, state in enumerate(candidates):
             self.by_pool[prefills[state.instance_id].pool].append(i)
@@ -357,27 +367,26 @@ class Simulator:
             return self.prefills[ids[min(pick, len(ids) - 1)]]
         age_s = max(0.0, self.loop.now_s - view.now_s)
         routing = _PrefillRouting.of(candidates, self.prefills)
-        scores = np.maximum(routing.wait_s - age_s, 0.0)
-        if router == "cache_aware":
-            tokens = request.input_tokens
-            scores += self.compute.prefill_s(tokens)
-            # Only pools listed under the first block can hit; the others stay cold.
-            first_block = request.hash_ids[0] if request.hash_ids else None
-            holders = self._pooled_blocks.caches(first_block) if request.hash_ids else ()
-            for pool in holders:
-                for i in routing.by_pool.get(pool, ()):
-                    state = candidates[i]
-                    if first_block in state.resident_blocks:
-                        hit = min(
-                            tokens - 1,
-                            prefix_hit_tokens(
-                                request.hash_ids, state.resident_blocks, self.block_tokens, tokens
-                            ),
-                        )
-                        scores[i] = max(0.0, state.wait_s - age_s) + self.compute.extend_s(
-                            hit, tokens - hit
-                        )
-        return self.prefills[candidates[int(scores.argmin())].instance_id]
+        if router != "cache_aware":
+            scores = np.maximum(routing.wait_s - age_s, 0.0)
+            return self.prefills[candidates[int(scores.argmin())].instance_id]
+        # The core's rule (kvrs.prefill), with W aged by the view's age. Only pools listed
+        # under the first block can hit; the others stay cold.
+        tokens = request.input_tokens
+        first_block = request.hash_ids[0] if request.hash_ids else None
+        holders = self._pooled_blocks.caches(first_block) if request.hash_ids else ()
+        hits: dict[int, int] = {}
+        for pool in holders:
+            for i in routing.by_pool.get(pool, ()):
+                resident = candidates[i].resident_blocks
+                if first_block in resident:
+                    hits[i] = prefix_hit_tokens(
+                        request.hash_ids, resident, self.block_tokens, tokens
+                    )
+        index, _ = choose_prefill(
+            routing.wait_s - age_s, tokens, self.compute, hits, routing.queue_depth
+        )
+        return self.prefills[candidates[index].instance_id]
 
     def _prefilled(self, epoch: int, job: PrefillJob) -> None:
         flight: Flight = job.tag
@@ -721,13 +730,12 @@ class Simulator:
             makespan_s = plan.makespan_s
         else:
             for request in requests:
-                decision = self.recovery_policy.decide(
-                    request,
-                    view,
-                    cost,
-                    now_s,
-                    migration_slot_free=self.slots_in_use < spec.migration_slots,
-                )
+                # As the scheduler does: decide, then take a slot; none left, decide again.
+                decision = self.recovery_policy.decide(request, view, cost, now_s)
+                if decision.action in NEEDS_SLOT and self.slots_in_use >= spec.migration_slots:
+                    decision = decide_without_slot(
+                        self.recovery_policy, request, view, cost, now_s, "no migration slot free"
+                    )
                 self._execute(by_id[request.request_id], decision, failed_at_s)
             plan_s = time.perf_counter() - started
             makespan_s = math.nan
@@ -791,13 +799,14 @@ class Simulator:
                 migration=record,
             )
             return
-        split = max(0, min(decision.split_tokens, request.input_tokens))
+        moved = kv_tokens_moved(action, request.input_tokens, generated, decision.split_tokens)
+        split = request.input_tokens - moved
         flight.pending_parts = 2
         self._to_decode(
             flight,
             decision.target_id,
             decision.source_id,
-            request.input_tokens - split,
+            moved,
             use_hits=False,
             then=self._hybrid_part_done,
             migration=record,

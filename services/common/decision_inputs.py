@@ -102,7 +102,7 @@ def load_inputs(config: InputsConfig) -> DecisionInputs:
     return DecisionInputs(
         topology=_load_topology(config.topology_file),
         model=model,
-        compute=_load_profile(config.profile_file, config.model),
+        compute=load_profile(config.profile_file, config.model),
         staleness=StalenessPolicy(stale_after_s=config.telemetry_stale_after_s),
         max_context_tokens=config.max_context_tokens,
     )
@@ -119,7 +119,9 @@ def _load_topology(path: str) -> Topology:
         raise ConfigError(f"KVRS_TOPOLOGY_FILE {path}: {exc}") from None
 
 
-def _load_profile(path: str, model: str) -> ComputeProfile:
+def load_profile(path: str, model: str) -> ComputeProfile:
+    """The profile in `path` (KVRS_PROFILE_FILE), else `model`'s preset; ConfigError naming
+    the variable when it cannot be loaded or was calibrated for another model."""
     if not path:
         try:
             return compute_profile(model)

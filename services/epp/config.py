@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from kvrs.client import parse_addresses
 from kvrs.errors import KvrsError
 from kvrs.model import DEFAULT_MODEL, model_spec
+from kvrs.profile import ComputeProfile
 from services.common import ConfigError, GrpcSettings, env_float, env_int, env_str, require_positive
+from services.common.decision_inputs import load_profile
 from services.epp.endpoints import split_address
 
 
@@ -24,7 +26,8 @@ class Config:
     """GOSSIP_ADDR: the gossip store, which maps endpoint addresses to decode instances."""
     prefill_instance_id: str = ""
     """EPP_PREFILL_INSTANCE: the prefill instance placements are scored from (the KV's
-    source); empty = the alive prefill instance with the least queued work."""
+    source); empty = the one the router would choose (`kvrs.prefill`: least queued work
+    plus prefill of the tokens it does not hold)."""
     policy: str = ""
     """EPP_POLICY: placement policy asked of the scheduler; empty = the scheduler's default."""
     target_port: int = 0
@@ -35,7 +38,10 @@ class Config:
     instance (e.g. an OpenAI adapter pinned to it); overrides the gossip address and
     EPP_TARGET_PORT, and instances it does not name are not routed to; empty = gossip."""
     model: str = DEFAULT_MODEL
-    """KVRS_MODEL: model preset; its block size cuts prompts into prefix-hash blocks."""
+    """KVRS_MODEL: model preset; its block size cuts prompts into prefix-hash blocks, and
+    its compute profile prices prefill when choosing the prefill instance."""
+    profile_file: str = ""
+    """KVRS_PROFILE_FILE: a calibrated ComputeProfile JSON; empty = the model's preset."""
     endpoints_refresh_s: float = 0.5
     """EPP_ENDPOINTS_REFRESH_S: how long the endpoint -> instance map from gossip is reused."""
     scheduler_timeout_s: float = 0.5
@@ -49,6 +55,10 @@ class Config:
     @property
     def block_tokens(self) -> int:
         return model_spec(self.model).block_tokens
+
+    def profile(self) -> ComputeProfile:
+        """The compute profile that prices prefill; ConfigError naming the variable."""
+        return load_profile(self.profile_file, self.model)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -64,6 +74,7 @@ class Config:
             target_port=env_int("EPP_TARGET_PORT", 0, env),
             endpoints=parse_endpoints(env_str("EPP_ENDPOINTS", "", env)),
             model=env_str("KVRS_MODEL", DEFAULT_MODEL, env),
+            profile_file=env_str("KVRS_PROFILE_FILE", "", env),
             endpoints_refresh_s=env_float("EPP_ENDPOINTS_REFRESH_S", 0.5, env),
             scheduler_timeout_s=env_float("EPP_SCHEDULER_TIMEOUT_S", 0.5, env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),

@@ -22,7 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvrs.costmodel import prefix_hit_tokens
 from kvrs.errors import KvrsError, Unavailable
+from kvrs.prefill import choose_prefill
+from kvrs.profile import ComputeProfile
 from kvrs.v1 import common_pb2, gossip_pb2
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ class PrefillInstance:
     instance_id: str
     queued_work_s: float
     queue_depth: int
+    resident_prefix_hashes: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -52,12 +56,35 @@ class Endpoints:
     endpoint_by_instance: Mapping[str, str]
     """Decode instance id -> `ip:port`."""
     prefill: tuple[PrefillInstance, ...]
-    """Alive prefill instances, least queued work first."""
+    """Alive prefill instances, in id order."""
     fetched_at_s: float
 
-    def least_loaded_prefill(self) -> str:
-        """The prefill instance with the least queued work; "" when there is none."""
-        return self.prefill[0].instance_id if self.prefill else ""
+    def choose_prefill(
+        self,
+        prompt_tokens: int,
+        prefix_hashes: Sequence[int],
+        block_tokens: int,
+        profile: ComputeProfile,
+    ) -> str:
+        """The prefill instance the router would choose (`kvrs.prefill`: queued work plus
+        the prefill of the tokens it does not hold); "" when there is none."""
+        if not self.prefill:
+            return ""
+        hits = {
+            index: prefix_hit_tokens(
+                prefix_hashes, instance.resident_prefix_hashes, block_tokens, prompt_tokens
+            )
+            for index, instance in enumerate(self.prefill)
+            if instance.resident_prefix_hashes
+        }
+        index, _ = choose_prefill(
+            [instance.queued_work_s for instance in self.prefill],
+            max(1, prompt_tokens),
+            profile,
+            hit_tokens=hits,
+            queue_depth=[instance.queue_depth for instance in self.prefill],
+        )
+        return self.prefill[index].instance_id
 
 
 def format_endpoint(ip: str, port: int) -> str:
@@ -176,11 +203,16 @@ class EndpointDirectory:
             by_instance[instance_id] = endpoint
         prefill = sorted(
             (
-                PrefillInstance(node.instance_id, node.queued_work_s, node.queue_depth)
+                PrefillInstance(
+                    node.instance_id,
+                    node.queued_work_s,
+                    node.queue_depth,
+                    frozenset(node.resident_prefix_hashes),
+                )
                 for node in alive
                 if node.role == common_pb2.ROLE_PREFILL
             ),
-            key=lambda p: (p.queued_work_s, p.queue_depth, p.instance_id),
+            key=lambda p: p.instance_id,
         )
         return Endpoints(
             instance_by_endpoint=by_endpoint,

@@ -35,6 +35,7 @@ from kvrs.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvrs.profile import ComputeProfile
 from kvrs.v1 import scheduler_pb2
 from services.common import openai_chat as chat
 from services.common.metrics import Metrics
@@ -140,13 +141,19 @@ class Picker:
         scheduler: Scheduler,
         tracer: Tracer,
         *,
+        profile: ComputeProfile,
+        block_tokens: int,
         prefill_instance_id: str = "",
         policy: str = "",
         metrics: Metrics | None = None,
     ) -> None:
+        """`profile` prices prefill when choosing the prefill instance (as the router
+        does); `block_tokens` is the prefix-hash block of the served model."""
         self.directory = directory
         self.scheduler = scheduler
         self.tracer = tracer
+        self.profile = profile
+        self.block_tokens = block_tokens
         self.prefill_instance_id = prefill_instance_id
         self.policy = policy
         self.metrics = metrics
@@ -196,7 +203,12 @@ class Picker:
                 f"({', '.join(request.subset[:4])}{', ...' if len(request.subset) > 4 else ''})"
                 f" is an alive decode instance ({len(known)} known)"
             )
-        prefill_id = self.prefill_instance_id or endpoints.least_loaded_prefill()
+        prefill_id = self.prefill_instance_id or endpoints.choose_prefill(
+            request.prompt.prompt_tokens,
+            request.prompt.prefix_hashes,
+            self.block_tokens,
+            self.profile,
+        )
         span.set_attributes(
             {
                 "kvrs.prefill_instance_id": prefill_id,

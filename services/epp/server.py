@@ -62,6 +62,8 @@ async def build_server(
         directory,
         client,
         provider.get_tracer("kvrs.epp"),
+        profile=config.profile(),
+        block_tokens=config.block_tokens,
         prefill_instance_id=config.prefill_instance_id,
         policy=config.policy,
         metrics=metrics,

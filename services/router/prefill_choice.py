@@ -1,17 +1,18 @@
-"""Where to prefill: the instance that would finish the prompt soonest.
+"""The router's prefill choice: its view of the prefill instances, given to the core rule.
 
-Finish time of prefill instance p for a prompt of L tokens:
-    W(p) + inflight(p) + T_pf(L - hit(p))
-where W(p) is the queued work p last reported to gossip, inflight(p) the prefill work
+`kvrs.prefill.choose_prefill` decides; this module only says what the router knows of
+each instance: W(p) is the queued work p last reported to gossip plus the prefill work
 this router sent p since (gossip lags by a heartbeat, so without it a burst would all
 land on the instance that looked idle), and hit(p) the prompt tokens whose KV p already
-holds (its resident prefix blocks). Ties go to the lower queue depth, then the id.
+holds (its resident prefix blocks). Candidates are taken in id order, so ties go to the
+lower queue depth, then the lower id.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvrs import prefill
 from kvrs.costmodel import prefix_hit_tokens
 from kvrs.errors import FailedPrecondition
 from kvrs.profile import ComputeProfile
@@ -29,18 +30,19 @@ def choose_prefill(
     """The chosen instance and its predicted finish time (seconds from now)."""
     if not candidates:
         raise FailedPrecondition("no alive prefill instance", field="prefill_instances")
-    best: tuple[tuple[float, int, str], Instance, float] | None = None
-    for instance in candidates:
-        hit = prefix_hit_tokens(
+    ordered = sorted(candidates, key=lambda instance: instance.instance_id)
+    hits = {
+        index: prefix_hit_tokens(
             prefix_hashes, instance.resident_prefix_hashes, block_tokens, prompt_tokens
         )
-        finish_s = (
-            instance.queued_work_s
-            + inflight_s.get(instance.instance_id, 0.0)
-            + profile.prefill_s(prompt_tokens - hit)
-        )
-        key = (finish_s, instance.queue_depth, instance.instance_id)
-        if best is None or key < best[0]:
-            best = (key, instance, finish_s)
-    assert best is not None
-    return best[1], best[2]
+        for index, instance in enumerate(ordered)
+        if instance.resident_prefix_hashes
+    }
+    index, finish_s = prefill.choose_prefill(
+        [i.queued_work_s + inflight_s.get(i.instance_id, 0.0) for i in ordered],
+        prompt_tokens,
+        profile,
+        hit_tokens=hits,
+        queue_depth=[i.queue_depth for i in ordered],
+    )
+    return ordered[index], finish_s

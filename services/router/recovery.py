@@ -34,7 +34,7 @@ from opentelemetry.trace import Tracer
 
 from kvrs.errors import InvalidArgument, KvrsError
 from kvrs.learning import Terms
-from kvrs.recovery import Action
+from kvrs.recovery import Action, kv_tokens_moved
 from services.router.records import DETECTED_BY_TRANSFER, Decision, Endpoint, Lost, Run
 from services.worker.client import Extended, Prefilled, Pulled
 
@@ -165,10 +165,11 @@ class RecoveryExecutor:
             if decision.source.instance_id == run.prefill.instance_id
             else decision.source
         )
-        split = 0
-        if decision.action is Action.HYBRID:
-            # PullKv needs at least one token to move; k = L would be a full recompute.
-            split = max(0, min(decision.split_tokens, len(prompt) - 1))
+        # PullKv needs at least one token to move; k = L would be a full recompute.
+        moved = kv_tokens_moved(
+            decision.action, len(prompt), len(run.generated), decision.split_tokens
+        )
+        split = len(prompt) - max(1, moved)
         kv_id = run.prefill_kv_id
         started = time.monotonic()
         pulled = await self.pull(

@@ -37,10 +37,13 @@ from kvrs.learning import (
 from kvrs.network import TransferEstimate
 from kvrs.placement import PlacementPolicy, PlacementRequest, make_placement_policy
 from kvrs.recovery import (
+    NEEDS_SLOT,
     Action,
     RecoveryDecision,
     RecoveryPolicy,
     RecoveryRequest,
+    decide_without_slot,
+    kv_tokens_moved,
     make_recovery_policy,
 )
 from kvrs.topology import Role
@@ -50,7 +53,6 @@ from services.scheduler import spans
 from services.scheduler.leases import Lease, SlotBroker
 from services.scheduler.outcomes import Learning
 from services.scheduler.records import (
-    NEEDS_SLOT,
     BatchOutcome,
     Endpoint,
     RecoverInput,
@@ -267,11 +269,11 @@ class Scheduler:
                 core_request, decision, decision.reason, lease, SlotOutcome.GRANTED, view, priced
             )
         view = self.view.current()  # the reservation awaited: decide again on the view of now
-        fallback = policy.decide(
-            core_request, view.cluster, view.cost, view.cluster.now_s, migration_slot_free=False
+        fallback = decide_without_slot(
+            policy, core_request, view.cluster, view.cost, view.cluster.now_s, why
         )
         return self._outcome(
-            core_request, fallback, f"{why}; {fallback.reason}", None, slot_outcome, view, priced
+            core_request, fallback, fallback.reason, None, slot_outcome, view, priced
         )
 
     def _outcome(
@@ -486,12 +488,9 @@ def _chosen_transfer(
     """The transfer the chosen option makes: S(L) migrated, S(L-k) hybrid, S(L+g) recomputed."""
     if decision.action is Action.ABORT or not decision.target_id or not decision.source_id:
         return None
-    if decision.action is Action.MIGRATE:
-        tokens = request.prompt_tokens
-    elif decision.action is Action.HYBRID:
-        tokens = request.prompt_tokens - decision.split_tokens
-    else:
-        tokens = request.prompt_tokens + request.generated_tokens
+    tokens = kv_tokens_moved(
+        decision.action, request.prompt_tokens, request.generated_tokens, decision.split_tokens
+    )
     return view.cost.transfer(decision.source_id, decision.target_id, tokens, view.cluster.now_s)
 
 

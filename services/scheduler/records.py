@@ -11,10 +11,8 @@ from dataclasses import dataclass
 from kvrs.learning import Terms
 from kvrs.network import TransferEstimate
 from kvrs.placement import Placement
-from kvrs.recovery import Action, RecoveryDecision
+from kvrs.recovery import RecoveryDecision
 from services.scheduler.leases import Lease
-
-NEEDS_SLOT = (Action.MIGRATE, Action.HYBRID)
 
 
 class SlotOutcome:

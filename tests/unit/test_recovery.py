@@ -16,6 +16,7 @@ from kvrs.model import model_spec
 from kvrs.network import NetworkModel
 from kvrs.profile import ComputeProfile, compute_profile
 from kvrs.recovery import (
+    NEEDS_SLOT,
     RECOVERY_POLICY_NAMES,
     Action,
     AlwaysMigrate,
@@ -23,7 +24,9 @@ from kvrs.recovery import (
     Kvrs,
     RecoveryRequest,
     Rom,
+    decide_without_slot,
     hybrid_split,
+    kv_tokens_moved,
     make_recovery_policy,
 )
 from kvrs.topology import InstanceSpec, Location, Role, Tier, TierSpec, Topology
@@ -380,3 +383,28 @@ def test_pruned_search_finds_the_exhaustive_optimum(
     assert option(decision, Action.MIGRATE).cost_s == pytest.approx(migrate, rel=1e-9)
     assert option(decision, Action.HYBRID).cost_s == pytest.approx(hybrid, rel=1e-9)
     assert option(decision, Action.RECOMPUTE).cost_s == pytest.approx(recompute, rel=1e-9)
+
+
+def test_without_a_slot_the_policy_decides_again_and_says_why() -> None:
+    cost = two_node_cluster(400.0)
+    request = RecoveryRequest("r", 1477, 10, "p0", exclude_ids=frozenset({"d1"}))
+    assert Kvrs().decide(request, view_of(), cost, 0.0).action in NEEDS_SLOT
+    fallback = decide_without_slot(Kvrs(), request, view_of(), cost, 0.0, "no migration slot free")
+    assert fallback.action is Action.RECOMPUTE
+    assert fallback.reason.startswith("no migration slot free; ")
+    assert not option(fallback, Action.MIGRATE).feasible
+
+
+@pytest.mark.parametrize(
+    ("action", "split", "moved"),
+    [
+        (Action.MIGRATE, 0, 1000),
+        (Action.HYBRID, 300, 700),
+        (Action.HYBRID, -5, 1000),
+        (Action.HYBRID, 1200, 0),
+        (Action.RECOMPUTE, 0, 1017),
+        (Action.ABORT, 0, 0),
+    ],
+)
+def test_kv_tokens_moved_by_each_action(action: Action, split: int, moved: int) -> None:
+    assert kv_tokens_moved(action, 1000, 17, split) == moved

@@ -1,0 +1,71 @@
+"""Where to prefill: the instance that would finish the prompt soonest.
+
+The router, the endpoint picker and the simulator all choose with this one rule. The
+predicted finish of prefill instance p for a prompt of L tokens is
+
+    W(p) + T_ext(hit(p), L − hit(p))
+
+where W(p) is the work queued on p (as the caller knows it: the last report, minus what
+drained since it was taken, plus what the caller itself sent since), hit(p) the leading
+prompt tokens whose KV p already holds, and T_ext the profile's cost of computing the
+rest on top of them (`ComputeProfile.extend_s`: attention still reads the cached
+tokens, so this is not T_pf(L − hit)). At least one token is always computed (the
+first token comes out of it), so hit(p) is at most L − 1. Ties go to the lower queue
+depth, then to the earlier candidate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from kvrs.errors import FailedPrecondition, InvalidArgument
+from kvrs.profile import ComputeProfile
+
+__all__ = ["choose_prefill", "computed_hit_tokens", "prefill_finish_s"]
+
+
+def computed_hit_tokens(hit_tokens: int, prompt_tokens: int) -> int:
+    """The cached tokens a prefill can reuse: `hit_tokens`, leaving at least one to compute."""
+    return max(0, min(hit_tokens, prompt_tokens - 1))
+
+
+def prefill_finish_s(
+    profile: ComputeProfile, prompt_tokens: int, wait_s: float, hit_tokens: int = 0
+) -> float:
+    """Seconds from now until an instance with `wait_s` queued work and `hit_tokens`
+    cached prompt tokens would finish prefilling `prompt_tokens` (see the module doc)."""
+    hit = computed_hit_tokens(hit_tokens, prompt_tokens)
+    return max(0.0, wait_s) + profile.extend_s(hit, prompt_tokens - hit)
+
+
+def choose_prefill(
+    wait_s: Sequence[float] | np.ndarray,
+    prompt_tokens: int,
+    profile: ComputeProfile,
+    hit_tokens: Mapping[int, int] | None = None,
+    queue_depth: Sequence[int] | np.ndarray | None = None,
+) -> tuple[int, float]:
+    """The index of the candidate that finishes soonest, and that finish (seconds).
+
+    `wait_s[i]` is candidate i's W (negative values count as 0); `hit_tokens` maps the
+    index of each candidate holding a prefix of the prompt to its hit (candidates not
+    listed hold none); `queue_depth`, when given, breaks ties before the order does.
+    """
+    if prompt_tokens < 1:
+        raise InvalidArgument("prompt_tokens", f"must be >= 1, got {prompt_tokens}")
+    waits = np.maximum(np.asarray(wait_s, dtype=float), 0.0)
+    if waits.size == 0:
+        raise FailedPrecondition("no alive prefill instance", field="prefill_instances")
+    finish = waits + profile.prefill_s(prompt_tokens)
+    for index, hit in (hit_tokens or {}).items():
+        if hit > 0:
+            finish[index] = prefill_finish_s(profile, prompt_tokens, waits[index], hit)
+    best = int(finish.argmin())
+    if queue_depth is not None:
+        tied = np.flatnonzero(finish == finish[best])
+        if tied.size > 1:
+            depths = np.asarray(queue_depth)
+            best = int(tied[depths[tied].argmin()])
+    return best, float(finish[best])

@@ -1,0 +1,45 @@
+"""The one prefill choice (`kvrs.prefill`): queued work plus the prefill of what is not cached."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrs.errors import FailedPrecondition, InvalidArgument
+from kvrs.prefill import choose_prefill, computed_hit_tokens, prefill_finish_s
+from kvrs.profile import compute_profile
+
+PROFILE = compute_profile("opt-13b")
+
+
+def test_finish_is_wait_plus_the_extend_of_the_uncached_tokens():
+    # Attention still reads the cached tokens: T_ext(hit, L - hit), more than T_pf(L - hit).
+    finish_s = prefill_finish_s(PROFILE, 2048, wait_s=0.5, hit_tokens=1024)
+    assert finish_s == pytest.approx(0.5 + PROFILE.extend_s(1024, 1024))
+    assert finish_s > 0.5 + PROFILE.prefill_s(1024)
+    assert prefill_finish_s(PROFILE, 2048, wait_s=-3.0) == PROFILE.prefill_s(2048)
+
+
+def test_at_least_one_token_is_computed():
+    assert computed_hit_tokens(4096, 2048) == 2047
+    assert computed_hit_tokens(-1, 2048) == 0
+    assert prefill_finish_s(PROFILE, 2048, 0.0, 2048) == PROFILE.extend_s(2047, 1)
+
+
+def test_a_cached_prefix_outweighs_a_little_queued_work():
+    index, finish_s = choose_prefill([0.0, 0.05], 4096, PROFILE, hit_tokens={1: 3584})
+    assert index == 1
+    assert finish_s == pytest.approx(0.05 + PROFILE.extend_s(3584, 512))
+    # Enough queued work and the idle instance wins again.
+    assert choose_prefill([0.0, 5.0], 4096, PROFILE, hit_tokens={1: 3584})[0] == 0
+
+
+def test_ties_go_to_the_lower_queue_depth_then_the_earlier_candidate():
+    assert choose_prefill([0.0, 0.0, 0.0], 512, PROFILE)[0] == 0
+    assert choose_prefill([0.0, 0.0, 0.0], 512, PROFILE, queue_depth=[2, 0, 0])[0] == 1
+
+
+def test_no_candidate_or_no_prompt_is_refused():
+    with pytest.raises(FailedPrecondition):
+        choose_prefill([], 512, PROFILE)
+    with pytest.raises(InvalidArgument, match="prompt_tokens"):
+        choose_prefill([0.0], 0, PROFILE)
