@@ -19,7 +19,7 @@ import numpy as np
 
 from kvrs._frozen import build
 from kvrs.errors import InvalidArgument
-from kvrs.estimator import LinkEstimate, StalenessPolicy
+from kvrs.estimator import LinkEstimate, LinkTrend, StalenessPolicy
 from kvrs.topology import LinkId, Tier, Topology
 from kvrs.units import BITS_PER_BYTE
 
@@ -161,6 +161,7 @@ class NetworkModel:
         self._link_ids: list[LinkId] = []
         self._caps: tuple[tuple[int, int], np.ndarray] | None = None
         self._shares: tuple[tuple[int, int, int], np.ndarray] | None = None
+        self._trends: dict[LinkId, LinkTrend] = {}
 
     @property
     def version(self) -> tuple[int, int]:
@@ -186,6 +187,54 @@ class NetworkModel:
         self._estimated.setdefault(src_id, set()).add(dst_id)
         self._paths.pop((src_id, dst_id), None)
         self._inputs_version = next(_INPUT_VERSIONS)
+
+    def observe_link(self, link: LinkId, free_bps: float, at_s: float) -> None:
+        """A link counter's sample: the capacity traffic this model does not count left.
+
+        It feeds the link's `LinkTrend` (prior: the topology's capacity of the link), read
+        by `expected_inverse_bps`; `fan_out` and `transfer` are unaffected.
+        """
+        trend = self._trends.get(link)
+        if trend is None:
+            trend = self._trends[link] = LinkTrend(self.topology.link_capacity_bps(link))
+        trend.observe(free_bps, at_s)
+
+    @property
+    def has_link_trends(self) -> bool:
+        """True once some link sample was observed."""
+        return bool(self._trends)
+
+    def expected_inverse_bps(
+        self, src_id: str, dst_ids: Sequence[str], now_s: float, horizon_s: float = 0.0
+    ) -> np.ndarray:
+        """Expected seconds per bit from `src_id` to each of `dst_ids`, known flows counted.
+
+        Per link, (flows + 1) / capacity is the share a new transfer gets of its nominal
+        capacity, and (flows + 1) · excess what traffic this model does not count adds, as
+        the link's trend expects it over the next `horizon_s`. A path costs its
+        bottleneck's share plus the excess of all its links: links congest independently,
+        and a transfer crossing four of them is slowed by whichever is congested while it
+        runs.
+        """
+        dst_ids = tuple(dst_ids)
+        fan = self._fan_paths.get(src_id)
+        if (
+            fan is None
+            or fan.dst_ids != dst_ids
+            or fan.paths_version != self.topology.paths_version
+        ):
+            fan = self._fan_paths[src_id] = self._build_fan(src_id, dst_ids)
+        shares = self._link_shares()
+        base = np.divide(1.0, shares)
+        excess = np.zeros(len(base))
+        index = self._link_index
+        for link, trend in self._trends.items():
+            i = index.get(link)
+            if i is not None:
+                excess[i] = (self._flows.get(link, 0) + 1) * trend.excess_s_per_bit(
+                    now_s, horizon_s
+                )
+        return base.take(fan.incidence).max(axis=0) + excess.take(fan.incidence).sum(axis=0)
 
     def set_flows(self, flows: Mapping[LinkId, int]) -> None:
         """Replace the flows known to be on each link (transfers in progress)."""

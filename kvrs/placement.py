@@ -17,6 +17,7 @@ few passes over flat lists — numpy arrays from `NUMPY_MIN_CANDIDATES` candidat
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ __all__ = [
     "PLACEMENT_POLICY_NAMES",
     "CacheLoad",
     "CandidateScore",
+    "Kvrs",
     "LeastLoaded",
     "NetKv",
     "Placement",
@@ -55,6 +57,9 @@ HIT_ARRAY_MIN_CANDIDATES = 512
 """From this many candidates on, prefix hits are found with boolean arrays, not sets."""
 
 _INF = math.inf
+_UNREPORTED_FREE_KV_TOKENS = 2**61
+"""Free KV memory from here up is an instance that does not report it (InstanceState's
+default is 2**62): it is never counted as the emptiest or as loaded."""
 
 
 @dataclass(frozen=True)
@@ -308,7 +313,10 @@ class _Decision:
             tier=fan.table.tiers[i],
         )
 
-    def placement(self, policy: str, best: int, runner: int | None) -> Placement:
+    def placement(
+        self, policy: str, best: int, runner: int | None, transfer_s: float | None = None
+    ) -> Placement:
+        """The placement on candidate `best`; `transfer_s` replaces netkv's T_x prediction."""
         request, columns = self.request, self.columns
         hit = self.hit(best)
         kv_bytes = (request.prompt_tokens - hit) * self.cost.kv_bytes_per_token
@@ -319,7 +327,7 @@ class _Decision:
         return build(
             Placement,
             instance_id=columns.ids[best],
-            predicted_ttft_s=transfer.transfer_s + wait_s,
+            predicted_ttft_s=(transfer.transfer_s if transfer_s is None else transfer_s) + wait_s,
             transfer=transfer,
             wait_s=wait_s,
             prefix_hit_tokens=hit,
@@ -350,6 +358,151 @@ class NetKv:
         if best < 0:
             raise decision.exhausted()
         return decision.placement(self.name, best, runner)
+
+
+class Kvrs:
+    """Prefill and decode chosen for the lowest expected TTFT with what the control plane
+    knows for sure, without piling KV onto a few decode instances.
+
+    Transfer: `NetworkModel.expected_inverse_bps` when the model has link samples —
+    nominal capacities shared with the flows the control plane counts itself, plus what
+    each link's trend expects uncounted traffic to add over the transfer, the last sample
+    weighted by its age against how fast that link has been changing and the link's mean
+    standing in for it otherwise (`kvrs.estimator.LinkTrend`). Without link samples (path
+    probes only) it is netkv's T_x.
+
+    Decode load: a decode step takes longer the more KV its batch holds, so the tokens of
+    an instance holding much more KV than the others all come slower. The load term is
+    bounded: nothing within `kv_band_tokens` (16k) of the candidates' mean KV, then
+    `kv_penalty_s_per_token` (10 µs) for each token beyond, steep enough to act as a
+    bound. At 3.8e-8 s per token per decode step (the 70B profile), 16k tokens are 0.6 ms
+    a step; a hard cap relative to the emptiest candidate, and a gentle penalty from it,
+    both lost TTFT where keeping KV local matters (docs/results.md §1b).
+
+    Herding: the KV of the placements this policy made in the last `view_lag_s` (the
+    instance state's refresh period) is not in the view yet, so it counts them itself.
+
+    Prefill: `choose_prefill` picks the prefill with the decode side in view; it leaves
+    the prefill router's choice only when that gains more than `joint_margin` of the
+    predicted TTFT, since the decode side is forecast a prefill's duration ahead.
+    """
+
+    name = "kvrs"
+
+    def __init__(
+        self,
+        kv_penalty_s_per_token: float = 1e-5,
+        view_lag_s: float = 0.1,
+        joint_margin: float = 0.2,
+        kv_band_tokens: int = 16_384,
+    ) -> None:
+        if kv_penalty_s_per_token < 0:
+            raise InvalidArgument(
+                "kv_penalty_s_per_token", f"must be >= 0, got {kv_penalty_s_per_token}"
+            )
+        if view_lag_s < 0:
+            raise InvalidArgument("view_lag_s", f"must be >= 0, got {view_lag_s}")
+        if kv_band_tokens < 0:
+            raise InvalidArgument("kv_band_tokens", f"must be >= 0, got {kv_band_tokens}")
+        if not 0.0 <= joint_margin < 1.0:
+            raise InvalidArgument("joint_margin", f"must be in [0, 1), got {joint_margin}")
+        self.kv_penalty_s_per_token = kv_penalty_s_per_token
+        self.kv_band_tokens = kv_band_tokens
+        self.view_lag_s = view_lag_s
+        self.joint_margin = joint_margin
+        self._recent: list[tuple[float, str, int]] = []  # (placed at, instance, KV tokens)
+
+    def _pending(self, now_s: float) -> dict[str, int]:
+        """KV tokens placed per instance in the last `view_lag_s`."""
+        cutoff = now_s - self.view_lag_s
+        self._recent = [entry for entry in self._recent if entry[0] > cutoff]
+        pending: dict[str, int] = {}
+        for _, instance_id, tokens in self._recent:
+            pending[instance_id] = pending.get(instance_id, 0) + tokens
+        return pending
+
+    def _scores(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[InstanceState],
+        cost: CostModel,
+        now_s: float,
+    ) -> tuple[_Decision, np.ndarray, np.ndarray, np.ndarray]:
+        """(decision, scores, predicted T_x, KV tokens to move) per candidate."""
+        decision = _Decision(request, candidates, cost, now_s)
+        columns, fan, network = decision.columns, decision.fan, cost.network
+        n = len(columns.ids)
+        need = np.full(n, float(request.prompt_tokens))
+        for i, hit in decision.hit_items():
+            need[i] -= hit
+        bits = cost.kv_bits_per_token * need
+        rtt = np.array(fan.rtt)
+        if network.has_link_trends:
+            base = network.expected_inverse_bps(request.prefill_id, columns.ids, now_s)
+            horizon_s = float((rtt + bits * base).min())
+            inv_bps = network.expected_inverse_bps(
+                request.prefill_id, columns.ids, now_s, horizon_s
+            )
+        else:
+            inv_bps = np.array(fan.inv_bps)
+        transfer = np.where(need > 0, rtt + bits * inv_bps, 0.0)
+        wait, free = columns.arrays()
+        pending = self._pending(now_s)
+        if pending:
+            free = free - np.array([pending.get(i, 0) for i in columns.ids], dtype=np.float64)
+        scores = transfer + wait
+        known = free < _UNREPORTED_FREE_KV_TOKENS
+        if self.kv_penalty_s_per_token and known.any():
+            floor = free[known].mean() - self.kv_band_tokens
+            excess = np.where(known, np.maximum(0.0, floor - free), 0.0)
+            scores += self.kv_penalty_s_per_token * excess
+        scores[free < need] = _INF
+        return decision, scores, transfer, need
+
+    def select(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[InstanceState],
+        cost: CostModel,
+        now_s: float,
+    ) -> Placement:
+        decision, scores, transfer, need = self._scores(request, candidates, cost, now_s)
+        best, runner = _two_best(scores, decision.tier_key)
+        if best < 0:
+            raise decision.exhausted()
+        self._recent.append((now_s, decision.columns.ids[best], int(need[best])))
+        return decision.placement(self.name, best, runner, float(transfer[best]))
+
+    def choose_prefill(
+        self,
+        request: PlacementRequest,
+        prefill_s: Sequence[tuple[str, float]],
+        routed: int,
+        decodes: Sequence[InstanceState],
+        cost: CostModel,
+        now_s: float,
+    ) -> int:
+        """Prefill and decode chosen together: the index in `prefill_s` ((prefill id,
+        seconds until its prefill would end) pairs, `kvrs.prefill.prefill_finishes`)
+        minimising prefill end + the best decode candidate's score from there.
+
+        `routed` is the index the prefill rule alone picks (`kvrs.prefill.choose_prefill`);
+        it is kept unless the joint best beats it by more than `joint_margin`, since the
+        decode side is forecast a prefill's duration ahead. `request.prefill_id` is
+        ignored. A prefill node whose uplinks carry many of the control plane's own
+        flows, or whose near decode instances are full, loses to one a little slower to
+        prefill: what the decode choice alone cannot undo later.
+        """
+        if not 0 <= routed < len(prefill_s):
+            raise InvalidArgument("routed", f"must index prefill_s, got {routed}")
+        totals = []
+        for prefill_id, seconds in prefill_s:
+            at = dataclasses.replace(request, prefill_id=prefill_id)
+            totals.append(seconds + float(self._scores(at, decodes, cost, now_s)[1].min()))
+        best = min(range(len(prefill_s)), key=totals.__getitem__)
+        if totals[best] < (1.0 - self.joint_margin) * totals[routed]:
+            return best
+        return routed
 
 
 class CacheLoad:
@@ -454,13 +607,14 @@ class RoundRobin:
         )
 
 
-PLACEMENT_POLICY_NAMES = ("round_robin", "least_loaded", "cache_load", "netkv")
+PLACEMENT_POLICY_NAMES = ("round_robin", "least_loaded", "cache_load", "netkv", "kvrs")
 
 _POLICIES: dict[str, Callable[..., PlacementPolicy]] = {
     "round_robin": RoundRobin,
     "least_loaded": LeastLoaded,
     "cache_load": CacheLoad,
     "netkv": NetKv,
+    "kvrs": Kvrs,
 }
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from kvrs.errors import FailedPrecondition, InvalidArgument
 from kvrs.profile import ComputeProfile
 
-__all__ = ["choose_prefill", "computed_hit_tokens", "prefill_finish_s"]
+__all__ = ["choose_prefill", "computed_hit_tokens", "prefill_finish_s", "prefill_finishes"]
 
 
 def computed_hit_tokens(hit_tokens: int, prompt_tokens: int) -> int:
@@ -40,6 +40,27 @@ def prefill_finish_s(
     return max(0.0, wait_s) + profile.extend_s(hit, prompt_tokens - hit)
 
 
+def prefill_finishes(
+    wait_s: Sequence[float] | np.ndarray,
+    prompt_tokens: int,
+    profile: ComputeProfile,
+    hit_tokens: Mapping[int, int] | None = None,
+) -> np.ndarray:
+    """Every candidate's predicted finish (seconds from now), as `choose_prefill` ranks
+    them; for a caller that weighs them against more than the prefill (kvrs placement's
+    joint choice)."""
+    if prompt_tokens < 1:
+        raise InvalidArgument("prompt_tokens", f"must be >= 1, got {prompt_tokens}")
+    waits = np.maximum(np.asarray(wait_s, dtype=float), 0.0)
+    if waits.size == 0:
+        raise FailedPrecondition("no alive prefill instance", field="prefill_instances")
+    finish = waits + profile.prefill_s(prompt_tokens)
+    for index, hit in (hit_tokens or {}).items():
+        if hit > 0:
+            finish[index] = prefill_finish_s(profile, prompt_tokens, waits[index], hit)
+    return finish
+
+
 def choose_prefill(
     wait_s: Sequence[float] | np.ndarray,
     prompt_tokens: int,
@@ -53,15 +74,7 @@ def choose_prefill(
     index of each candidate holding a prefix of the prompt to its hit (candidates not
     listed hold none); `queue_depth`, when given, breaks ties before the order does.
     """
-    if prompt_tokens < 1:
-        raise InvalidArgument("prompt_tokens", f"must be >= 1, got {prompt_tokens}")
-    waits = np.maximum(np.asarray(wait_s, dtype=float), 0.0)
-    if waits.size == 0:
-        raise FailedPrecondition("no alive prefill instance", field="prefill_instances")
-    finish = waits + profile.prefill_s(prompt_tokens)
-    for index, hit in (hit_tokens or {}).items():
-        if hit > 0:
-            finish[index] = prefill_finish_s(profile, prompt_tokens, waits[index], hit)
+    finish = prefill_finishes(wait_s, prompt_tokens, profile, hit_tokens)
     best = int(finish.argmin())
     if queue_depth is not None:
         tied = np.flatnonzero(finish == finish[best])

@@ -170,8 +170,14 @@ class PolicySpec:
     params: Mapping[str, Any] = field(default_factory=dict)
     network_view: str = "telemetry"
     candidates: str = "all"
+    prefill: str = "router"
+    """`router`: serving.prefill_router picks the prefill alone; `joint`: the placement
+    policy's `choose_prefill` picks it with the decode side in view (cache_aware estimates
+    of each prefill's end as input)."""
 
     def __post_init__(self) -> None:
+        if self.prefill not in ("router", "joint"):
+            raise InvalidArgument("policy.prefill", "router or joint")
         if self.network_view not in NETWORK_VIEWS:
             raise InvalidArgument("policy.network_view", f"one of {NETWORK_VIEWS}")
         if self.mode not in ("placement", "recovery"):

@@ -28,7 +28,7 @@ from kvrs.cluster import InstanceList
 from kvrs.costmodel import CostModel, prefix_hit_tokens
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvrs.placement import PlacementRequest, make_placement_policy
-from kvrs.prefill import choose_prefill
+from kvrs.prefill import choose_prefill, prefill_finishes
 from kvrs.recovery import (
     NEEDS_SLOT,
     Action,
@@ -386,6 +386,19 @@ class Simulator:
         index, _ = choose_prefill(
             routing.wait_s - age_s, tokens, self.compute, hits, routing.queue_depth
         )
+        if self.policy_spec.prefill == "joint":
+            finishes = prefill_finishes(routing.wait_s - age_s, tokens, self.compute, hits)
+            choose = self.placement.choose_prefill  # type: ignore[union-attr]
+            index = choose(
+                PlacementRequest(
+                    str(request.index), candidates[index].instance_id, tokens, request.hash_ids
+                ),
+                [(state.instance_id, float(finishes[i])) for i, state in enumerate(candidates)],
+                index,
+                self.telemetry.view(self.policy_spec.network_view).decode_instances(),
+                self._cost(self.policy_spec.network_view),
+                self.loop.now_s,
+            )
         return self.prefills[candidates[index].instance_id]
 
     def _prefilled(self, epoch: int, job: PrefillJob) -> None:

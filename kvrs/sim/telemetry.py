@@ -18,7 +18,10 @@ the KV flows on each link. Three network views, chosen per policy:
 - `topology`: tier capacities only (what a static topology-aware router knows);
 - `telemetry`: measured link capacities and KV flow counts, both as of the last sample;
 - `live`: the same measured capacities, but the KV flows the control plane itself
-  started, counted as they start and end (it launched them, so it needs no sample).
+  started, counted as they start and end (it launched them, so it needs no sample);
+- `trend`: the tier capacities and the live KV flows, with every link sample folded into
+  that link's `LinkTrend` (`NetworkModel.observe_link`): what `kvrs` placement reads to
+  weigh a sample by its age against how fast the link changes.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from kvrs.sim.flownet import FlowNetwork
 from kvrs.sim.instances import DecodeInstance, PrefillInstance
 from kvrs.topology import Role, Topology
 
-NETWORK_VIEWS = ("topology", "telemetry", "live")
+NETWORK_VIEWS = ("topology", "telemetry", "live", "trend")
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class Telemetry:
         self._models: dict[str, NetworkModel] = {}
         self._flow_sample: dict = {}
         self._link_sampled_s = -math.inf
-        self._live_version = -1
+        self._flows_version: dict[str, int] = {}  # per live-flow view, counts it has
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -225,6 +228,9 @@ class Telemetry:
             if self._measured_bps.get(link_id) != free_bps:
                 self._measured_bps[link_id] = free_bps
                 self._measured.set_link_capacity(link_id, free_bps)
+        trend_model = self._model("trend")
+        for link_id, link in self.flows.links.items():
+            trend_model.observe_link(link_id, link.free_bps, self.loop.now_s)
         self._flow_sample = dict(self.flows.launched)
         telemetry_model = self._models.get("telemetry")
         if telemetry_model is not None:
@@ -255,25 +261,29 @@ class Telemetry:
             )
         return view
 
-    def network(self, kind: str) -> NetworkModel:
-        """The network model of `kind` as of now (see the module docstring)."""
-        if kind not in NETWORK_VIEWS:
-            raise InvalidArgument("network_view", f"one of {NETWORK_VIEWS}, not {kind!r}")
+    def _model(self, kind: str) -> NetworkModel:
         model = self._models.get(kind)
         if model is None:
-            topology = self.topology if kind == "topology" else self._measured
+            topology = self.topology if kind in ("topology", "trend") else self._measured
             model = self._models[kind] = NetworkModel(
                 topology, StalenessPolicy(self.spec.stale_after_s)
             )
             if kind == "telemetry":
                 model.set_flows(self._flow_sample)
+        return model
+
+    def network(self, kind: str) -> NetworkModel:
+        """The network model of `kind` as of now (see the module docstring)."""
+        if kind not in NETWORK_VIEWS:
+            raise InvalidArgument("network_view", f"one of {NETWORK_VIEWS}, not {kind!r}")
+        model = self._model(kind)
         if (
             kind != "topology"
             and self.spec.link_period_s == 0
             and self._link_sampled_s < self.loop.now_s
         ):
             self._sample_links()
-        if kind == "live" and self._live_version != self.flows.counts_version:
-            self._live_version = self.flows.counts_version
+        if kind in ("live", "trend") and self._flows_version.get(kind) != self.flows.counts_version:
+            self._flows_version[kind] = self.flows.counts_version
             model.set_flows(self.flows.launched)
         return model

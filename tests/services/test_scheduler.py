@@ -13,6 +13,7 @@ import redis.asyncio as redis_async
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvrs.model import model_spec
+from kvrs.placement import PlacementRequest, make_placement_policy
 from kvrs.profile import compute_profile
 from kvrs.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, slots_pb2, slots_pb2_grpc
 from services.common import GrpcSettings, open_channel, setup_tracing
@@ -304,6 +305,49 @@ async def test_select_decode_skips_instances_without_free_kv_memory(plane):
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         "free_kv_tokens",
     )
+
+
+async def test_kvrs_in_the_service_decides_as_the_simulator_does_on_the_same_view(plane):
+    """The simulator calls the core policy with the view's decode candidates, its cost
+    model and the decision time; the service must decide exactly that, decision after
+    decision (kvrs remembers its own recent placements, so the sequence matters)."""
+    blocks = model_spec(MODEL).block_tokens
+    await plane.register(
+        kv_capacity_blocks=4096,
+        loads={
+            "decode-near": NodeLoad(free_kv_blocks=1000, queued_work_s=0.002),
+            "decode-rack": NodeLoad(free_kv_blocks=4000, resident_prefix_hashes=(7, 8)),
+            "decode-far": NodeLoad(free_kv_blocks=4096),
+        },
+    )
+    stub = await plane.scheduler(view_refresh_s=3600.0, view_stale_after_s=3600.0)
+    await plane.link("prefill-0", "decode-rack", bandwidth_bps=20e9)
+    await plane.refresh()
+    cache = plane.scheduler_handle.view
+    decided_at_s = time.time()
+    cache.clock = lambda: decided_at_s
+    simulator_policy = make_placement_policy("kvrs")
+    chosen = set()
+    for k, (tokens, hashes) in enumerate(
+        [(64, ()), (2048, (7, 8, 9)), (512 * blocks, ()), (96 * blocks, (7,)), (300, ())] * 2
+    ):
+        reply = await stub.SelectDecode(
+            select(f"req-{k}", prompt_tokens=tokens, prefix_hashes=hashes, policy="kvrs"),
+            timeout=5,
+        )
+        view = cache.current()
+        expected = simulator_policy.select(
+            PlacementRequest(f"req-{k}", "prefill-0", tokens, hashes),
+            view.cluster.decode_instances(),
+            view.cost,
+            view.cluster.now_s,
+        )
+        assert reply.policy == "kvrs"
+        assert reply.decode_instance_id == expected.instance_id
+        assert reply.predicted_ttft_s == pytest.approx(expected.predicted_ttft_s, rel=1e-12)
+        assert reply.runner_up_instance_id == expected.runner_up.instance_id
+        chosen.add(reply.decode_instance_id)
+    assert len(chosen) > 1
 
 
 async def test_a_failure_event_removes_the_instance_before_the_next_refresh(plane):

@@ -4,8 +4,10 @@ Policies (all prefill routing identical, cache-aware): round_robin; cache_load w
 weights tuned by a grid search on the same trace (the baseline gets the benefit of the
 doubt); netkv, the core's network-aware score fed by link telemetry sampled every
 `telemetry.link_period_s` (bandwidth left by background traffic and KV flow counts, both
-as of the last sample); kvrs, the same score with the same bandwidth samples but the KV
-flows the control plane itself started counted live. Sweeps: load scale × background
+as of the last sample); kvrs, the core's `Kvrs` policy: the same link samples weighed by
+their age against each link's rate of change, the KV flows the control plane itself
+started counted live, a bounded decode-load term, and prefill chosen with the decode side
+in view. Sweeps: load scale × background
 utilisation, context caps, telemetry staleness, and the segregated layout.
 """
 
@@ -40,7 +42,7 @@ DEFAULTS: dict[str, Any] = {
         {"name": "cache_load", "policy": "cache_load"},
         {"name": "netkv_tiers", "policy": "netkv", "network_view": "topology"},
         {"name": "netkv", "policy": "netkv", "network_view": "telemetry"},
-        {"name": "kvrs", "policy": "netkv", "network_view": "live"},
+        {"name": "kvrs", "policy": "kvrs", "network_view": "trend", "prefill": "joint"},
     ],
     "tuning": {
         "cache_weight": [0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6],
