@@ -19,6 +19,7 @@ import yaml
 
 from kvrs.errors import InvalidArgument, KvrsError
 from kvrs.sim.experiments import EXPERIMENTS, PARALLEL_EXPERIMENTS, experiment
+from kvrs.sim.telemetry import NETWORK_VIEWS
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--network-view",
         default="telemetry",
-        choices=("topology", "telemetry", "live"),
+        choices=NETWORK_VIEWS,
         help="run: what it knows",
+    )
+    parser.add_argument(
+        "--prefill",
+        default="router",
+        choices=("router", "joint"),
+        help="run: joint lets the placement policy choose the prefill too (kvrs)",
     )
     parser.add_argument("--rate-scale", type=float, default=1.0, help="run: arrival speed-up")
 
@@ -104,7 +111,9 @@ def _single_run(args: argparse.Namespace, params: dict) -> int:
 
     workload = load_workload({"trace": str(args.trace) if args.trace else "default"})
     config = SimConfig.from_dict(params)
-    policy = PolicySpec(args.policy, args.policy, network_view=args.network_view)
+    policy = PolicySpec(
+        args.policy, args.policy, network_view=args.network_view, prefill=args.prefill
+    )
     result = run_one(
         config, workload.scaled(args.rate_scale), policy, show_progress=not args.no_progress
     )

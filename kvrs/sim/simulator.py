@@ -265,7 +265,7 @@ class Simulator:
         """Replay the workload to the end; every request ends completed or aborted."""
         started = time.perf_counter()
         self.background.start()
-        self.telemetry.start()
+        self.telemetry.start((self.policy_spec.network_view, self.config.recovery.network_view))
         for failure in self.config.failures:
             self.loop.at(failure.at_s, self._fail, failure.instance, failure.node)
         self._next_arrival()

@@ -27,7 +27,7 @@ the KV flows on each link. Three network views, chosen per policy:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from kvrs.cluster import ClusterView, InstanceState
@@ -105,8 +105,14 @@ class Telemetry:
 
     # -- sampling ------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Take the first link sample and schedule the periodic ones."""
+    def start(self, views: Iterable[str] = ()) -> None:
+        """Take the first link sample and schedule the periodic ones.
+
+        The network models of `views` exist from the start, so a `trend` view sees every
+        sample (it is fed only while it exists).
+        """
+        for kind in views:
+            self._model(kind)
         if self.spec.link_period_s < math.inf:
             self._sample_links()
             if self.spec.link_period_s > 0:
@@ -228,9 +234,10 @@ class Telemetry:
             if self._measured_bps.get(link_id) != free_bps:
                 self._measured_bps[link_id] = free_bps
                 self._measured.set_link_capacity(link_id, free_bps)
-        trend_model = self._model("trend")
-        for link_id, link in self.flows.links.items():
-            trend_model.observe_link(link_id, link.free_bps, self.loop.now_s)
+        trend_model = self._models.get("trend")
+        if trend_model is not None:
+            for link_id, link in self.flows.links.items():
+                trend_model.observe_link(link_id, link.free_bps, self.loop.now_s)
         self._flow_sample = dict(self.flows.launched)
         telemetry_model = self._models.get("telemetry")
         if telemetry_model is not None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvrs.errors import InvalidArgument
 from kvrs.sim.config import PolicySpec, SimConfig
 from kvrs.sim.metrics import ABORTED, COMPLETED
 from kvrs.sim.simulator import run_policy
@@ -160,3 +161,25 @@ def test_lazy_instance_sampling_matches_eager_sampling(monkeypatch):
     monkeypatch.setattr("kvrs.sim.telemetry.Telemetry._busy", lambda self, i, t: True)
     eager = run_policy(config, requests, NETKV)
     assert _fingerprint(lazy) == _fingerprint(eager)
+
+
+def test_kvrs_placement_with_joint_prefill_is_deterministic_and_moves_prefills():
+    requests = scale_arrivals(load_mooncake(SAMPLE), 3.0)
+    config = SimConfig.from_dict(
+        {
+            "background": {"utilisation": 0.3},
+            "cluster": {"layout": "segregated"},
+            "seed": 3,
+            "failures": [{"at_s": 8.0, "instance": "decode-3"}],
+        }
+    )
+    spec = PolicySpec("kvrs", "kvrs", network_view="trend", prefill="joint")
+    first = run_policy(config, requests, spec)
+    assert _fingerprint(first) == _fingerprint(run_policy(config, requests, spec))
+    assert first.summary.lost == 0
+    assert first.summary.completed + first.summary.aborted == len(requests)
+    # The joint choice moves some prefills off the cache-aware router's pick.
+    routed = run_policy(config, requests, PolicySpec("kvrs", "kvrs", network_view="trend"))
+    assert [r.prefill_id for r in routed.records] != [r.prefill_id for r in first.records]
+    with pytest.raises(InvalidArgument, match="policy.prefill"):
+        PolicySpec("kvrs", "kvrs", prefill="both")
