@@ -107,6 +107,13 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
             registry=r,
         )
+        self.epp_served = Counter(
+            "kvrs_epp_served",
+            "Responses the gateway reported served, by which of the picked endpoints served "
+            "them (primary, fallback, unlisted).",
+            ["rank"],
+            registry=r,
+        )
         self.requests = Counter(
             "kvrs_requests",
             "Requests served end to end, by outcome.",

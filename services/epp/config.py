@@ -37,6 +37,11 @@ class Config:
     """EPP_ENDPOINTS: `instance=host:port,...`, where the gateway reaches each decode
     instance (e.g. an OpenAI adapter pinned to it); overrides the gossip address and
     EPP_TARGET_PORT, and instances it does not name are not routed to; empty = gossip."""
+    fallback_endpoints: int = 0
+    """EPP_FALLBACK_ENDPOINTS: how many fallback endpoints follow the pick in
+    `x-gateway-destination-endpoint` (`ip:port,ip:port,...`, in order: the scheduler's
+    runner-up first), for a gateway that retries down the list (protocol v0.4.0+); 0 =
+    the pick alone, which an Envoy original-destination cluster needs (one address)."""
     model: str = DEFAULT_MODEL
     """KVRS_MODEL: model preset; its block size cuts prompts into prefix-hash blocks, and
     its compute profile prices prefill when choosing the prefill instance."""
@@ -73,6 +78,7 @@ class Config:
             policy=env_str("EPP_POLICY", "", env),
             target_port=env_int("EPP_TARGET_PORT", 0, env),
             endpoints=parse_endpoints(env_str("EPP_ENDPOINTS", "", env)),
+            fallback_endpoints=env_int("EPP_FALLBACK_ENDPOINTS", 0, env),
             model=env_str("KVRS_MODEL", DEFAULT_MODEL, env),
             profile_file=env_str("KVRS_PROFILE_FILE", "", env),
             endpoints_refresh_s=env_float("EPP_ENDPOINTS_REFRESH_S", 0.5, env),
@@ -89,6 +95,8 @@ class Config:
             ("EPP_ENDPOINTS_REFRESH_S", self.endpoints_refresh_s),
             ("EPP_SCHEDULER_TIMEOUT_S", self.scheduler_timeout_s),
         )
+        if self.fallback_endpoints < 0:
+            raise ConfigError(f"EPP_FALLBACK_ENDPOINTS must be >= 0, got {self.fallback_endpoints}")
         if not 0 <= self.target_port <= 65535:
             raise ConfigError(f"EPP_TARGET_PORT must be a port (0-65535), got {self.target_port}")
         try:

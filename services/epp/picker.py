@@ -41,7 +41,7 @@ from services.common import openai_chat as chat
 from services.common.metrics import Metrics
 from services.common.openai_protocol import prompt_token_ids
 from services.common.tokenizer import TextCodec, byte_level_codec
-from services.epp.endpoints import EndpointDirectory
+from services.epp.endpoints import EndpointDirectory, Endpoints
 
 DECISION = "epp_pick"
 """The `decision` label of the picker's metrics."""
@@ -87,6 +87,20 @@ class Pick:
     instance_id: str
     prefill_instance_id: str
     predicted_ttft_s: float
+    fallbacks: tuple[str, ...] = ()
+    """Endpoints to try, in order, when `endpoint` cannot take the request."""
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The pick, then its fallbacks: the protocol's ordered endpoint list."""
+        return (self.endpoint, *self.fallbacks)
+
+    def rank_of(self, served: str) -> str:
+        """Which of the picked endpoints served the request: primary, fallback, or
+        unlisted (the gateway went elsewhere)."""
+        if served == self.endpoint:
+            return "primary"
+        return "fallback" if served in self.fallbacks else "unlisted"
 
 
 def new_request_id() -> str:
@@ -145,6 +159,7 @@ class Picker:
         block_tokens: int,
         prefill_instance_id: str = "",
         policy: str = "",
+        fallback_endpoints: int = 0,
         metrics: Metrics | None = None,
     ) -> None:
         """`profile` prices prefill when choosing the prefill instance (as the router
@@ -156,6 +171,7 @@ class Picker:
         self.block_tokens = block_tokens
         self.prefill_instance_id = prefill_instance_id
         self.policy = policy
+        self.fallback_endpoints = fallback_endpoints
         self.metrics = metrics
 
     async def pick(self, request: PickRequest, context: Context | None = None) -> Pick:
@@ -257,12 +273,44 @@ class Picker:
             raise Unavailable(
                 f"scheduler chose {reply.decode_instance_id!r}, which is not an eligible endpoint"
             )
+        fallbacks = self._fallbacks(endpoint, reply.runner_up_instance_id, endpoints, eligible)
+        span.set_attribute("kvrs.epp.fallbacks", ",".join(fallbacks))
         return Pick(
             endpoint=endpoint,
             instance_id=reply.decode_instance_id,
             prefill_instance_id=prefill_id,
             predicted_ttft_s=reply.predicted_ttft_s,
+            fallbacks=fallbacks,
         )
+
+    def _fallbacks(
+        self, chosen: str, runner_up_id: str, endpoints: Endpoints, eligible: dict[str, str]
+    ) -> tuple[str, ...]:
+        """Up to `fallback_endpoints` other eligible endpoints: the scheduler's runner-up
+        first (its second best), then the rest in address order (the scheduler ranks
+        only two)."""
+        if self.fallback_endpoints == 0:
+            return ()
+        runner_up = endpoints.endpoint_by_instance.get(runner_up_id, "")
+        ordered = [runner_up] if runner_up in eligible else []
+        ordered += sorted(e for e in eligible if e not in (runner_up, chosen))
+        return tuple(e for e in ordered if e != chosen)[: self.fallback_endpoints]
+
+    def served(self, pick: Pick, served: str, context: Context | None = None) -> str:
+        """Records which endpoint the gateway reports served the request picked as
+        `pick` (`x-gateway-destination-endpoint-served`); returns its rank."""
+        rank = pick.rank_of(served)
+        with self.tracer.start_as_current_span("kvrs.epp.served", context=context) as span:
+            span.set_attributes(
+                {
+                    "kvrs.epp.endpoint": pick.endpoint,
+                    "kvrs.epp.served_endpoint": served,
+                    "kvrs.epp.served_rank": rank,
+                }
+            )
+        if self.metrics is not None:
+            self.metrics.epp_served.labels(rank=rank).inc()
+        return rank
 
     def _record(self, outcome: str, started_s: float) -> None:
         if self.metrics is None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from dataclasses import dataclass, fields
 
 import grpc
@@ -26,9 +29,14 @@ from services.epp.endpoints import EndpointDirectory
 from services.epp.picker import Picker
 from services.epp.servicer import ExternalProcessorServicer
 
+log = logging.getLogger(__name__)
+
 SERVICE_NAME = ext_proc_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
-PROTOCOL_HEALTH_SERVICES = ("liveness", "readiness")
-"""Extra health service names the endpoint-picker protocol asks for (besides the ext_proc one)."""
+LIVENESS = "liveness"
+"""Health service the protocol asks for: SERVING while the process answers at all."""
+READINESS = "readiness"
+"""Health service the protocol asks for: SERVING once the picker can place requests (the
+same as the ext_proc service's and ""'s status)."""
 
 
 @dataclass
@@ -66,6 +74,7 @@ async def build_server(
         block_tokens=config.block_tokens,
         prefill_instance_id=config.prefill_instance_id,
         policy=config.policy,
+        fallback_endpoints=config.fallback_endpoints,
         metrics=metrics,
     )
 
@@ -79,14 +88,45 @@ async def build_server(
             ExternalProcessorServicer(picker, config.block_tokens, codec), server
         )
 
-    base = await start_server(register, [SERVICE_NAME], config.listen_addr, config.grpc, provider)
+    base = await start_server(
+        register, [SERVICE_NAME], config.listen_addr, config.grpc, provider, serving=False
+    )
     handle = EppServerHandle(
         **{item.name: getattr(base, item.name) for item in fields(base)}, picker=picker
     )
-    for name in PROTOCOL_HEALTH_SERVICES:
-        await handle.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await handle.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    await handle.health.set(READINESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+    # One try now (ready at once when gossip answers), then in the background.
+    ready = asyncio.create_task(_ready_once_synced(handle, directory, config.endpoints_refresh_s))
+    await asyncio.wait({ready}, timeout=config.scheduler_timeout_s)
+
+    async def stop_waiting() -> None:
+        ready.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ready
+
     handle.cleanups.append(client.close)
+    handle.cleanups.append(stop_waiting)
     return handle
+
+
+async def _ready_once_synced(
+    handle: EppServerHandle, directory: EndpointDirectory, retry_s: float
+) -> None:
+    """Readiness, the ext_proc service and "" turn SERVING once the endpoint map first
+    loads from gossip (the protocol's "datastore synced"); liveness is SERVING from the
+    start. After that the last map keeps serving through a gossip outage, so readiness
+    stays."""
+    while True:
+        try:
+            await directory.current()
+        except KvrsError as exc:
+            log.info("not ready: %s", exc)
+            await asyncio.sleep(retry_s)
+            continue
+        await handle.set_serving(True)
+        await handle.health.set(READINESS, health_pb2.HealthCheckResponse.SERVING)
+        return
 
 
 async def serve(config: Config, provider: TracerProvider) -> None:

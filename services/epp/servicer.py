@@ -11,14 +11,21 @@ which Envoy announces in the first message's `protocol_config`:
   streamed back unchanged, in chunks of at most 64 KiB.
 * NONE / STREAMED (or a request without a body): picked from the headers alone.
 
-The destination is `x-gateway-destination-endpoint: ip:port` in the request headers and
-the same value under dynamic metadata `envoy.lb` / `x-gateway-destination-endpoint`
-(the filter must list `envoy.lb` in `metadata_options.receiving_namespaces`). The
-subset hint is read from `envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`
-in the request's metadata context (listed in `forwarding_namespaces`). A request that
-cannot be placed gets an immediate response in OpenAI's error shape: 503 when no
-eligible endpoint exists or kvrs cannot answer, 429 without capacity, 400 for a body
-that is not a valid OpenAI request. Response messages pass through untouched.
+The destination is `x-gateway-destination-endpoint: ip:port` (followed by the fallback
+endpoints, `ip:port,ip:port,...` in order, when EPP_FALLBACK_ENDPOINTS asks for them) in
+the request headers and the same value under dynamic metadata `envoy.lb` /
+`x-gateway-destination-endpoint` (the filter must list `envoy.lb` in
+`metadata_options.receiving_namespaces`); a client's own header of that name is
+overwritten. The subset hint is read from `envoy.lb.subset_hint` /
+`x-gateway-destination-endpoint-subset` in the request's metadata context (listed in
+`forwarding_namespaces`). On the response, the endpoint that served it is read from
+`envoy.lb` / `x-gateway-destination-endpoint-served` in the metadata context, when the
+gateway sends it, and recorded (primary, fallback or unlisted). A request that cannot be
+placed gets an immediate response in OpenAI's error shape: 503 when no eligible endpoint
+exists or kvrs cannot answer, 429 without capacity (shedding), 400 for a body that is
+not a valid OpenAI request, 500 on a misconfiguration. Response messages pass through
+untouched. The protocol is the Gateway API Inference Extension's endpoint picker
+protocol v1.0.0 (PROTOCOL_VERSION).
 """
 
 from __future__ import annotations
@@ -39,11 +46,16 @@ from opentelemetry.propagate import extract
 from kvrs.errors import InvalidArgument, KvrsError
 from services.common.openai_protocol import error_body, http_error, json_bytes
 from services.common.tokenizer import TextCodec
-from services.epp.picker import Picker, PickRequest, new_request_id, prompt_info
+from services.epp.picker import Pick, Picker, PickRequest, new_request_id, prompt_info
 
 log = logging.getLogger(__name__)
 
+PROTOCOL_VERSION = "1.0.0"
+"""The endpoint picker protocol version followed (gateway-api-inference-extension,
+docs/proposals/004-endpoint-picker-protocol): v0.2.0 destination header and metadata,
+v0.3.0 subset hint, v0.4.0 fallback endpoint list, v1.0.0 served-endpoint metadata."""
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 DESTINATION_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
@@ -82,8 +94,18 @@ def _header_value(header: base_pb2.HeaderValue) -> str:
     return header.raw_value.decode("utf-8", errors="replace") if header.raw_value else header.value
 
 
-def destination(endpoint: str) -> tuple[ext_proc_pb2.CommonResponse, struct_pb2.Struct]:
-    """The header mutation and dynamic metadata that send the request to `endpoint`."""
+def served_endpoint(metadata: base_pb2.Metadata) -> str:
+    """The endpoint the gateway reports served the request; "" when it sent none."""
+    namespace = metadata.filter_metadata.get(DESTINATION_NAMESPACE)
+    if namespace is None or SERVED_KEY not in namespace.fields:
+        return ""
+    return namespace.fields[SERVED_KEY].string_value.strip()
+
+
+def destination(endpoints: Sequence[str]) -> tuple[ext_proc_pb2.CommonResponse, struct_pb2.Struct]:
+    """The header mutation and dynamic metadata that send the request to `endpoints`
+    (the first, then the rest in order); the same value in both, as the protocol asks."""
+    endpoint = ",".join(endpoints)
     mutation = ext_proc_pb2.HeaderMutation(
         set_headers=[
             base_pb2.HeaderValueOption(
@@ -139,6 +161,8 @@ class _Exchange:
         self.body = bytearray()
         self.trailers_seen = False
         self.decided = False
+        self.pick: Pick | None = None
+        self.served_recorded = False
 
     @property
     def full_duplex(self) -> bool:
@@ -150,11 +174,13 @@ class _Exchange:
         if message.HasField("protocol_config"):
             self.request_body_mode = message.protocol_config.request_body_mode
             self.response_body_mode = message.protocol_config.response_body_mode
+        kind = message.WhichOneof("request")
         if message.HasField("metadata_context"):
             hint = subset_hint(message.metadata_context)
             if hint is not None:
                 self.subset = hint
-        kind = message.WhichOneof("request")
+            if kind and kind.startswith("response_"):
+                self._record_served(message.metadata_context)
         if kind == "request_headers":
             return await self._request_headers(message.request_headers)
         if kind == "request_body":
@@ -209,6 +235,21 @@ class _Exchange:
         )
         return responses
 
+    def _record_served(self, metadata: base_pb2.Metadata) -> None:
+        served = served_endpoint(metadata)
+        if self.pick is None or self.served_recorded or not served:
+            return
+        self.served_recorded = True
+        rank = self.picker.served(self.pick, served, context=self._trace_context())
+        if rank != "primary":
+            log.info(
+                "request %s picked for %s was served by %s (%s)",
+                self.headers.get("x-request-id", ""),
+                self.pick.endpoint,
+                served,
+                rank,
+            )
+
     def _response_body(self, body: ext_proc_pb2.HttpBody) -> list[ext_proc_pb2.ProcessingResponse]:
         if self.response_body_mode == BodyMode.FULL_DUPLEX_STREAMED:
             return [
@@ -249,7 +290,8 @@ class _Exchange:
             if not isinstance(exc, InvalidArgument):
                 log.info("request %s not placed (%d): %s", request_id, status, exc)
             return [immediate(status, body, f"kvrs_epp_{exc.code.lower()}")]
-        common, metadata = destination(pick.endpoint)
+        self.pick = pick
+        common, metadata = destination(pick.endpoints)
         if in_body:
             return [
                 ext_proc_pb2.ProcessingResponse(

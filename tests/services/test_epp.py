@@ -164,6 +164,9 @@ async def cluster(redis_url, redis_prefix):
     yield {
         "stub": ext_proc_pb2_grpc.ExternalProcessorStub(channel),
         "epp_addr": f"127.0.0.1:{epp.port}",
+        "gossip_addr": gossip_addr,
+        "scheduler_addr": f"127.0.0.1:{scheduler.port}",
+        "members": members,
         "upstreams": upstreams,
         "exporter": exporter,
         "metrics": metrics,
@@ -363,6 +366,192 @@ async def test_health_answers_the_protocols_service_names(cluster):
         await channel.close()
 
 
+async def start_epp(cluster, **overrides):
+    """Another picker over the cluster's gossip and scheduler; (handle, stub, channel, metrics,
+    exporter)."""
+    exporter = InMemorySpanExporter()
+    metrics = Metrics()
+    settings = {
+        "listen_addr": "127.0.0.1:0",
+        "scheduler_addrs": (cluster["scheduler_addr"],),
+        "gossip_addr": cluster["gossip_addr"],
+        "model": "tiny",
+        "endpoints_refresh_s": 0.05,
+        "scheduler_timeout_s": 2.0,
+        **overrides,
+    }
+    epp = await build_server(
+        Config(**settings), setup_tracing("test-epp-extra", exporter=exporter), metrics
+    )
+    channel = open_channel(f"127.0.0.1:{epp.port}", GrpcSettings())
+    return epp, ext_proc_pb2_grpc.ExternalProcessorStub(channel), channel, metrics, exporter
+
+
+async def test_a_clients_own_destination_header_cannot_steer_the_request(cluster):
+    """kvrs sends PROMPT_OTHER to decode-a; a client naming decode-b is overruled."""
+    upstreams = cluster["upstreams"]
+    call = cluster["stub"].Process(timeout=10)
+    message = headers_message()
+    message.request_headers.headers.headers.append(
+        base_pb2.HeaderValue(
+            key="x-gateway-destination-endpoint", raw_value=upstreams["decode-b"].address.encode()
+        )
+    )
+    await call.write(message)
+    await call.read()
+    await call.write(body_message(completion(PROMPT_OTHER)))
+    answer = await call.read()
+    await call.done_writing()
+    assert destination_of(answer, "request_body") == upstreams["decode-a"].address
+    (option,) = answer.request_body.response.header_mutation.set_headers
+    assert option.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+async def test_no_kv_memory_left_anywhere_is_an_immediate_429(cluster):
+    """Shedding: every decode instance has a KV capacity and reports none of it free."""
+    for node, (instance_id, upstream) in zip(
+        ("n1", "n2"), cluster["upstreams"].items(), strict=True
+    ):
+        await cluster["members"].register(
+            Registration(
+                instance_id,
+                "decode",
+                upstream.address,
+                node=node,
+                rack="r0",
+                pod="p0",
+                kv_capacity_blocks=1000,
+                heartbeat_ttl_s=600.0,
+            )
+        )
+        await cluster["members"].heartbeat(instance_id, NodeLoad(free_kv_blocks=0))
+    deadline = time.monotonic() + 10
+    while True:
+        answer = await buffered_exchange(cluster["stub"], completion(PROMPT_OTHER))
+        if answer.WhichOneof("response") == "immediate_response" or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)  # the scheduler's view refreshes every 0.05 s
+    immediate = answer.immediate_response
+    assert immediate.status.code == 429, answer
+    error = json.loads(immediate.body)["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "resource_exhausted", error
+    assert "free KV memory" in error["message"]
+    assert not any(upstream.seen for upstream in cluster["upstreams"].values())
+    assert picks(cluster["exporter"])[-1].attributes["kvrs.epp.outcome"] == "no_capacity"
+
+
+async def test_an_unknown_policy_is_an_immediate_500_naming_the_setting(cluster):
+    epp, stub, channel, metrics, _ = await start_epp(cluster, policy="no-such-policy")
+    try:
+        answer = await buffered_exchange(stub, completion(PROMPT_OTHER))
+    finally:
+        await channel.close()
+        await epp.stop(0)
+    immediate = answer.immediate_response
+    assert immediate.status.code == 500
+    assert "EPP_POLICY" in json.loads(immediate.body)["error"]["message"]
+    sample = metrics.registry.get_sample_value(
+        "kvrs_decisions_total", {"decision": "epp_pick", "action": "error"}
+    )
+    assert sample == 1
+
+
+async def test_fallback_endpoints_follow_the_pick_in_order(cluster):
+    """Protocol v0.4.0: `ip:port,ip:port`, the pick first, then the runner-up."""
+    upstreams = cluster["upstreams"]
+    epp, stub, channel, _, exporter = await start_epp(cluster, fallback_endpoints=3)
+    try:
+        held = await buffered_exchange(stub, completion(PROMPT_HELD))
+        other = await buffered_exchange(stub, completion(PROMPT_OTHER))
+    finally:
+        await channel.close()
+        await epp.stop(0)
+    a, b = upstreams["decode-a"].address, upstreams["decode-b"].address
+    assert destination_of(held, "request_body") == f"{b},{a}"
+    assert destination_of(other, "request_body") == f"{a},{b}"
+    assert [span.attributes["kvrs.epp.fallbacks"] for span in picks(exporter)] == [a, b]
+
+
+@pytest.mark.parametrize("served, rank", [("decode-b", "primary"), ("decode-a", "fallback")])
+async def test_the_served_endpoint_is_read_back_from_the_response_metadata(cluster, served, rank):
+    """Protocol v1.0.0: the gateway reports which endpoint of the list served the request."""
+    upstreams = cluster["upstreams"]
+    epp, stub, channel, metrics, exporter = await start_epp(cluster, fallback_endpoints=1)
+    try:
+        call = stub.Process(timeout=10)
+        await call.write(headers_message())
+        await call.read()
+        await call.write(body_message(completion(PROMPT_HELD)))
+        answer = await call.read()
+        response = ext_proc_pb2.ProcessingRequest(response_headers=ext_proc_pb2.HttpHeaders())
+        reported = struct_pb2.Struct()
+        reported.update({"x-gateway-destination-endpoint-served": upstreams[served].address})
+        response.metadata_context.filter_metadata["envoy.lb"].CopyFrom(reported)
+        await call.write(response)
+        passed = await call.read()
+        await call.done_writing()
+    finally:
+        await channel.close()
+        await epp.stop(0)
+    assert destination_of(answer, "request_body").split(",")[0] == upstreams["decode-b"].address
+    assert passed.WhichOneof("response") == "response_headers"
+    assert metrics.registry.get_sample_value("kvrs_epp_served_total", {"rank": rank}) == 1
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "kvrs.epp.served"]
+    assert span.attributes["kvrs.epp.served_endpoint"] == upstreams[served].address
+    assert span.attributes["kvrs.epp.served_rank"] == rank
+
+
+async def test_readiness_waits_for_the_endpoint_map_and_liveness_does_not(redis_url, redis_prefix):
+    """Liveness SERVING at once; readiness, "" and ext_proc only once gossip first answered."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    (gossip_port,) = free_ports(1)
+    provider = setup_tracing("test-epp-ready", exporter=InMemorySpanExporter())
+    epp = await build_server(
+        Config(
+            listen_addr="127.0.0.1:0",
+            scheduler_addrs=("127.0.0.1:9",),
+            gossip_addr=f"127.0.0.1:{gossip_port}",
+            model="tiny",
+            endpoints_refresh_s=0.05,
+            scheduler_timeout_s=0.3,
+        ),
+        provider,
+    )
+    channel = open_channel(f"127.0.0.1:{epp.port}", GrpcSettings())
+    stub = health_pb2_grpc.HealthStub(channel)
+    services = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+
+    async def status(service: str) -> int:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return reply.status
+
+    gossip = None
+    try:
+        assert await status("liveness") == health_pb2.HealthCheckResponse.SERVING
+        for service in services:
+            assert await status(service) == health_pb2.HealthCheckResponse.NOT_SERVING, service
+        gossip = await build_gossip(
+            GossipConfig(
+                listen_addr=f"127.0.0.1:{gossip_port}",
+                redis_url=redis_url,
+                redis_prefix=redis_prefix,
+            ),
+            provider,
+        )
+        deadline = time.monotonic() + 10
+        while await status("readiness") != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "readiness never turned SERVING"
+            await asyncio.sleep(0.05)
+        for service in (*services, "liveness"):
+            assert await status(service) == health_pb2.HealthCheckResponse.SERVING, service
+    finally:
+        await channel.close()
+        await epp.stop(0)
+        if gossip is not None:
+            await gossip.stop(0)
+
+
 # Through a real Envoy
 
 
@@ -452,6 +641,21 @@ async def test_envoy_answers_503_when_no_endpoint_is_eligible(cluster, gateway, 
     assert status == 503
     assert reply["error"]["type"] == "service_unavailable_error"
     assert not any(upstream.seen for upstream in cluster["upstreams"].values())
+
+
+async def test_envoy_ignores_a_clients_destination_header(cluster, gateway):
+    session, url = gateway
+    upstreams = cluster["upstreams"]
+    headers = {
+        "content-type": "application/json",
+        "x-gateway-destination-endpoint": upstreams["decode-b"].address,
+    }
+    body = completion(PROMPT_OTHER)
+    async with session.post(f"{url}/v1/completions", data=body, headers=headers) as reply:
+        assert (reply.status, await reply.json()) == (200, {"served_by": "decode-a"})
+    assert not upstreams["decode-b"].seen
+    (seen,) = upstreams["decode-a"].seen
+    assert seen["headers"]["x-gateway-destination-endpoint"] == upstreams["decode-a"].address
 
 
 # Configuration
