@@ -1,14 +1,24 @@
 """The control plane at thousands of instances: heartbeat capacity and view freshness.
 
-`python -m bench.scale --instances 4096` starts a private Redis and a gossip process,
-registers N instances, and then:
+`python -m bench.scale --instances 4096 [--json FILE]` starts a private Redis, two gossip
+replicas of one registry (instances beat to `gossip-beats`, views read `gossip-views`, so
+each one's CPU says what its half of the work costs) and a slot broker, then:
 
-1. **heartbeat capacity**: several driver processes heartbeat as fast as the gossip
-   process answers; reported as heartbeats/s and heartbeats per CPU-second of gossip +
-   Redis (their /proc CPU time over the window), for full-load heartbeats and for the
-   beats `HeartbeatLoop` sends when the load did not change.
+1. **heartbeat capacity**: driver processes heartbeat N registered instances as fast as
+   gossip answers, as unary calls with the full load (what instances sent before), over
+   `StreamHeartbeats` with the full load, and over streams with only liveness; reported
+   as heartbeats/s and heartbeats per CPU-second of gossip + Redis (/proc CPU time).
+2. **a cluster heartbeating as deployed**: `HeartbeatLoop`s for all N instances (one
+   stream each) from several processes, every `--interval-s`, the load changing at every
+   beat; the time until all are registered.
+3. **views**: two schedulers reading the whole registry at every refresh (full-read,
+   `KVRS_VIEW_RESYNC_S=0`, what views did before the change feed), then two following
+   the change feed, side by side in the same run: view age p50/p99 at each (from
+   SelectDecode replies at 20/s), SelectDecode latency, the schedulers' CPU (refreshes +
+   decisions) and what serving them costs `gossip-views`.
 
-Not a test: figures depend on the machine (shared here); nothing asserts.
+Not a test: figures depend on the machine (shared here: the load average is printed);
+nothing asserts.
 """
 
 from __future__ import annotations
@@ -27,12 +37,14 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 import redis
 
-from services.common import GrpcSettings
+from kvrs.rpc import SERVING, check_health
+from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common import GrpcSettings, open_channel
 from services.common.gossip_records import NodeLoad, Registration
-from services.common.healthcheck import SERVING, check_health
-from services.gossip.client import GossipClient
+from services.gossip.client import GossipClient, HeartbeatLoop
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 HEARTBEAT_MODES = {
@@ -104,7 +116,9 @@ def start_redis(procs: Processes) -> tuple[subprocess.Popen, str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def start_gossip(procs: Processes, redis_url: str, prefix: str) -> tuple[subprocess.Popen, str]:
+def start_gossip(
+    procs: Processes, redis_url: str, prefix: str, name: str
+) -> tuple[subprocess.Popen, str]:
     address = f"127.0.0.1:{_free_port()}"
     env = {
         "GOSSIP_LISTEN_ADDR": address,
@@ -113,7 +127,7 @@ def start_gossip(procs: Processes, redis_url: str, prefix: str) -> tuple[subproc
         "GOSSIP_HEARTBEAT_TTL_S": "3600",
         "OTEL_TRACES_EXPORTER": "none",
     }
-    proc = procs.start("gossip", [sys.executable, "-m", "services.gossip"], env)
+    proc = procs.start(name, [sys.executable, "-m", "services.gossip"], env)
     return proc, address
 
 
@@ -142,14 +156,14 @@ def registration(index: int) -> Registration:
 
 
 def load(index: int, beat: int) -> NodeLoad:
-    """A decode instance's load at its `beat`-th heartbeat: a few running requests and a
-    few dozen resident prefix blocks, changing every beat."""
+    """A decode instance's load at its `beat`-th heartbeat: a few running requests (which
+    change every beat) and a few dozen resident prefix blocks (every 4th beat)."""
     return NodeLoad(
         queue_depth=(index + beat) % 4,
         queued_work_s=0.01 * ((index + beat) % 7),
         running_requests=(index + beat) % 9,
         free_kv_blocks=4096 - 16 * ((index + beat) % 50),
-        resident_prefix_hashes=tuple(range(index * 64, index * 64 + 32 + beat % 4)),
+        resident_prefix_hashes=tuple(range(index * 64, index * 64 + 32 + (beat // 4) % 4)),
     )
 
 
@@ -241,28 +255,257 @@ def heartbeat_capacity(
     }
 
 
+# -- a cluster heartbeating as deployed -------------------------------------------------------
+
+
+def _run_instances(
+    address: str, indices: list[int], interval_s: float, out, stop, ready_at: float
+) -> None:
+    """One driver process: a `HeartbeatLoop` per instance (each with its own stream), the
+    starts spread over one interval; reports when all are registered, then beats."""
+
+    async def main() -> None:
+        async with GossipClient(address, timeout_s=30) as gossip:
+            beats = [0] * len(indices)
+
+            def source(slot: int):
+                def current() -> NodeLoad:
+                    beats[slot] += 1
+                    return load(indices[slot], beats[slot])
+
+                return current
+
+            loops = [
+                HeartbeatLoop(gossip, registration(index), load=source(slot), interval_s=interval_s)
+                for slot, index in enumerate(indices)
+            ]
+            limit = asyncio.Semaphore(16)
+
+            async def start(loop: HeartbeatLoop, delay_s: float) -> None:
+                await asyncio.sleep(delay_s)
+                async with limit:
+                    await loop.start()
+
+            await asyncio.gather(
+                *(start(loop, interval_s * i / len(loops) / 4) for i, loop in enumerate(loops))
+            )
+            out.put(("registered", time.time() - ready_at))
+            while not stop.is_set():
+                await asyncio.sleep(0.1)
+            for loop in loops:
+                await loop.stop(deregister=False)
+            out.put(("beats", sum(beats)))
+
+    asyncio.run(main())
+
+
+class Cluster:
+    """N instances registered and heartbeating from `drivers` processes."""
+
+    def __init__(self, address: str, instances: int, drivers: int, interval_s: float) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.out = ctx.Queue()
+        self.stop_event = ctx.Event()
+        ready_at = time.time()
+        self.workers = [
+            ctx.Process(
+                target=_run_instances,
+                args=(
+                    address,
+                    list(range(d, instances, drivers)),
+                    interval_s,
+                    self.out,
+                    self.stop_event,
+                    ready_at,
+                ),
+            )
+            for d in range(drivers)
+        ]
+        for worker in self.workers:
+            worker.start()
+        self.register_s = max(self.out.get(timeout=300)[1] for _ in self.workers)
+
+    def stop(self) -> int:
+        self.stop_event.set()
+        beats = sum(self.out.get(timeout=60)[1] for _ in self.workers)
+        for worker in self.workers:
+            worker.join()
+        return beats
+
+
+def start_broker(procs: Processes, redis_url: str, prefix: str) -> str:
+    address = f"127.0.0.1:{_free_port()}"
+    env = {
+        "SLOT_BROKER_LISTEN_ADDR": address,
+        "REDIS_URL": redis_url,
+        "KVRS_REDIS_PREFIX": prefix,
+        "OTEL_TRACES_EXPORTER": "none",
+    }
+    procs.start("slot-broker", [sys.executable, "-m", "services.slot_broker"], env)
+    return address
+
+
+def start_scheduler(
+    procs: Processes, name: str, gossip: str, broker: str, resync_s: float, refresh_s: float
+) -> tuple[subprocess.Popen, str]:
+    address = f"127.0.0.1:{_free_port()}"
+    env = {
+        "SCHEDULER_LISTEN_ADDR": address,
+        "GOSSIP_ADDR": gossip,
+        "SLOT_BROKER_ADDR": broker,
+        "SCHEDULER_HOLDER_ID": name,
+        "SCHEDULER_VIEW_REFRESH_S": str(refresh_s),
+        "SCHEDULER_PEER_TIMEOUT_S": "5",
+        "KVRS_VIEW_RESYNC_S": str(resync_s),
+        "OTEL_TRACES_EXPORTER": "none",
+    }
+    proc = procs.start(name, [sys.executable, "-m", "services.scheduler"], env)
+    return proc, address
+
+
+def _select_request() -> scheduler_pb2.SelectDecodeRequest:
+    return scheduler_pb2.SelectDecodeRequest(
+        request_id=uuid.uuid4().hex,
+        prefill_instance_id=registration(0).instance_id,
+        prompt_tokens=2048,
+        prefix_hashes=[1, 2, 3],
+    )
+
+
+async def _wait_view(address: str, decode: int, timeout_s: float = 120.0) -> None:
+    await wait_serving(address, timeout_s)
+    channel = open_channel(address, GrpcSettings())
+    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                reply = await stub.SelectDecode(_select_request(), timeout=10)
+                if reply.candidates_considered >= decode:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"scheduler {address} has no view of {decode} decode instances")
+            await asyncio.sleep(0.2)
+    finally:
+        await channel.close()
+
+
+async def _probe(address: str, duration_s: float, rate_hz: float) -> dict[str, list[float]]:
+    """SelectDecode at `rate_hz` for `duration_s`: view ages and client latencies."""
+    channel = open_channel(address, GrpcSettings())
+    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    ages, latencies = [], []
+    try:
+        stop_at = time.monotonic() + duration_s
+        while time.monotonic() < stop_at:
+            started = time.perf_counter()
+            reply = await stub.SelectDecode(_select_request(), timeout=10)
+            latencies.append(time.perf_counter() - started)
+            ages.append(reply.view_age_s)
+            await asyncio.sleep(max(0.0, 1 / rate_hz - (time.perf_counter() - started)))
+    finally:
+        await channel.close()
+    return {"view_age_s": ages, "latency_s": latencies}
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def _cpu_window(pids: dict[str, int], seconds: float, work=None) -> tuple[dict[str, float], object]:
+    """CPU share of a core each process used over `seconds` (running `work` meanwhile)."""
+    before = {name: cpu_s(pid) for name, pid in pids.items()}
+    started = time.perf_counter()
+    result = asyncio.run(work) if work is not None else time.sleep(seconds)
+    wall_s = time.perf_counter() - started
+    return {name: (cpu_s(pid) - before[name]) / wall_s for name, pid in pids.items()}, result
+
+
+def views(
+    procs: Processes,
+    pids: dict[str, int],
+    gossip: str,
+    broker: str,
+    decode: int,
+    resync_s: float,
+    refresh_s: float,
+    window_s: float,
+) -> dict:
+    """Two schedulers with one view mode; their view ages and what serving them costs."""
+    names = [f"scheduler-{'full' if resync_s == 0 else 'follow'}-{i}" for i in range(2)]
+    started = [start_scheduler(procs, name, gossip, broker, resync_s, refresh_s) for name in names]
+
+    async def ready() -> None:
+        await asyncio.gather(*(_wait_view(address, decode) for _, address in started))
+
+    asyncio.run(ready())
+    time.sleep(1.0)  # past the first full listing
+
+    async def probe_all() -> list[dict[str, list[float]]]:
+        return await asyncio.gather(*(_probe(address, window_s, 20.0) for _, address in started))
+
+    watched = {**pids, **{name: proc.pid for name, (proc, _) in zip(names, started, strict=True)}}
+    cpu, probes = _cpu_window(watched, window_s, probe_all())
+    for proc, _ in started:
+        proc.terminate()
+        proc.wait(10)
+    figures: dict = {"cpu_core_share": cpu, "schedulers": {}}
+    for name, probe in zip(names, probes, strict=True):
+        figures["schedulers"][name] = {
+            "view_age_p50_s": _quantile(probe["view_age_s"], 0.5),
+            "view_age_p99_s": _quantile(probe["view_age_s"], 0.99),
+            "select_decode_p50_ms": 1e3 * _quantile(probe["latency_s"], 0.5),
+            "select_decode_p99_ms": 1e3 * _quantile(probe["latency_s"], 0.99),
+            "decisions": len(probe["latency_s"]),
+        }
+    return figures
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--instances", type=int, default=4096)
     parser.add_argument("--drivers", type=int, default=3, help="heartbeat driver processes")
-    parser.add_argument("--duration-s", type=float, default=5.0)
+    parser.add_argument("--interval-s", type=float, default=2.0, help="heartbeat period")
+    parser.add_argument("--refresh-s", type=float, default=0.1, help="scheduler view refresh")
+    parser.add_argument("--window-s", type=float, default=8.0, help="each measured window")
+    parser.add_argument("--duration-s", type=float, default=4.0, help="each capacity window")
     parser.add_argument("--json", help="also write every figure to this file")
     args = parser.parse_args(argv)
 
-    results: dict = {"instances": args.instances, "date_utc": time.strftime("%Y-%m-%d %H:%M")}
+    decode = sum(1 for i in range(args.instances) if registration(i).role == "decode")
+    load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"bench.scale: {args.instances} instances ({decode} decode), heartbeats every "
+        f"{args.interval_s} s, scheduler refresh {args.refresh_s} s; {os.cpu_count()} CPUs, "
+        f"load average {load_avg}"
+    )
+    results: dict = {
+        "instances": args.instances,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+    }
     with tempfile.TemporaryDirectory(prefix="kvrs-bench-scale-") as tmp:
         procs = Processes(Path(tmp))
         try:
             redis_proc, redis_url = start_redis(procs)
             prefix = f"{{bench-{uuid.uuid4().hex[:8]}}}:"
-            gossip_proc, address = start_gossip(procs, redis_url, prefix)
-            register_s = asyncio.run(_register_all(address, args.instances))
-            results["register_s"] = register_s
-            print(f"registered {args.instances} instances in {register_s:.2f} s")
+            # Two replicas of one registry: instances beat to one, views read the other,
+            # so each one's CPU says what its half of the work costs.
+            beats_proc, beats_addr = start_gossip(procs, redis_url, prefix, "gossip-beats")
+            views_proc, views_addr = start_gossip(procs, redis_url, prefix, "gossip-views")
+            broker = start_broker(procs, redis_url, prefix)
+            for address in (beats_addr, views_addr, broker):
+                asyncio.run(wait_serving(address))
+
+            asyncio.run(_register_all(beats_addr, args.instances))
             for mode in HEARTBEAT_MODES:
                 figures = heartbeat_capacity(
-                    address,
-                    [gossip_proc.pid, redis_proc.pid],
+                    beats_addr,
+                    [beats_proc.pid, redis_proc.pid],
                     args.instances,
                     args.drivers,
                     args.duration_s,
@@ -270,12 +513,60 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 )
                 results[f"heartbeat_{mode}"] = figures
                 print(
-                    f"heartbeats {HEARTBEAT_MODES[mode]:44s}: "
+                    f"capacity, {HEARTBEAT_MODES[mode]:44s}: "
                     f"{figures['heartbeats_per_s']:6.0f}/s, "
-                    f"{figures['heartbeats_per_cpu_s']:7.0f} per CPU-s of gossip + Redis "
-                    f"(gossip {figures['gossip_cpu_s']:.2f} s, redis {figures['redis_cpu_s']:.2f}"
-                    f" s CPU over {args.duration_s:.0f} s)"
+                    f"{figures['heartbeats_per_cpu_s']:6.0f} per CPU-s of gossip + Redis"
                 )
+            before = results["heartbeat_unary"]["heartbeats_per_cpu_s"]
+            after = results["heartbeat_stream"]["heartbeats_per_cpu_s"]
+            ratio = after / before
+            results["heartbeat_ratio"] = ratio
+            print(f"heartbeats per CPU-s, streamed vs unary: ratio {ratio:.2f}x (goal >= 2x)")
+
+            pids = {"gossip-beats": beats_proc.pid, "gossip-views": views_proc.pid}
+            pids["redis"] = redis_proc.pid
+            cluster = Cluster(beats_addr, args.instances, args.drivers, args.interval_s)
+            results["register_s"] = cluster.register_s
+            print(
+                f"(re-)registered {args.instances} instances, each then beating every "
+                f"{args.interval_s} s, in {cluster.register_s:.1f} s (goal <= 10 s)"
+            )
+            baseline, _ = _cpu_window(pids, args.window_s)
+            results["heartbeats_only_cpu"] = baseline
+            print(
+                f"heartbeats alone: gossip-beats {100 * baseline['gossip-beats']:.0f} % of a "
+                f"core, gossip-views {100 * baseline['gossip-views']:.0f} % (its failure sweep),"
+                f" redis {100 * baseline['redis']:.0f} %"
+            )
+            for label, resync_s in (("full-read views (before)", 0.0), ("change feed", 30.0)):
+                figures = views(
+                    procs,
+                    pids,
+                    views_addr,
+                    broker,
+                    decode,
+                    resync_s,
+                    args.refresh_s,
+                    args.window_s,
+                )
+                results["full_read" if resync_s == 0 else "follow"] = figures
+                cpu = figures["cpu_core_share"]
+                print(f"two schedulers, {label}:")
+                print(
+                    f"  gossip-views {100 * cpu['gossip-views']:.0f} % of a core serving views "
+                    f"(goal <= 10 %), gossip-beats {100 * cpu['gossip-beats']:.0f} %, "
+                    f"redis {100 * cpu['redis']:.0f} %"
+                )
+                for name, sched in figures["schedulers"].items():
+                    print(
+                        f"  {name}: view age p50 {sched['view_age_p50_s'] * 1e3:.0f} ms, "
+                        f"p99 {sched['view_age_p99_s'] * 1e3:.0f} ms "
+                        f"(goal <= {2 * args.refresh_s * 1e3:.0f} ms); SelectDecode p50 "
+                        f"{sched['select_decode_p50_ms']:.1f} ms, p99 "
+                        f"{sched['select_decode_p99_ms']:.1f} ms; process "
+                        f"{100 * cpu[name]:.0f} % of a core (refreshes + decisions)"
+                    )
+            results["steady_beats"] = cluster.stop()
         finally:
             procs.stop()
     if args.json:

@@ -204,9 +204,12 @@ class ViewCache:
         self._wake.set()
 
     async def run(self) -> None:
-        """Refreshes forever: every `refresh_s`, or sooner when asked."""
+        """Refreshes forever: `refresh_s` after the previous refresh began (so the view's
+        age stays within one period plus one fetch), or sooner when asked."""
+        loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
+            started_s = loop.time()
             try:
                 await self.refresh()
             except Exception:  # noqa: BLE001 - one bad snapshot must not end the refreshes
@@ -215,7 +218,7 @@ class ViewCache:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the cancellation
             # that stops this loop when the wake-up lands at the same moment.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.refresh_s):
+                async with asyncio.timeout_at(max(started_s + self.refresh_s, loop.time())):
                     await self._wake.wait()
 
     def _carry_vanished(self, snapshot: GossipSnapshot) -> tuple[NodeRecord, ...]:

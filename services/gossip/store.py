@@ -303,6 +303,56 @@ end
 return overdue
 """
 
+# KEYS: changes. ARGV: node-key prefix, after id ("" = full), most entries to read.
+# Returns {now_ms, last_id, 1} when the reader needs a full listing (asked for, the
+# stream is empty or was trimmed past `after`, or `after` is not from this stream), else
+# {now_ms, last_id, 0, hash...}: the flat hash of every instance changed after `after`
+# that is still stored, once each, in one round trip.
+_CHANGES_SINCE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-?(%d*)$')
+  return tonumber(ms), tonumber(seq ~= '' and seq or '0')
+end
+local function after_than(a, b)  -- stream id a > stream id b
+  local am, as = parse(a)
+  local bm, bs = parse(b)
+  return am > bm or (am == bm and as > bs)
+end
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last == 0 then
+  return {now, '0-0', 1}
+end
+local last_id, after = last[1][1], ARGV[2]
+if after == '' or after_than(after, last_id) then
+  return {now, last_id, 1}
+end
+-- `after` is the last id of an earlier reply: while it is retained, nothing after it
+-- was trimmed; once the oldest entry is younger, some may have been (a gap).
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+if after_than(first[1][1], after) then
+  return {now, last_id, 1}
+end
+local limit = tonumber(ARGV[3])
+local entries = redis.call('XRANGE', KEYS[1], '(' .. after, last_id, 'COUNT', limit + 1)
+if #entries > limit then
+  return {now, last_id, 1}
+end
+local reply, seen = {now, last_id, 0}, {}
+for _, entry in ipairs(entries) do
+  local id = entry[2][2]
+  if not seen[id] then
+    seen[id] = true
+    local fields = redis.call('HGETALL', ARGV[1] .. id)
+    if #fields > 0 then
+      reply[#reply + 1] = fields
+    end
+  end
+end
+return reply
+"""
+
 _LOAD_FIELDS = ("queue_depth", "queued_work_s", "running_requests", "free_kv_blocks")
 SWEEP_BATCH = 500
 PROBE_TIMEOUT_S = 0.5
@@ -317,24 +367,6 @@ class Swept:
 
     failed: list[str] = field(default_factory=list)
     suspected: list[str] = field(default_factory=list)
-
-
-def _stream_id(value: str) -> tuple[int, int]:
-    millis, _, sequence = value.partition("-")
-    return int(millis), int(sequence or 0)
-
-
-def _gap(info: dict, after_change_id: str) -> bool:
-    """Whether entries after `after_change_id` may have been trimmed away (or the id
-    comes from another stream): the reader must take a full listing."""
-    after = _stream_id(after_change_id)
-    if after > _stream_id(_text(info["last-generated-id"])):
-        return True
-    added = info.get("entries-added")  # Redis >= 7; before that, assume trimming
-    if added is not None and int(added) <= int(info["length"]):
-        return False  # nothing was ever trimmed
-    first = info.get("first-entry")
-    return first is None or _stream_id(_text(first[0])) > after
 
 
 def _text(value: bytes | str | None) -> str:
@@ -450,8 +482,12 @@ class GossipStore:
         self._confirm = client.register_script(_CONFIRM)
         self._report_link = client.register_script(_REPORT_LINK)
         self._resume = client.register_script(_RESUME)
+        self._changes_since = client.register_script(_CHANGES_SINCE)
         self._resume_pending = True
         """Whether expiries need a fresh TTL before they are trusted (see module doc)."""
+        self._beats: list[tuple[list, asyncio.Future]] = []
+        """Heartbeats waiting for the next pipeline (see `_flush_beats`)."""
+        self._flushing: asyncio.Task | None = None
 
     @contextlib.asynccontextmanager
     async def _redis_call(self, trusts_expiries: bool) -> AsyncIterator[None]:
@@ -511,10 +547,11 @@ class GossipStore:
                 pairs += [name, str(getattr(load, name))]
         if not prefix_hashes_unchanged:
             pairs += ["resident_prefix_hashes", json.dumps(list(load.resident_prefix_hashes))]
-        async with self._redis_call(trusts_expiries=True):
-            reply = await self._heartbeat(
-                keys=self._script_keys, args=[*self._common, instance_id, *pairs]
-            )
+        beat: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._beats.append(([*self._common, instance_id, *pairs], beat))
+        if self._flushing is None:
+            self._flushing = asyncio.create_task(self._flush_beats())
+        reply = await beat
         code = int(reply[0])
         if code == -1:
             raise NotFound(f"instance {instance_id!r} is not registered")
@@ -523,6 +560,39 @@ class GossipStore:
                 f"instance {instance_id!r} is {_text(reply[1])}; register it again"
             )
         return code
+
+    async def _flush_beats(self) -> None:
+        """Sends every heartbeat waiting, as one pipeline, until none is left.
+
+        Heartbeats that arrive while a pipeline is in flight wait for the next one: under
+        load many beats share one round trip (and one connection), and an idle registry
+        answers a lone beat at once.
+        """
+        try:
+            while self._beats:
+                batch, self._beats = self._beats, []
+                try:
+                    async with self._redis_call(trusts_expiries=True):
+                        async with self._redis.pipeline(transaction=False) as pipe:
+                            for args, _ in batch:
+                                await self._heartbeat(
+                                    keys=self._script_keys, args=args, client=pipe
+                                )
+                            replies = await pipe.execute(raise_on_error=False)
+                except Exception as exc:  # noqa: BLE001 - every waiting beat gets the error
+                    for _, beat in batch:
+                        if not beat.done():
+                            beat.set_exception(exc)
+                    continue
+                for (_, beat), reply in zip(batch, replies, strict=True):
+                    if beat.done():
+                        continue
+                    if isinstance(reply, Exception):
+                        beat.set_exception(reply)
+                    else:
+                        beat.set_result(reply)
+        finally:
+            self._flushing = None
 
     async def deregister(self, instance_id: str, reason: str) -> None:
         """Marks an instance as left; repeating it is harmless, an unknown id is NotFound."""
@@ -597,22 +667,19 @@ class GossipStore:
                 f"must be '' or an id from an earlier reply, got {after_change_id!r}",
             )
         async with self._redis_call(trusts_expiries=False):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.time()
-                pipe.xinfo_stream(self._changes)
-                replies = await pipe.execute(raise_on_error=False)
-            seconds, micros = replies[0]
-            now_ms = int(seconds) * 1000 + int(micros) // 1000
-            info = replies[1] if isinstance(replies[1], dict) else None
-            last_id = _text(info["last-generated-id"]) if info else "0-0"
-            if after_change_id and info and not _gap(info, after_change_id):
-                entries = await self._redis.xrange(
-                    self._changes, f"({after_change_id}", last_id, count=CHANGES_READ_MAX + 1
-                )
-                if len(entries) <= CHANGES_READ_MAX:
-                    ids = sorted({_text(fields[b"id"]) for _, fields in entries})
-                    records = await self._read_nodes(ids, now_ms, forget=False)
-                    return NodeChanges(tuple(records), last_id, full=False, now_ms=now_ms)
+            reply = await self._changes_since(
+                keys=[self._changes],
+                args=[self._node_prefix, after_change_id, CHANGES_READ_MAX],
+            )
+            now_ms, last_id, full = int(reply[0]), _text(reply[1]), int(reply[2])
+            if not full:
+                records = [
+                    _node_record(
+                        _decode_hash(dict(zip(flat[::2], flat[1::2], strict=True))), now_ms
+                    )
+                    for flat in reply[3:]
+                ]
+                return NodeChanges(tuple(records), last_id, full=False, now_ms=now_ms)
             members = await self._redis.smembers(self._nodes)
             records = await self._read_nodes(sorted(_text(m) for m in members), now_ms, True)
         return NodeChanges(tuple(records), last_id, full=True, now_ms=now_ms)

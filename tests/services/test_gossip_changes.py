@@ -192,3 +192,24 @@ async def test_heartbeat_loop_sends_the_load_only_when_it_changed(client, monkey
     assert sent.count((False, False)) >= 2, "everything again every FULL_LOAD_EVERY beats"
     assert node.load.queue_depth == 7
     assert node.load.resident_prefix_hashes == (1, 2, 3)
+
+
+async def test_concurrent_heartbeats_share_pipelines_not_connections(redis_url, redis_prefix):
+    """Thousands of instances beating over streams arrive concurrently: they must not need
+    a Redis connection each (redis-py's pool refuses past its size)."""
+    import redis.asyncio as redis_async
+
+    redis = redis_async.from_url(redis_url, max_connections=3)
+    store = GossipStore(redis, redis_prefix, default_ttl_s=5.0)
+    try:
+        for i in range(40):
+            await store.register(decode(f"decode-{i}"))
+        expiries = await asyncio.gather(
+            *(store.heartbeat(f"decode-{i}", LOAD) for i in range(40)),
+            *(store.heartbeat(f"decode-{i}", LOAD, load_unchanged=True) for i in range(40)),
+        )
+        assert all(expiry > 0 for expiry in expiries)
+        with pytest.raises(errors.NotFound):
+            await asyncio.gather(store.heartbeat("decode-0", LOAD), store.heartbeat("ghost", LOAD))
+    finally:
+        await redis.aclose()
