@@ -375,8 +375,16 @@ def _text(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _decode_hash(raw: dict) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in raw.items()}
+def _decode_hash(raw: dict[bytes, bytes]) -> dict[str, str]:
+    # Inline decode, not `_text`: a full listing decodes ~90,000 fields at 4,096 instances.
+    return {field.decode(): value.decode() for field, value in raw.items()}
+
+
+def _decode_flat(flat: list[bytes]) -> dict[str, str]:
+    """A hash as a script returns it (field, value, field, value, ...), decoded; inline,
+    since a listing decodes thousands of fields."""
+    fields = iter(flat)
+    return {field.decode(): value.decode() for field, value in zip(fields, fields, strict=True)}
 
 
 def _node_record(fields: dict[str, str], now_ms: int) -> NodeRecord:
@@ -673,12 +681,7 @@ class GossipStore:
             )
             now_ms, last_id, full = int(reply[0]), _text(reply[1]), int(reply[2])
             if not full:
-                records = [
-                    _node_record(
-                        _decode_hash(dict(zip(flat[::2], flat[1::2], strict=True))), now_ms
-                    )
-                    for flat in reply[3:]
-                ]
+                records = [_node_record(_decode_flat(flat), now_ms) for flat in reply[3:]]
                 return NodeChanges(tuple(records), last_id, full=False, now_ms=now_ms)
             members = await self._redis.smembers(self._nodes)
             records = await self._read_nodes(sorted(_text(m) for m in members), now_ms, True)
