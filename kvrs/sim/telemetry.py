@@ -46,7 +46,12 @@ NETWORK_VIEWS = ("topology", "telemetry", "live", "trend")
 class TelemetrySpec:
     """How often the control plane's picture of the cluster is refreshed."""
 
-    state_period_s: float = 0.1  # instance load, memory, prefix blocks (gossip)
+    # Instance load, memory, prefix blocks (gossip): what the real control plane delivers
+    # at a thousand GPUs and more. Workers heartbeat every TTL / 4 = 0.5 s (gossip's
+    # default TTL is 2 s); views follow the change feed within one 0.1 s refresh (view
+    # age p50 ~0.1 s, bench.scale, docs/benchmarks.md), so a load report is up to ~0.5 s
+    # old when a decision reads it, not 0.1 s.
+    state_period_s: float = 0.5
     link_period_s: float = 1.0  # link capacity left by background, KV flow counts
     stale_after_s: float = 60.0  # staleness bound handed to the network model
 
