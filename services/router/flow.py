@@ -1,7 +1,8 @@
 """One request through the cluster: prefill, placement, KV transfer, decode, recovery.
 
-    prefill on p (first token: streamed at once)
-    SelectDecode -> d;  d pulls the prompt's KV [0, L) from p
+    prefill on p (first token: streamed at once), SelectDecode -> d alongside it
+    d pulls the prompt's KV [0, L) from p as soon as the prefill ends (while token 0
+    is still being written to the client)
     Decode on d, streaming tokens 1 .. n-1
     d lost (stream broke, went silent, or gossip says failed):
         Recover / RecoverBatch -> MIGRATE | RECOMPUTE | HYBRID to d', or ABORT
@@ -179,14 +180,21 @@ class Router:
             )
             run.summary.trace_id = format(span.get_span_context().trace_id, "032x")
             run.span = span
+            tasks: list[asyncio.Task] = []
             try:
-                first = await self._prefill(run)
+                first = await self._prefill(run, tasks)
                 run.generated.append(first)
                 self._first_token(run, started)
-                yield Token(0, first)
+                placing = None
                 if run.remaining_tokens > 0:
+                    # Started before token 0 is handed out: the pull must not wait for the
+                    # client's write (the generator is suspended at the yield until then).
+                    placing = asyncio.create_task(self._place(run, tasks[-1]))
+                    tasks.append(placing)
+                yield Token(0, first)
+                if placing is not None:
                     last_s = time.monotonic()
-                    async for token in self._decode_all(run):
+                    async for token in self._decode_all(run, placing):
                         now_s = time.monotonic()
                         self.metrics.tbt_s.observe(now_s - last_s)
                         last_s = now_s
@@ -206,6 +214,7 @@ class Router:
             finally:
                 self.metrics.requests.labels(outcome=outcome).inc()
                 span.set_attribute("kvrs.outcome", outcome)
+                await _settle(tasks)
                 self._detach(run)
                 # Shielded: a second cancellation must not leave KV on a worker.
                 await asyncio.shield(self._release_all(run))
@@ -234,7 +243,10 @@ class Router:
 
     # -- prefill and placement ------------------------------------------------------
 
-    async def _prefill(self, run: Run) -> int:
+    async def _prefill(self, run: Run, tasks: list[asyncio.Task]) -> int:
+        """The first token; `tasks` gets the placement (SelectDecode) of the prefill
+        instance that answered, asked while the prefill runs (it needs only the prompt's
+        length and hashes and where its KV will be)."""
         request = run.request
         hashes = prefix_block_hashes(request.prompt, self.settings.block_tokens)
         tried: set[str] = set()
@@ -242,6 +254,8 @@ class Router:
         for _ in range(PREFILL_ATTEMPTS):
             at, estimate_s = self._prefill_instance(request, hashes, tried)
             tried.add(at.instance_id)
+            if request.max_new_tokens > 1:
+                tasks.append(asyncio.create_task(self._select(request, at, hashes)))
             inflight = self._prefill_inflight_s
             inflight[at.instance_id] = inflight.get(at.instance_id, 0.0) + estimate_s
             run.hold(at, request.request_id)
@@ -262,6 +276,9 @@ class Router:
                     "prefill of %s on %s failed: %s", request.request_id, at.instance_id, exc
                 )
                 last_error = exc
+                # That placement priced the KV coming from `at`: ask again for the next.
+                await _settle(tasks)
+                tasks.clear()
                 continue
             finally:
                 inflight[at.instance_id] = max(0.0, inflight[at.instance_id] - estimate_s)
@@ -301,23 +318,30 @@ class Router:
         )
         return Endpoint(chosen.instance_id, chosen.address), estimate_s
 
-    async def _place(self, run: Run) -> Lost | None:
-        """SelectDecode, then the chosen instance pulls the prompt's KV.
+    async def _select(
+        self, request: GenerateInput, prefill: Endpoint, hashes: Sequence[int]
+    ) -> tuple[Placement, float]:
+        """The placement, and when it was asked for (unix s: its outcome's time)."""
+        decided_unix_s = time.time()
+        with self.tracer.start_as_current_span("router.select_decode"):
+            placement = await self.control.select_decode(
+                request.request_id,
+                prefill.instance_id,
+                len(request.prompt),
+                hashes,
+                request.placement_policy or self.settings.default_placement_policy,
+                (request.decode_instance_id,) if request.decode_instance_id else (),
+            )
+        return placement, decided_unix_s
+
+    async def _place(self, run: Run, selecting: asyncio.Task) -> Lost | None:
+        """The placement `selecting` asks for, then the chosen instance pulls the KV.
 
         Returns the instance lost during the pull (recovery takes over), None on success.
         """
         request = run.request
         assert run.prefill is not None
-        decided_unix_s = time.time()
-        with self.tracer.start_as_current_span("router.select_decode"):
-            placement = await self.control.select_decode(
-                request.request_id,
-                run.prefill.instance_id,
-                len(request.prompt),
-                prefix_block_hashes(request.prompt, self.settings.block_tokens),
-                request.placement_policy or self.settings.default_placement_policy,
-                (request.decode_instance_id,) if request.decode_instance_id else (),
-            )
+        placement, decided_unix_s = await selecting
         summary = run.summary
         summary.decode_instance_id = placement.decode.instance_id
         summary.predicted_ttft_s = placement.predicted_ttft_s
@@ -367,8 +391,8 @@ class Router:
 
     # -- decode and recovery --------------------------------------------------------
 
-    async def _decode_all(self, run: Run) -> AsyncIterator[Token]:
-        lost = await self._place(run)
+    async def _decode_all(self, run: Run, placing: asyncio.Task) -> AsyncIterator[Token]:
+        lost = await placing
         attempts = 0
         while run.remaining_tokens > 0:
             if lost is None:
@@ -749,3 +773,15 @@ def _annotate_decision(span: Span, decision: Decision) -> None:
     )
     if math.isfinite(decision.slo_slack_s):
         span.set_attribute("kvrs.slo_slack_s", decision.slo_slack_s)
+
+
+async def _settle(tasks: list[asyncio.Task]) -> None:
+    """Cancels what is still running of `tasks` and waits until all of them are done.
+
+    Their outcomes are collected, not raised: the request has already consumed the ones it
+    waited for, and the others (a placement for a prefill that failed, or for a request
+    that ended early) no longer matter.
+    """
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
