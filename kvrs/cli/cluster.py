@@ -164,9 +164,17 @@ def _up(args: argparse.Namespace) -> int:
         print(line)
     print(f"\nredis {state.redis_url}  prefix {state.redis_prefix}")
     print("client environment:")
-    for name, value in state.client_env().items():
+    for name, value in {**state.client_env(), **_openai_env(state)}.items():
         print(f"  export {name}={value}")
     return 0
+
+
+def _openai_env(state: Any) -> dict[str, str]:
+    """OPENAI_BASE_URL, which the `openai` client reads: the cluster's OpenAI adapter."""
+    for record in state.processes:
+        if record.name == "openai-http":
+            return {"OPENAI_BASE_URL": f"http://{record.address}/v1"}
+    return {}
 
 
 JAEGER_UI_PORT = 16686

@@ -82,6 +82,7 @@ def test_prometheus_scrapes_kvrs_up_and_answers_every_dashboard_query(
         for record in metered:
             assert f"http://{record.metrics_addr}/metrics" in up.stdout
         assert f"OpenAI API: http://{state.address('openai-http')}/v1" in up.stdout
+        assert f"export OPENAI_BASE_URL=http://{state.address('openai-http')}/v1" in up.stdout
         assert f"prometheus --config.file {run_dir / SCRAPE_CONFIG_FILE}" in up.stdout
 
         config = yaml.safe_load((run_dir / SCRAPE_CONFIG_FILE).read_text())
