@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import openai
@@ -162,16 +164,30 @@ async def _busy_decode_instance(cluster, timeout_s: float) -> str:
     raise AssertionError("no decode worker reported a running request")
 
 
+def _recoveries(router_log: Path, request_id: str) -> list[tuple[int, str]]:
+    """(tokens generated, instance lost) of each recovery the router ran for `request_id`."""
+    found = []
+    for line in router_log.read_text(errors="replace").splitlines():
+        match = re.search(
+            rf"recovering {re.escape(request_id)} after (\d+) tokens: (\S+) lost", line
+        )
+        if match:
+            found.append((int(match.group(1)), match.group(2)))
+    return found
+
+
 def test_a_decode_worker_killed_mid_stream_does_not_break_the_stream(client, recovery_cluster):
     # Whichever decode worker serves the request dies; the other one must be up to take over.
     recovery_cluster.ensure_running()
     max_tokens = 1500
+    request_id = f"openai-kill-{uuid.uuid4().hex[:8]}"
     stream = client.completions.create(
         model="tiny",
         prompt=PROMPT,
         max_tokens=max_tokens,
         stream=True,
         stream_options={"include_usage": True},
+        extra_headers={"x-request-id": request_id},
     )
     chunks = iter(stream)
     text = next(chunks).choices[0].text
@@ -188,3 +204,9 @@ def test_a_decode_worker_killed_mid_stream_does_not_break_the_stream(client, rec
     assert reasons[-1] == "length"
     assert usage.completion_tokens == max_tokens
     assert text == reference_text(PROMPT, max_tokens)
+    # And it was recovered: the router moved this very stream off the victim, part-way
+    # through (a stream that had ended before the kill would have no recovery).
+    recoveries = _recoveries(recovery_cluster.run_dir / "logs" / "router.log", request_id)
+    assert recoveries, f"the router never recovered {request_id}"
+    generated, lost = recoveries[0]
+    assert lost == victim and 0 < generated < max_tokens, recoveries

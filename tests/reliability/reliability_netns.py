@@ -44,6 +44,7 @@ class NetnsLab:
         self.namespaces = {name: f"kvrs-{tag}-{i}" for i, name in enumerate(members)}
         self.ips = {name: f"{self.subnet}.{10 + i}" for i, name in enumerate(members)}
         self._veths = {name: f"kv{tag}h{i}" for i, name in enumerate(members)}
+        self._cut: set[frozenset[str]] = set()
 
     def start(self) -> NetnsLab:
         _run("ip", "link", "add", self.bridge, "type", "bridge")
@@ -85,11 +86,25 @@ class NetnsLab:
         )
 
     def cut(self, a: str, b: str) -> None:
-        """Drops every packet between a and b, both ways, silently (no RST, no ICMP)."""
+        """Drops every packet between a and b, both ways, silently (no RST, no ICMP);
+        cutting a link already cut changes nothing."""
+        if frozenset((a, b)) in self._cut:
+            return
+        self._rules(a, b, "-A")
+        self._cut.add(frozenset((a, b)))
+
+    def heal(self, a: str, b: str) -> None:
+        """Undoes `cut(a, b)` (nothing when the link is not cut)."""
+        if frozenset((a, b)) not in self._cut:
+            return
+        self._rules(a, b, "-D")
+        self._cut.discard(frozenset((a, b)))
+
+    def _rules(self, a: str, b: str, action: str) -> None:
         for here, there in ((a, b), (b, a)):
             inside = ("ip", "netns", "exec", self.namespaces[here], "iptables")
-            _run(*inside, "-A", "OUTPUT", "-d", self.ips[there], "-j", "DROP")
-            _run(*inside, "-A", "INPUT", "-s", self.ips[there], "-j", "DROP")
+            _run(*inside, action, "OUTPUT", "-d", self.ips[there], "-j", "DROP")
+            _run(*inside, action, "INPUT", "-s", self.ips[there], "-j", "DROP")
 
     def stop(self) -> None:
         for name, namespace in self.namespaces.items():

@@ -174,16 +174,19 @@ def test_a_cut_link_is_noticed_by_the_prober_and_spares_the_others(lab):
     assert before.decode_instance_id == "decode-0"
 
     netns.cut("prefill-0", "decode-0")
-    _, error, failed_after_s = probe(plane, "prefill-0", "decode-0")
-    survivor, survivor_error, _ = probe(plane, "prefill-0", "decode-1")
-    known = estimates(plane)
-    pulled_s = prefill_then_pull(workers, f"after-cut-{uuid.uuid4().hex[:6]}", "decode-1")
-    pull_started_s = time.monotonic()
-    with pytest.raises(grpc.RpcError) as cut_pull:
-        prefill_then_pull(
-            workers, f"over-cut-{uuid.uuid4().hex[:6]}", "decode-0", timeout_s=PULL_DEADLINE_S
-        )
-    pull_failed_s = time.monotonic() - pull_started_s
+    try:
+        _, error, failed_after_s = probe(plane, "prefill-0", "decode-0")
+        survivor, survivor_error, _ = probe(plane, "prefill-0", "decode-1")
+        known = estimates(plane)
+        pulled_s = prefill_then_pull(workers, f"after-cut-{uuid.uuid4().hex[:6]}", "decode-1")
+        pull_started_s = time.monotonic()
+        with pytest.raises(grpc.RpcError) as cut_pull:
+            prefill_then_pull(
+                workers, f"over-cut-{uuid.uuid4().hex[:6]}", "decode-0", timeout_s=PULL_DEADLINE_S
+            )
+        pull_failed_s = time.monotonic() - pull_started_s
+    finally:
+        netns.heal("prefill-0", "decode-0")
     print(
         f"\nmeasured before the cut: prefill-0 -> decode-0 "
         f"{measured['decode-0'] / 1e9:.2f} Gbit/s, -> decode-1 (shaped to {SLOW_LINK}) "
@@ -202,10 +205,29 @@ def test_a_cut_link_is_noticed_by_the_prober_and_spares_the_others(lab):
     assert pull_failed_s < PULL_DEADLINE_S + 2, "the pull outlived its deadline"
 
 
-def test_new_placements_avoid_a_cut_link(lab):
-    netns, plane, workers = lab
-    probe(plane, "prefill-0", "decode-0")  # the prober tried the link after the cut
+def place(plane) -> str:
+    """The scheduler's choice for a prompt on prefill-0, from a freshly refreshed view."""
     plane.loop.run(plane.handles["scheduler"].view.refresh())
     with plane.channel("scheduler") as channel:
-        after = scheduler_pb2_grpc.SchedulerServiceStub(channel).SelectDecode(select(), timeout=5)
-    assert after.decode_instance_id == "decode-1"
+        reply = scheduler_pb2_grpc.SchedulerServiceStub(channel).SelectDecode(select(), timeout=5)
+    return reply.decode_instance_id
+
+
+def test_new_placements_avoid_a_cut_link(lab):
+    """On its own: both links measured (the shaped one slower), the healthy same-node one
+    preferred, then cut, then avoided; the link is healed afterwards."""
+    netns, plane, workers = lab
+    for dst in ("decode-0", "decode-1"):
+        link, error, _ = probe(plane, "prefill-0", dst)
+        assert not error and link.bandwidth_bps > 0, error
+    before = place(plane)
+    netns.cut("prefill-0", "decode-0")
+    try:
+        _, error, _ = probe(plane, "prefill-0", "decode-0")  # the prober finds it cut
+        after = place(plane)
+    finally:
+        netns.heal("prefill-0", "decode-0")
+    print(f"\nplaced on {before} while the link was up, on {after} once it was cut ({error})")
+    assert before == "decode-0", "the healthy same-node link is the one placements prefer"
+    assert error, "the probe over the cut link failed"
+    assert after == "decode-1"
