@@ -204,8 +204,18 @@ class NetworkModel:
         """True once some link sample was observed."""
         return bool(self._trends)
 
+    @property
+    def has_measurements(self) -> bool:
+        """True once a link sample or a path estimate was recorded."""
+        return bool(self._trends or self._estimates)
+
     def expected_inverse_bps(
-        self, src_id: str, dst_ids: Sequence[str], now_s: float, horizon_s: float = 0.0
+        self,
+        src_id: str,
+        dst_ids: Sequence[str],
+        now_s: float,
+        horizon_s: float = 0.0,
+        count_flows: bool = True,
     ) -> np.ndarray:
         """Expected seconds per bit from `src_id` to each of `dst_ids`, known flows counted.
 
@@ -214,7 +224,7 @@ class NetworkModel:
         the link's trend expects it over the next `horizon_s`. A path costs its
         bottleneck's share plus the excess of all its links: links congest independently,
         and a transfer crossing four of them is slowed by whichever is congested while it
-        runs.
+        runs. `count_flows=False` prices every link as if no flow were on it.
         """
         dst_ids = tuple(dst_ids)
         fan = self._fan_paths.get(src_id)
@@ -224,16 +234,14 @@ class NetworkModel:
             or fan.paths_version != self.topology.paths_version
         ):
             fan = self._fan_paths[src_id] = self._build_fan(src_id, dst_ids)
-        shares = self._link_shares()
-        base = np.divide(1.0, shares)
+        base = np.divide(1.0, self._link_shares() if count_flows else self._link_caps())
         excess = np.zeros(len(base))
         index = self._link_index
+        flows = self._flows if count_flows else {}
         for link, trend in self._trends.items():
             i = index.get(link)
             if i is not None:
-                excess[i] = (self._flows.get(link, 0) + 1) * trend.excess_s_per_bit(
-                    now_s, horizon_s
-                )
+                excess[i] = (flows.get(link, 0) + 1) * trend.excess_s_per_bit(now_s, horizon_s)
         return base.take(fan.incidence).max(axis=0) + excess.take(fan.incidence).sum(axis=0)
 
     def set_flows(self, flows: Mapping[LinkId, int]) -> None:
@@ -331,14 +339,7 @@ class NetworkModel:
         """capacity / (known flows + 1) of every indexed link; infinity at index 0."""
         key = (self._inputs_version, self.topology.version, len(self._link_ids))
         if self._shares is None or self._shares[0] != key:
-            caps_key = (self.topology.version, len(self._link_ids))
-            if self._caps is None or self._caps[0] != caps_key:
-                capacity = self.topology.link_capacity_bps
-                self._caps = (
-                    caps_key,
-                    np.array([math.inf, *(capacity(link) for link in self._link_ids)]),
-                )
-            caps = self._caps[1]
+            caps = self._link_caps()
             flows = np.zeros(len(caps))
             index = self._link_index
             for link, count in self._flows.items():
@@ -347,6 +348,17 @@ class NetworkModel:
                     flows[i] = count
             self._shares = (key, caps / (flows + 1.0))
         return self._shares[1]
+
+    def _link_caps(self) -> np.ndarray:
+        """Capacity of every indexed link; infinity at index 0."""
+        caps_key = (self.topology.version, len(self._link_ids))
+        if self._caps is None or self._caps[0] != caps_key:
+            capacity = self.topology.link_capacity_bps
+            self._caps = (
+                caps_key,
+                np.array([math.inf, *(capacity(link) for link in self._link_ids)]),
+            )
+        return self._caps[1]
 
     def tier(self, src_id: str, dst_id: str) -> Tier:
         """The topology tier of the path."""

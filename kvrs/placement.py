@@ -379,6 +379,12 @@ class Kvrs:
     a step; a hard cap relative to the emptiest candidate, and a gentle penalty from it,
     both lost TTFT where keeping KV local matters (docs/results.md §1b).
 
+    Without any measurement (no link sample, no path estimate) the policy cannot see what
+    crossing a higher tier costs, so it trades locality neither for load nor for its own
+    flows: the tier capacities alone price the transfer, as netkv_tiers does. Spreading
+    load across the spine on that prior lost up to 10 % where the spine carried traffic
+    nobody measured (docs/results.md §1b).
+
     Herding: the KV of the placements this policy made in the last `view_lag_s` (the
     instance state's refresh period) is not in the view yet, so it counts them itself.
 
@@ -437,7 +443,12 @@ class Kvrs:
             need[i] -= hit
         bits = cost.kv_bits_per_token * need
         rtt = np.array(fan.rtt)
-        if network.has_link_trends:
+        measured = network.has_measurements
+        if not measured:
+            inv_bps = network.expected_inverse_bps(
+                request.prefill_id, columns.ids, now_s, count_flows=False
+            )
+        elif network.has_link_trends:
             base = network.expected_inverse_bps(request.prefill_id, columns.ids, now_s)
             horizon_s = float((rtt + bits * base).min())
             inv_bps = network.expected_inverse_bps(
@@ -452,7 +463,7 @@ class Kvrs:
             free = free - np.array([pending.get(i, 0) for i in columns.ids], dtype=np.float64)
         scores = transfer + wait
         known = free < _UNREPORTED_FREE_KV_TOKENS
-        if self.kv_penalty_s_per_token and known.any():
+        if measured and self.kv_penalty_s_per_token and known.any():
             floor = free[known].mean() - self.kv_band_tokens
             excess = np.where(known, np.maximum(0.0, floor - free), 0.0)
             scores += self.kv_penalty_s_per_token * excess

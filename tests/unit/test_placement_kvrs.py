@@ -48,6 +48,16 @@ def decodes(**fields: dict) -> InstanceList:
     )
 
 
+def measured_cost(topology: Topology | None = None) -> CostModel:
+    """A cost model whose network has one measurement: a quiet link at its capacity, which
+    changes no transfer's price but tells the policy the network is measured at all."""
+    topology = topology or fat_tree()
+    network = NetworkModel(topology)
+    link = topology.path_links("p", "near")[0]
+    network.observe_link(link, topology.link_capacity_bps(link), 0.0)
+    return CostModel(MODEL, compute_profile("opt-13b"), network)
+
+
 def link_of(topology: Topology, dst: str, kind: str):
     """The first link of `kind` on the path p -> dst."""
     return next(link for link in topology.path_links("p", dst) if link[0] == kind)
@@ -141,7 +151,7 @@ def test_kvrs_does_not_chase_a_spine_that_looked_free_in_an_unreliable_sample():
 
 
 def test_kvrs_spreads_kv_beyond_its_band_when_transfers_cost_little_and_not_when_much():
-    cost = CostModel(MODEL, compute_profile("opt-13b"), NetworkModel(fat_tree()))
+    cost = measured_cost()
     # near holds 300k tokens more than far: 150k beyond the mean, far past the 16k band.
     loaded = decodes(near={"free_kv_tokens": 100_000}, far={"free_kv_tokens": 400_000})
     small = PlacementRequest("r", "p", prompt_tokens=16)
@@ -156,8 +166,21 @@ def test_kvrs_spreads_kv_beyond_its_band_when_transfers_cost_little_and_not_when
     assert Kvrs(kv_band_tokens=0).select(small, close, cost, 0.0).instance_id == "far"
 
 
+def test_without_any_measurement_kvrs_decides_on_the_tier_prior_as_netkv_tiers():
+    topology = fat_tree()
+    blind = CostModel(MODEL, compute_profile("opt-13b"), NetworkModel(topology))
+    loaded = decodes(near={"free_kv_tokens": 100_000}, far={"free_kv_tokens": 400_000})
+    small = PlacementRequest("r", "p", prompt_tokens=16)
+    assert Kvrs().select(small, loaded, blind, 0.0).instance_id == "near"
+    # Its own flows on the near path do not push it across the spine either.
+    blind.network.set_flows({link_of(topology, "near", "rack-down"): 5})
+    request = PlacementRequest("r", "p", prompt_tokens=8192)
+    assert Kvrs().select(request, decodes(), blind, 0.0).instance_id == "near"
+    assert measured_cost().network.has_measurements and not blind.network.has_measurements
+
+
 def test_kvrs_counts_its_own_placements_until_the_view_can_show_them():
-    cost = CostModel(MODEL, compute_profile("opt-13b"), NetworkModel(fat_tree()))
+    cost = measured_cost()
     even = decodes(near={"free_kv_tokens": 200_000}, far={"free_kv_tokens": 200_000})
     request = PlacementRequest("r", "p", prompt_tokens=5_000)
     policy = Kvrs(kv_penalty_s_per_token=1e-4, kv_band_tokens=0)
