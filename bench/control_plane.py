@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 import redis
 
+from bench.report import add_json_argument, write_json
 from kvrs.cli.launcher import free_ports, spawn, stop_processes
 from kvrs.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, slots_pb2, slots_pb2_grpc
 from services.common import GrpcSettings, open_channel, setup_tracing, start_server
@@ -211,6 +212,15 @@ def _percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _figures(samples: list[float], echo: list[float] | None) -> dict[str, float]:
+    p50, p99 = _percentile(samples, 0.5), _percentile(samples, 0.99)
+    figures = {"p50_s": p50, "p99_s": p99}
+    if echo is not None:
+        figures["p50_ratio"] = p50 / _percentile(echo, 0.5)
+        figures["p99_ratio"] = p99 / _percentile(echo, 0.99)
+    return figures
+
+
 def _row(name: str, samples: list[float], echo: list[float] | None) -> str:
     p50, p99 = _percentile(samples, 0.5), _percentile(samples, 0.99)
     text = f"{name:<44} {p50 * 1e6:>9.0f} {p99 * 1e6:>9.0f}"
@@ -219,7 +229,8 @@ def _row(name: str, samples: list[float], echo: list[float] | None) -> str:
     return text
 
 
-async def _measure(args: argparse.Namespace, addresses: dict[str, str]) -> list[str]:
+async def _measure(args: argparse.Namespace, addresses: dict[str, str], figures: dict) -> list[str]:
+    """The printed lines; `figures` gets every figure in them."""
     settings = GrpcSettings()
     lines = []
     async with (
@@ -295,6 +306,11 @@ async def _measure(args: argparse.Namespace, addresses: dict[str, str]) -> list[
             _row(name, values, None if values is echo_samples else echo_samples)
             for name, values in samples.items()
         )
+        figures["recover_action"] = common_pb2.RecoveryAction.Name(probe.action)
+        figures["rpcs"] = {
+            name: _figures(values, None if values is echo_samples else echo_samples)
+            for name, values in samples.items()
+        }
         for skip_slot in (True, False):
             batch = []
             for _ in range(args.batch_repeats):
@@ -310,6 +326,9 @@ async def _measure(args: argparse.Namespace, addresses: dict[str, str]) -> list[
                     )
                 )
             label = "skip_slot" if skip_slot else f"{len(leases)} slots reserved"
+            figures[f"recover_batch_{args.batch}_{label.replace(' ', '_')}_median_s"] = (
+                statistics.median(batch)
+            )
             lines.append(
                 f"RecoverBatch({args.batch}), {label}: median "
                 f"{statistics.median(batch) * 1e3:.1f} ms over {len(batch)} runs"
@@ -317,16 +336,14 @@ async def _measure(args: argparse.Namespace, addresses: dict[str, str]) -> list[
     return lines
 
 
-def _core_decisions() -> list[str]:
+def _core_decisions(figures: dict) -> list[str]:
     """The in-process figures of bench.core_decisions (its quick run), when it exists."""
     if importlib.util.find_spec("bench.core_decisions") is None:
         return ["in-process decisions: bench.core_decisions is not present"]
     core = importlib.import_module("bench.core_decisions")
-    return [
-        "",
-        "in-process decisions (bench.core_decisions --quick):",
-        core.table(core.run_all(quick=True)),
-    ]
+    results = core.run_all(quick=True)
+    figures["core_decisions"] = core.as_figures(results)
+    return ["", "in-process decisions (bench.core_decisions --quick):", core.table(results)]
 
 
 # -- orchestration --------------------------------------------------------------------------
@@ -392,14 +409,14 @@ def _start_processes(run_dir: Path, prefix: str, args: argparse.Namespace):
     return records, addresses
 
 
-async def _run(args: argparse.Namespace) -> list[str]:
+async def _run(args: argparse.Namespace, figures: dict) -> list[str]:
     prefix = f"{{kvrs-bench-{uuid.uuid4().hex[:8]}}}:"
     with tempfile.TemporaryDirectory(prefix="kvrs-bench-") as run_dir:
         records, addresses = _start_processes(Path(run_dir), prefix, args)
         try:
             for address in addresses.values():
                 await _wait_serving(address)
-            return await _measure(args, addresses)
+            return await _measure(args, addresses, figures)
         finally:
             stop_processes(records, grace_s=5.0)
             client = redis.Redis.from_url(REDIS_URL)
@@ -420,13 +437,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slot-cap", type=int, default=32, help="the broker's cluster cap")
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--serve-echo", metavar="ADDR", help=argparse.SUPPRESS)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     if args.serve_echo:
         asyncio.run(_serve_echo(args.serve_echo))
         return 0
-    lines = asyncio.run(_run(args))
-    lines.extend(_core_decisions())
+    figures: dict = {"calls": args.calls, "slot_cap": args.slot_cap}
+    lines = asyncio.run(_run(args, figures))
+    lines.extend(_core_decisions(figures))
     print("\n".join(lines))
+    write_json(args.json, "control_plane", figures)
     return 0
 
 

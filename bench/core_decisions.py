@@ -1,6 +1,6 @@
 """In-process decision time of the pure core: Recover, SelectDecode and RecoverBatch.
 
-`python -m bench.core_decisions [--json]` times each decision as the scheduler makes it
+`python -m bench.core_decisions [--json FILE]` times each decision as the scheduler makes it
 on a steady cluster view (the view built once, then many decisions against it), and
 prints median and p99 wall time against the goals, with the median CPU time of the
 thread beside them (on a shared machine, wall time includes other processes' turns).
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import random
 import statistics
@@ -22,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from bench.report import add_json_argument, write_json
 from kvrs.batch import plan_batch
 from kvrs.cluster import ClusterView, InstanceState
 from kvrs.costmodel import CostModel
@@ -266,22 +266,24 @@ def table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_json_argument(parser)
     parser.add_argument("--quick", action="store_true", help="a tenth of the runs")
     args = parser.parse_args(argv)
     results = run_all(args.quick)
-    if args.json:
-        json.dump([{**r.__dict__, "p99_met": r.met} for r in results], sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        # p99 is at the mercy of whatever else runs on the machine: the load says how much.
-        load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-        print(
-            f"kvrs core decisions, Python {sys.version.split()[0]}, "
-            f"{os.cpu_count()} CPUs, load average {load}"
-        )
-        print(table(results))
+    # p99 is at the mercy of whatever else runs on the machine: the load says how much.
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"kvrs core decisions, Python {sys.version.split()[0]}, "
+        f"{os.cpu_count()} CPUs, load average {load}"
+    )
+    print(table(results))
+    write_json(args.json, "core_decisions", {"decisions": as_figures(results)})
     return 0
+
+
+def as_figures(results) -> list[dict]:
+    """Every row of the table, as the JSON report carries it."""
+    return [{**r.__dict__, "p99_met": r.met} for r in results]
 
 
 if __name__ == "__main__":

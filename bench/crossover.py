@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 
 from bench.checkpoints import opt_125m
+from bench.report import add_json_argument, write_json
 from kvrs.model import model_spec
 from kvrs.profile import ComputeProfile
 
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--lengths", default="16,32,64,128,256,512,1024")
     parser.add_argument("--repeats", type=int, default=2)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     rates = [float(x) * 1e9 for x in args.rates.split(",")]
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{local_bps / 1e9:.2f} Gbit/s, S(L) = {bits // 8} B/token"
     )
     errors = []
+    figures: dict = {"profile": profile.to_json(), "rtt_s": rtt_s, "local_bps": local_bps}
+    figures["links"] = links = []
     for rate in rates:
         measured_m = result["migrate"][str(rate)]
         measured_r = result["recompute"]
@@ -232,12 +236,33 @@ def main(argv: list[str] | None = None) -> int:
             )
         measured = crossovers(lengths, lambda n, m=measured_m, r=measured_r: m[n] - r[n])
         predicted = predicted_crossovers(profile, rate, rtt_s, local_bps, lengths[0], lengths[-1])
+        links.append(
+            {
+                "rate_bps": rate,
+                "rows": [
+                    {
+                        "tokens": n,
+                        "migrate_s": measured_m[n],
+                        "recompute_s": measured_r[n],
+                        "predicted_migrate_s": rtt_s + bits * n / rate,
+                        "predicted_recompute_s": profile.prefill_s(n)
+                        + rtt_s
+                        + bits * n / local_bps,
+                    }
+                    for n in lengths
+                ],
+                "crossovers_measured": measured,
+                "crossovers_predicted": predicted,
+            }
+        )
         print(f"  crossovers: measured {_tokens(measured)}, predicted {_tokens(predicted)}")
         for meas, pred in zip(measured, predicted, strict=False):
             errors.append(abs(pred - meas) / meas)
             print(f"    L* measured {meas:.0f}, predicted {pred:.0f}: error {errors[-1]:.1%}")
     if errors:
         print(f"\nmean crossover error {statistics.mean(errors):.1%} over {len(errors)} crossovers")
+        figures["mean_crossover_error"] = statistics.mean(errors)
+    write_json(args.json, "crossover", figures)
     return 0
 
 

@@ -26,6 +26,7 @@ import time
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+from bench.report import add_json_argument, write_json
 from libkvxfer import AgentConfig, KvLayout, TransferAgent, TransferTicket
 
 LAYERS, HEADS, HEAD_DIM = 12, 12, 64
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         help="tokens per chunk within a layer (0: one chunk per layer)",
     )
     parser.add_argument("--window", type=int, default=64, help="chunks posted ahead")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     result = run(args)
     print(
@@ -147,12 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     raw_bps = result["raw_bps"]
     print(f"raw gloo flat send:          {raw_bps / 1e9:6.2f} Gbit/s")
+    figures = {**result, "tokens": args.tokens, "dtype": args.dtype, "repeats": args.repeats}
     for mode, label in (("checked", "with xxh3 checksums"), ("unchecked", "without checksums")):
         bps = result[f"{mode}_bps"]
+        figures[f"{mode}_ratio"] = bps / raw_bps
         print(
             f"libkvxfer {label:21s} {bps / 1e9:6.2f} Gbit/s  ratio {bps / raw_bps:.2f}x "
             "(goal >= 0.85x)"
         )
+    write_json(args.json, "kvxfer", figures)
     return 0
 
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench.checkpoints import opt_125m
+from bench.report import add_json_argument, write_json
 
 NS_SRC, NS_DST = "kvrsbenchA", "kvrsbenchB"
 VETH_SRC, VETH_DST = "kvbA", "kvbB"
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--src", help=argparse.SUPPRESS)
     parser.add_argument("--dst", help=argparse.SUPPRESS)
     parser.add_argument("--pacing-bps", type=float, default=0.0, help=argparse.SUPPRESS)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     if args.inner:
         print(json.dumps(asyncio.run(inner(args.src, args.dst, args.probes, args.pacing_bps))))
@@ -257,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "kvrs-prober-accuracy"
     log_dir.mkdir(parents=True, exist_ok=True)
     worst = worst_bulk = 0.0
+    figures: dict = {"shaping": mode, "probes": args.probes, "links": []}
     for rate_gbps in (float(x) for x in args.rates.split(",")):
         workers: list[subprocess.Popen] = []
         try:
@@ -296,6 +299,14 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "netns":
                 teardown_netns()
         vs_rate, vs_bulk = report(rate_gbps, result)
+        figures["links"].append(
+            {
+                "rate_bps": rate_gbps * 1e9,
+                **result,
+                "last_vs_rate": vs_rate,
+                "last_vs_bulk": vs_bulk,
+            }
+        )
         worst, worst_bulk = max(worst, abs(vs_rate)), max(worst_bulk, abs(vs_bulk))
     print(
         f"\nworst error after {args.probes} probes: {worst:.1%} against the shaping rate, "
@@ -303,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         "(goal: within 10 %; where libkvxfer cannot fill the link, the bulk rate is the "
         "one T_x needs)"
     )
+    figures.update(worst_vs_rate=worst, worst_vs_bulk=worst_bulk)
+    write_json(args.json, "prober_accuracy", figures)
     return 0
 
 

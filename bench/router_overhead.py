@@ -29,6 +29,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.report import add_json_argument, write_json
 from kvrs.cli.launcher import SERVICES, ClusterOptions, start_cluster, stop_cluster
 from kvrs.client import KvrsClient
 from kvrs.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -106,7 +107,8 @@ def _gaps(arrivals: list[float]) -> list[float]:
     return [(arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)]
 
 
-async def bench(state, rounds: int, tokens: int, prompt_tokens: int) -> None:
+async def bench(state, rounds: int, tokens: int, prompt_tokens: int) -> dict:
+    """Runs the rounds, prints the table; returns every printed figure (seconds)."""
     prompt = [(7 * i + 3) % 251 for i in range(prompt_tokens)]
     prefill_addr = state.address("prefill-0")
     async with (
@@ -144,6 +146,7 @@ async def bench(state, rounds: int, tokens: int, prompt_tokens: int) -> None:
         "(medians; p90 in brackets), milliseconds"
     )
     print(f"  {'':<22}{'direct':>16}{'router':>16}{'overhead':>12}")
+    figures: dict = {"rounds": rounds, "tokens": tokens, "prompt_tokens": prompt_tokens}
     for metric, label in (
         ("ttft", "TTFT (token 0)"),
         ("first_decoded", "token 1"),
@@ -151,6 +154,13 @@ async def bench(state, rounds: int, tokens: int, prompt_tokens: int) -> None:
     ):
         d, r = results["direct"][metric], results["router"][metric]
         dm, rm = statistics.median(d) * 1e3, statistics.median(r) * 1e3
+        figures[metric] = {
+            "direct_median_s": dm / 1e3,
+            "direct_p90_s": percentile(d, 0.9),
+            "router_median_s": rm / 1e3,
+            "router_p90_s": percentile(r, 0.9),
+            "overhead_s": (rm - dm) / 1e3,
+        }
         print(
             f"  {label:<22}{dm:>8.3f} [{percentile(d, 0.9) * 1e3:>6.2f}]"
             f"{rm:>8.3f} [{percentile(r, 0.9) * 1e3:>6.2f}]{rm - dm:>+12.3f}"
@@ -171,6 +181,13 @@ async def bench(state, rounds: int, tokens: int, prompt_tokens: int) -> None:
         f"TTFT overhead {ttft_over:+.3f} ms vs one SelectDecode RPC {select_ms:.3f} ms: "
         f"ratio {ttft_over / select_ms:.2f} (goal <= 1)"
     )
+    figures.update(
+        select_decode_median_s=select_ms / 1e3,
+        tbt_overhead_s=tbt_over / 1e3,
+        ttft_overhead_s=ttft_over / 1e3,
+        ttft_overhead_ratio=ttft_over / select_ms,
+    )
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,14 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--prompt-tokens", type=int, default=256)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     run_dir = Path(tempfile.mkdtemp(prefix="kvrs-bench-")) / "cluster"
     services = [spec for spec in SERVICES if spec.name in BENCH_SERVICES]
     state = start_cluster(ClusterOptions(run_dir=run_dir, workers_model="tiny"), services)
     try:
-        asyncio.run(bench(state, args.rounds, args.tokens, args.prompt_tokens))
+        figures = asyncio.run(bench(state, args.rounds, args.tokens, args.prompt_tokens))
     finally:
         stop_cluster(run_dir, grace_s=5.0)
+    write_json(args.json, "router_overhead", figures)
     return 0
 
 

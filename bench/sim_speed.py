@@ -59,7 +59,15 @@ def timed(config: SimConfig, requests, policy: PolicySpec) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/bench/sim_speed.json"))
+    parser.add_argument(
+        "--json",
+        "--out",
+        dest="out",
+        metavar="FILE",
+        type=Path,
+        default=Path("runs/bench/sim_speed.json"),
+        help="every printed figure, as JSON",
+    )
     parser.add_argument(
         "--sizes",
         type=int,

@@ -460,7 +460,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain-s", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/soak"))
-    parser.add_argument("--out", type=Path, default=None, help="JSON report (default: in run dir)")
+    parser.add_argument(
+        "--json",
+        "--out",
+        dest="out",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="JSON report with every printed figure (default: in the run dir)",
+    )
     args = parser.parse_args(argv)
 
     options = ClusterOptions(

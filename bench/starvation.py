@@ -238,7 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--settle-s", type=float, default=8.0)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/starvation"))
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--json",
+        "--out",
+        dest="out",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="JSON report with every printed figure (default: in the run dir)",
+    )
     args = parser.parse_args(argv)
 
     options = ClusterOptions(
