@@ -198,7 +198,9 @@ async def test_gossip_exports_alive_instances_failures_departures_and_heartbeats
         assert sample(text, 'kvrs_membership_events_total{type="left"}') == 1.0
         assert sample(text, 'kvrs_heartbeats_total{outcome="ok"}') == 1.0
 
-        await asyncio.sleep(0.6)  # two TTLs of silence: both declared failed by the sweep
+        # One TTL of silence makes both suspect; two more (GOSSIP_CONFIRM_TTLS) confirm them
+        # failed, and the sweep declares it.
+        await asyncio.sleep(1.2)
         with pytest.raises(Exception, match="register"):
             await client.heartbeat("decode-near")
         await client.list_nodes()
