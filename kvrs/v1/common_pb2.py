@@ -24,21 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvrs/v1/common.proto\x12\x07kvrs.v1\"F\n\x08Location\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04rack\x18\x02 \x01(\t\x12\x0b\n\x03pod\x18\x03 \x01(\t\x12\x11\n\tgpu_index\x18\x04 \x01(\x05\"\xf2\x01\n\x10TransferEstimate\x12\x17\n\x0fsrc_instance_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64st_instance_id\x18\x02 \x01(\t\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x03\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x0c\n\x04tier\x18\x05 \x01(\x05\x12 \n\x18\x62ottleneck_bandwidth_bps\x18\x06 \x01(\x01\x12\r\n\x05rtt_s\x18\x07 \x01(\x01\x12\x17\n\x0ftelemetry_age_s\x18\x08 \x01(\x01\x12\x17\n\x0ftelemetry_stale\x18\t \x01(\x08\x12\x15\n\rflows_on_path\x18\n \x01(\x05\"\xad\x01\n\rDecisionTerms\x12\x15\n\rsource_wait_s\x18\x01 \x01(\x01\x12\x15\n\rtarget_wait_s\x18\x02 \x01(\x01\x12\x0f\n\x07setup_s\x18\x03 \x01(\x01\x12\x10\n\x08stream_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x10\n\x08\x65xtend_s\x18\x06 \x01(\x01\x12\x0f\n\x07total_s\x18\x07 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x08 \x01(\x01*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*\xa4\x01\n\x0eRecoveryAction\x12\x1f\n\x1bRECOVERY_ACTION_UNSPECIFIED\x10\x00\x12\x1b\n\x17RECOVERY_ACTION_MIGRATE\x10\x01\x12\x1d\n\x19RECOVERY_ACTION_RECOMPUTE\x10\x02\x12\x1a\n\x16RECOVERY_ACTION_HYBRID\x10\x03\x12\x19\n\x15RECOVERY_ACTION_ABORT\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvrs/v1/common.proto\x12\x07kvrs.v1\"F\n\x08Location\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04rack\x18\x02 \x01(\t\x12\x0b\n\x03pod\x18\x03 \x01(\t\x12\x11\n\tgpu_index\x18\x04 \x01(\x05\"\xf2\x01\n\x10TransferEstimate\x12\x17\n\x0fsrc_instance_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64st_instance_id\x18\x02 \x01(\t\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x03\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x0c\n\x04tier\x18\x05 \x01(\x05\x12 \n\x18\x62ottleneck_bandwidth_bps\x18\x06 \x01(\x01\x12\r\n\x05rtt_s\x18\x07 \x01(\x01\x12\x17\n\x0ftelemetry_age_s\x18\x08 \x01(\x01\x12\x17\n\x0ftelemetry_stale\x18\t \x01(\x08\x12\x15\n\rflows_on_path\x18\n \x01(\x05\"\xad\x01\n\rDecisionTerms\x12\x15\n\rsource_wait_s\x18\x01 \x01(\x01\x12\x15\n\rtarget_wait_s\x18\x02 \x01(\x01\x12\x0f\n\x07setup_s\x18\x03 \x01(\x01\x12\x10\n\x08stream_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x10\n\x08\x65xtend_s\x18\x06 \x01(\x01\x12\x0f\n\x07total_s\x18\x07 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x08 \x01(\x01\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*\xa4\x01\n\x0eRecoveryAction\x12\x1f\n\x1bRECOVERY_ACTION_UNSPECIFIED\x10\x00\x12\x1b\n\x17RECOVERY_ACTION_MIGRATE\x10\x01\x12\x1d\n\x19RECOVERY_ACTION_RECOMPUTE\x10\x02\x12\x1a\n\x16RECOVERY_ACTION_HYBRID\x10\x03\x12\x19\n\x15RECOVERY_ACTION_ABORT\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrs.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=526
-  _globals['_ROLE']._serialized_end=589
-  _globals['_RECOVERYACTION']._serialized_start=592
-  _globals['_RECOVERYACTION']._serialized_end=756
+  _globals['_ROLE']._serialized_start=609
+  _globals['_ROLE']._serialized_end=672
+  _globals['_RECOVERYACTION']._serialized_start=675
+  _globals['_RECOVERYACTION']._serialized_end=839
   _globals['_LOCATION']._serialized_start=33
   _globals['_LOCATION']._serialized_end=103
   _globals['_TRANSFERESTIMATE']._serialized_start=106
   _globals['_TRANSFERESTIMATE']._serialized_end=348
   _globals['_DECISIONTERMS']._serialized_start=351
   _globals['_DECISIONTERMS']._serialized_end=524
+  _globals['_SAMPLINGPARAMS']._serialized_start=526
+  _globals['_SAMPLINGPARAMS']._serialized_end=607
 # @@protoc_insertion_point(module_scope)

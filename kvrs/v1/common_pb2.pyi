@@ -82,3 +82,15 @@ class DecisionTerms(_message.Message):
     total_s: float
     first_token_s: float
     def __init__(self, source_wait_s: _Optional[float] = ..., target_wait_s: _Optional[float] = ..., setup_s: _Optional[float] = ..., stream_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., extend_s: _Optional[float] = ..., total_s: _Optional[float] = ..., first_token_s: _Optional[float] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "max_new_tokens", "ttft_slo_s", "deadline_unix_ms", "placement_policy", "recovery_policy", "prefill_instance_id", "decode_instance_id")
+    __slots__ = ("request_id", "prompt_token_ids", "max_new_tokens", "ttft_slo_s", "deadline_unix_ms", "placement_policy", "recovery_policy", "prefill_instance_id", "decode_instance_id", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class GenerateRequest(_message.Message):
     RECOVERY_POLICY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -28,7 +29,8 @@ class GenerateRequest(_message.Message):
     recovery_policy: str
     prefill_instance_id: str
     decode_instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., ttft_slo_s: _Optional[float] = ..., deadline_unix_ms: _Optional[int] = ..., placement_policy: _Optional[str] = ..., recovery_policy: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ...) -> None: ...
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., ttft_slo_s: _Optional[float] = ..., deadline_unix_ms: _Optional[int] = ..., placement_policy: _Optional[str] = ..., recovery_policy: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("index", "token_id", "summary")

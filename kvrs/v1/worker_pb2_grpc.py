@@ -82,7 +82,7 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Streams greedy tokens for a request whose KV is resident here. Generated tokens
+        """Streams tokens (drawn as SamplingParams say) for a request whose KV is resident here. Generated tokens
         whose KV is not resident yet (the first token after a hand-off, or every token
         generated before a migration) are fed first, as one extend.
         """
@@ -91,7 +91,7 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Extend(self, request, context):
-        """Appends tokens on top of the resident KV and returns the greedy token after them.
+        """Appends tokens on top of the resident KV and returns the token drawn after them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

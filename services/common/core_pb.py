@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvrs.network import TransferEstimate
 from kvrs.recovery import Action, OptionCost
+from kvrs.sampling import Sampling
 from kvrs.v1 import common_pb2, scheduler_pb2
 
 ACTION_TO_PB = {
@@ -60,3 +61,17 @@ def option_from_pb(option: scheduler_pb2.OptionCost) -> OptionCost:
         feasible=option.feasible,
         infeasible_reason=option.infeasible_reason,
     )
+
+
+def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed,
+    )
+
+
+def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
+    """The parameters `message` carries (InvalidArgument naming the bad field)."""
+    return Sampling.of(message.temperature, message.top_p, message.top_k, message.seed)

@@ -1,16 +1,16 @@
 """OpenAI's chat completions API on the completions path: a conversation becomes one prompt.
 
-Workers run a base model over kvrs' byte-level tokenizer, so there is no model-specific
-chat template to honour; `render` writes every message as `<|role|>`, a newline, its
+The conversation is rendered with one fixed template whatever the checkpoint (its own
+chat template is not applied); `render` writes every message as `<|role|>`, a newline, its
 text and a newline, then opens the reply with `<|assistant|>` and a newline. The
 endpoint picker renders request bodies the same way, so the prefix blocks it hashes for
 placement are the blocks the prefill worker caches.
 
 Served: `messages` (roles system, developer, user, assistant; content a string or a
 list of text parts), `max_completion_tokens` (or the older `max_tokens`; default: the
-server's limit), `stream` with `stream_options.include_usage`, greedy sampling only.
-Tools, structured output, log probabilities and stop sequences are refused naming the
-parameter.
+server's limit), `stream` with `stream_options.include_usage`, sampling and stop
+sequences as on the completions path. Tools, structured output and log probabilities
+are refused naming the parameter.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ ROLES = ("system", "developer", "user", "assistant")
 ENDPOINT = "/v1/chat/completions"
 
 _UNSUPPORTED_IF_SET: dict[str, str] = {
-    "stop": "stop sequences are not supported; use max_completion_tokens",
     "logprobs": "log probabilities are not returned",
     "top_logprobs": "log probabilities are not returned",
     "logit_bias": "logit bias is not supported",
@@ -55,6 +54,8 @@ _KNOWN_FIELDS = frozenset(
         "top_p",
         "n",
         "seed",
+        "top_k",
+        "stop",
         "user",
         "presence_penalty",
         "frequency_penalty",

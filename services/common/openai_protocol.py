@@ -6,11 +6,13 @@ the translation is tested without a server.
 
 What kvrs serves: `POST /v1/completions` with `prompt` as text, a list of texts, token
 ids or a list of token-id lists; `max_tokens`; `stream` (with `stream_options.
-include_usage`). Workers decode greedily, so `temperature` must be absent or 0 and
-`top_p` absent or 1; options that would change the output and that kvrs does not
-implement (`n` > 1, `best_of` > 1, `echo`, `logprobs`, `stop`, `suffix`, penalties,
-`logit_bias`) are rejected naming the parameter rather than silently ignored. `seed`
-and `user` are accepted (greedy decoding is deterministic anyway).
+include_usage`); sampling with `temperature` (0 to 2; absent = 0, greedy, so that a
+request without it is reproducible), `top_p`, `top_k` (vLLM's extension; -1 or 0 =
+off) and `seed` (without one, the draws derive from the request id); `stop` (up to four
+strings: the text ends before the first one, `finish_reason: "stop"`). Options that
+would change the output and that kvrs does not implement (`n` > 1, `best_of` > 1,
+`echo`, `logprobs`, `suffix`, penalties, `logit_bias`) are rejected naming the
+parameter rather than silently ignored. `user` is accepted.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvrs.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvrs.sampling import MAX_TOP_K, Sampling
 from services.common.tokenizer import TextCodec, byte_level_codec
 
 __all__ = [
@@ -59,7 +62,6 @@ FINISH_REASONS = ("stop", "length")
 _UNSUPPORTED_IF_SET: dict[str, str] = {
     "echo": "echoing the prompt is not supported",
     "logprobs": "log probabilities are not returned",
-    "stop": "stop sequences are not supported; use max_tokens",
     "suffix": "suffixes are not supported",
     "logit_bias": "logit bias is not supported",
 }
@@ -76,11 +78,17 @@ _KNOWN_FIELDS = frozenset(
         "n",
         "best_of",
         "seed",
+        "top_k",
+        "stop",
         "user",
         *_UNSUPPORTED_IF_SET,
         *_ZERO_OR_ABSENT,
     }
 )
+MAX_STOP_SEQUENCES = 4
+"""OpenAI's limit on `stop`."""
+MAX_TEMPERATURE = 2.0
+"""OpenAI's range for `temperature` is [0, 2]."""
 
 
 class RequestAborted(Unavailable):
@@ -98,6 +106,10 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     """Streaming only: a last chunk carries the usage (`stream_options.include_usage`)."""
+    sampling: Sampling = Sampling()
+    """How tokens are drawn; seed 0 = derived from the request id downstream."""
+    stop: tuple[str, ...] = ()
+    """Stop sequences: a choice's text ends before the first of them."""
 
 
 @dataclass(frozen=True)
@@ -211,9 +223,9 @@ def generation_options(
     max_tokens: Any,
     max_tokens_limit: int,
     unsupported: Mapping[str, str],
-) -> tuple[int, bool, bool]:
-    """(max tokens, stream, include usage) of a request, after refusing every option
-    greedy decoding cannot honour (`unsupported`: parameter -> why, when set)."""
+) -> tuple[int, bool, bool, Sampling, tuple[str, ...]]:
+    """(max tokens, stream, include usage, sampling, stop sequences) of a request, after
+    refusing every option kvrs cannot honour (`unsupported`: parameter -> why, when set)."""
     if not _is_int(max_tokens) or not 1 <= max_tokens <= max_tokens_limit:
         raise InvalidArgument(
             max_tokens_field, f"must be an integer in [1, {max_tokens_limit}], got {max_tokens!r}"
@@ -222,7 +234,8 @@ def generation_options(
     if not isinstance(stream, bool):
         raise InvalidArgument("stream", f"must be a boolean, got {stream!r}")
     include_usage = _include_usage(body.get("stream_options"), stream)
-    _check_greedy(body)
+    sampling = _sampling(body)
+    stop = _stop(body.get("stop"))
     for name, reason in unsupported.items():
         if body.get(name) not in (None, False, "", [], {}):
             raise InvalidArgument(name, reason)
@@ -231,8 +244,8 @@ def generation_options(
             raise InvalidArgument(name, "only 0 is supported")
     for name in ("n", "best_of"):
         if body.get(name) not in (None, 1):
-            raise InvalidArgument(name, "only 1 is supported (decoding is greedy)")
-    return max_tokens, stream, include_usage
+            raise InvalidArgument(name, "only 1 is supported (one choice per prompt)")
+    return max_tokens, stream, include_usage, sampling, stop
 
 
 def _include_usage(options: Any, stream: bool) -> bool:
@@ -248,16 +261,47 @@ def _include_usage(options: Any, stream: bool) -> bool:
     return value
 
 
-def _check_greedy(body: Mapping[str, Any]) -> None:
-    temperature = body.get("temperature")
-    if temperature is not None:
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-            raise InvalidArgument("temperature", f"must be a number, got {temperature!r}")
-        if temperature != 0:
-            raise InvalidArgument("temperature", "only 0 is supported: workers decode greedily")
-    top_p = body.get("top_p")
-    if top_p is not None and top_p != 1:
-        raise InvalidArgument("top_p", "only 1 is supported: workers decode greedily")
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise InvalidArgument(name, f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _sampling(body: Mapping[str, Any]) -> Sampling:
+    temperature = _number(body, "temperature", 0.0)
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise InvalidArgument("temperature", f"must be in [0, 2], got {temperature}")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = body.get("top_k")
+    if top_k is None or top_k == -1:
+        top_k = 0
+    if not _is_int(top_k) or not 0 <= top_k <= MAX_TOP_K:
+        raise InvalidArgument("top_k", f"must be -1 (off) or an integer in [0, {MAX_TOP_K}]")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise InvalidArgument("seed", f"must be an integer, got {seed!r}")
+    # Any integer names a 64-bit seed; 0 and none derive it from the request id.
+    return Sampling(temperature, top_p, top_k, (seed or 0) % (1 << 64))
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    sequences = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(sequences, list)
+        or len(sequences) > MAX_STOP_SEQUENCES
+        or not all(isinstance(item, str) and item for item in sequences)
+    ):
+        raise InvalidArgument(
+            "stop", f"must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} of them"
+        )
+    return tuple(sequences)
 
 
 def completion_id() -> str:

@@ -38,7 +38,7 @@ from services.common import openai_protocol as protocol
 from services.common.metrics import Metrics
 from services.common.tokenizer import TextCodec, load_codec
 from services.openai_http.config import Config
-from services.openai_http.generation import Finished, GenerateCall, Generator, Token
+from services.openai_http.generation import Finished, GenerateCall, Generator
 
 Readiness = Callable[[], Awaitable[str]]
 """The router's health status name (SERVING when the adapter can serve completions)."""
@@ -48,7 +48,7 @@ DECODE_INSTANCE_HEADER = "x-kvrs-decode-instance"
 
 log = logging.getLogger(__name__)
 
-Event = tuple[int, Token | Finished]
+Event = tuple[int, "Piece | Finished"]
 """(prompt index, what happened)."""
 
 
@@ -98,34 +98,88 @@ CHAT = Dialect(
 )
 
 
-async def _until_stop(
-    generator: Generator, call: GenerateCall, stop_token_ids: frozenset[int]
-) -> AsyncIterator[Token | Finished]:
-    """`call`'s events up to the first stop token (the model's end of sequence): that
-    token is counted but not shown, and the choice finishes with reason "stop"."""
+@dataclass(frozen=True)
+class Piece:
+    """Text a choice gained (possibly none) and the tokens that made it."""
+
+    text: str
+    tokens: int
+
+
+class StopText:
+    """A choice's text up to its first stop sequence. A tail that may be the start of a
+    stop sequence is held back until the next piece shows whether it is."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stops)
+        self._held = ""
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        text = self._held + piece
+        hits = [at for at in (text.find(stop) for stop in self._stops) if at >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return text[: min(hits)]
+        held = max(
+            (n for stop in self._stops for n in range(1, len(stop)) if text.endswith(stop[:n])),
+            default=0,
+        )
+        self._held = text[len(text) - held :]
+        return text[: len(text) - held]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+async def _choice(
+    generator: Generator,
+    call: GenerateCall,
+    codec: TextCodec,
+    stop_token_ids: frozenset[int],
+    stops: Sequence[str],
+) -> AsyncIterator[Piece | Finished]:
+    """One choice as text, as its tokens arrive, up to the model's end-of-sequence token
+    or a stop sequence (then finishing with reason "stop", the rest of the generation
+    cancelled); a multi-byte character comes out once complete."""
+    decoder, stopper = codec.stream(), StopText(stops)
+    prompt_tokens = len(call.prompt_token_ids)
     async with contextlib.aclosing(generator.generate(call)) as events:
         async for event in events:
-            if isinstance(event, Token) and event.token_id in stop_token_ids:
-                yield Finished("stop", len(call.prompt_token_ids), event.index + 1)
+            if isinstance(event, Finished):
+                text = stopper.push(decoder.flush())
+                if stopper.stopped:
+                    event = Finished("stop", prompt_tokens, event.generated_tokens)
+                yield Piece(text + stopper.flush(), 0)
+                yield event
                 return
-            yield event
+            if event.token_id in stop_token_ids:
+                yield Piece(stopper.push(decoder.flush()) + stopper.flush(), 1)
+                yield Finished("stop", prompt_tokens, event.index + 1)
+                return
+            text = stopper.push(decoder.push(event.token_id))
+            yield Piece(text, 1)
+            if stopper.stopped:
+                yield Finished("stop", prompt_tokens, event.index + 1)
+                return
 
 
 async def _merged(
-    generator: Generator, calls: Sequence[GenerateCall], stop_token_ids: frozenset[int]
+    choices: Sequence[Callable[[], AsyncIterator[Piece | Finished]]],
 ) -> AsyncIterator[Event]:
-    """The events of every call, each tagged with its prompt's index, as they come."""
-    if len(calls) == 1:
+    """The events of every choice, each tagged with its prompt's index, as they come."""
+    if len(choices) == 1:
         # Closed here, so a client that goes away cancels its router call at once.
-        async with contextlib.aclosing(_until_stop(generator, calls[0], stop_token_ids)) as events:
+        async with contextlib.aclosing(choices[0]()) as events:
             async for event in events:
                 yield 0, event
         return
-    queue: asyncio.Queue[tuple[int, Token | Finished | Exception | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Piece | Finished | Exception | None]] = asyncio.Queue()
 
-    async def pump(index: int, call: GenerateCall) -> None:
+    async def pump(index: int, choice: Callable[[], AsyncIterator[Piece | Finished]]) -> None:
         try:
-            async with contextlib.aclosing(_until_stop(generator, call, stop_token_ids)) as events:
+            async with contextlib.aclosing(choice()) as events:
                 async for event in events:
                     await queue.put((index, event))
         except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
@@ -133,7 +187,7 @@ async def _merged(
         else:
             await queue.put((index, None))
 
-    tasks = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
+    tasks = [asyncio.create_task(pump(i, choice)) for i, choice in enumerate(choices)]
     try:
         remaining = len(tasks)
         while remaining:
@@ -258,6 +312,7 @@ class CompletionsApi:
                     timeout_s=self.config.request_timeout_s,
                     ttft_slo_s=self.config.ttft_slo_s,
                     decode_instance_id=self.config.decode_instance_id,
+                    sampling=parsed.sampling,
                 )
                 for index, prompt in enumerate(parsed.prompts)
             ]
@@ -287,6 +342,16 @@ class CompletionsApi:
         self._count("client_error" if status < 500 else "server_error")
         return web.json_response(body, status=status)
 
+    def _choices(
+        self, parsed: protocol.CompletionRequest, calls: Sequence[GenerateCall]
+    ) -> list[Callable[[], AsyncIterator[Piece | Finished]]]:
+        return [
+            functools.partial(
+                _choice, self.generator, call, self.codec, self._stop_token_ids, parsed.stop
+            )
+            for call in calls
+        ]
+
     async def _complete(
         self,
         dialect: Dialect,
@@ -295,23 +360,23 @@ class CompletionsApi:
         completion_id: str,
         span: Span,
     ) -> web.Response:
-        tokens: list[list[int]] = [[] for _ in calls]
+        texts = [""] * len(calls)
+        generated = 0
         reasons = ["length"] * len(calls)
         served_by: set[str] = set()
         try:
-            async with contextlib.aclosing(
-                _merged(self.generator, calls, self._stop_token_ids)
-            ) as events:
+            async with contextlib.aclosing(_merged(self._choices(parsed, calls))) as events:
                 async for index, event in events:
-                    if isinstance(event, Token):
-                        tokens[index].append(event.token_id)
+                    if isinstance(event, Piece):
+                        texts[index] += event.text
+                        generated += event.tokens
                     else:
                         reasons[index] = event.finish_reason
                         served_by.add(event.decode_instance_id)
         except KvrsError as exc:
             return self._error(exc, span)
         served_by.discard("")
-        usage = protocol.Usage(sum(len(p) for p in parsed.prompts), sum(map(len, tokens)))
+        usage = protocol.Usage(sum(len(p) for p in parsed.prompts), generated)
         span.set_attributes(
             {"kvrs.generated_tokens": usage.completion_tokens, "kvrs.openai.status": 200}
         )
@@ -320,7 +385,7 @@ class CompletionsApi:
             dialect.completion_body(
                 completion_id,
                 parsed.model,
-                [self.codec.decode(t) for t in tokens],
+                texts,
                 reasons,
                 usage,
             ),
@@ -337,11 +402,8 @@ class CompletionsApi:
         span: Span,
     ) -> web.StreamResponse:
         created_unix_s = int(time.time())
-        decoders = [self.codec.stream() for _ in calls]
         generated = 0
-        async with contextlib.aclosing(
-            _merged(self.generator, calls, self._stop_token_ids)
-        ) as events:
+        async with contextlib.aclosing(_merged(self._choices(parsed, calls))) as events:
             try:
                 event: Event | None = await anext(events)
             except KvrsError as exc:
@@ -377,13 +439,12 @@ class CompletionsApi:
             try:
                 while event is not None:
                     index, item = event
-                    if isinstance(item, Token):
-                        generated += 1
-                        piece = decoders[index].push(item.token_id)
-                        if piece:
-                            await send_chunk(index, piece, None)
+                    if isinstance(item, Piece):
+                        generated += item.tokens
+                        if item.text:
+                            await send_chunk(index, item.text, None)
                     else:
-                        await send_chunk(index, decoders[index].flush(), item.finish_reason)
+                        await send_chunk(index, "", item.finish_reason)
                     event = await anext(events, None)
                 if parsed.include_usage:
                     usage = protocol.Usage(sum(len(p) for p in parsed.prompts), generated)

@@ -19,8 +19,10 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.errors import KvrsError
 from kvrs.rpc import error_from_rpc
+from kvrs.sampling import Sampling
 from kvrs.v1 import router_pb2, router_pb2_grpc
 from services.common import GrpcSettings, open_channel
+from services.common.core_pb import sampling_to_pb
 from services.common.openai_protocol import RequestAborted
 
 FINISH_ABORT = "abort"
@@ -36,6 +38,8 @@ class GenerateCall:
     ttft_slo_s: float = 0.0
     decode_instance_id: str = ""
     """Decode instance the router places the request on first; empty = its choice."""
+    sampling: Sampling = Sampling()
+    """How tokens are drawn (seed 0: the router derives one from request_id)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class RouterGenerator:
             ttft_slo_s=call.ttft_slo_s,
             deadline_unix_ms=int((time.time() + call.timeout_s) * 1000),
             decode_instance_id=call.decode_instance_id,
+            sampling=sampling_to_pb(call.sampling),
         )
         stream = self._stub.Generate(request, timeout=call.timeout_s)
         received = 0

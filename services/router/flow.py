@@ -268,7 +268,9 @@ class Router:
                             "kvrs.prompt_tokens": len(request.prompt),
                         }
                     )
-                    prefilled = await self.workers.prefill(at, request.request_id, request.prompt)
+                    prefilled = await self.workers.prefill(
+                        at, request.request_id, request.prompt, sampling=request.sampling
+                    )
             except (InvalidArgument, FailedPrecondition):
                 raise
             except KvrsError as exc:
@@ -474,7 +476,12 @@ class Router:
         """Moves the Decode stream's tokens into `inbox`; a failure becomes a `Lost`."""
         try:
             async for item in self.workers.decode(
-                at, run.kv_id, run.generated, run.remaining_tokens, release_when_done=True
+                at,
+                run.kv_id,
+                run.generated,
+                run.remaining_tokens,
+                release_when_done=True,
+                sampling=run.request.sampling,
             ):
                 inbox.put_nowait(item)
             inbox.put_nowait(_End())

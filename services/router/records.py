@@ -16,6 +16,7 @@ from kvrs.errors import InvalidArgument
 from kvrs.learning import Terms
 from kvrs.placement import PLACEMENT_POLICY_NAMES
 from kvrs.recovery import RECOVERY_POLICY_NAMES, Action, OptionCost
+from kvrs.sampling import Sampling
 from services.worker.client import Endpoint
 
 FINISH_LENGTH = "length"
@@ -39,6 +40,8 @@ class GenerateInput:
     recovery_policy: str = ""
     prefill_instance_id: str = ""
     decode_instance_id: str = ""
+    sampling: Sampling = field(default_factory=Sampling)
+    """How tokens are drawn, its seed always set (the request's, else one from its id)."""
 
     def validate(self) -> None:
         """InvalidArgument naming the first bad field."""

@@ -35,6 +35,7 @@ from opentelemetry.trace import Tracer
 from kvrs.errors import InvalidArgument, KvrsError
 from kvrs.learning import Terms
 from kvrs.recovery import Action, kv_tokens_moved
+from kvrs.sampling import Sampling
 from services.router.records import DETECTED_BY_TRANSFER, Decision, Endpoint, Lost, Run
 from services.worker.client import Extended, Prefilled, Pulled
 
@@ -45,9 +46,19 @@ ALIVE_CHECK_TIMEOUT_S = 0.5
 
 
 class Workers(Protocol):
-    async def prefill(self, at: Endpoint, kv_id: str, prompt: Sequence[int]) -> Prefilled: ...
+    async def prefill(
+        self,
+        at: Endpoint,
+        kv_id: str,
+        prompt: Sequence[int],
+        lease_s: float = 0.0,
+        sampling: Sampling | None = None,
+        prompt_tokens: int = 0,
+    ) -> Prefilled: ...
 
-    async def extend(self, at: Endpoint, kv_id: str, tokens: Sequence[int]) -> Extended: ...
+    async def extend(
+        self, at: Endpoint, kv_id: str, tokens: Sequence[int], sampling: Sampling | None = None
+    ) -> Extended: ...
 
     async def pull_kv(
         self,
@@ -68,6 +79,7 @@ class Workers(Protocol):
         generated: Sequence[int],
         max_new_tokens: int,
         release_when_done: bool,
+        sampling: Sampling | None = None,
     ) -> AsyncIterator[tuple[int, int, float]]: ...
 
     async def release_kv(
@@ -202,7 +214,13 @@ class RecoveryExecutor:
                 }
             )
             try:
-                prefilled = await self.workers.prefill(source, kv_id, context)
+                prefilled = await self.workers.prefill(
+                    source,
+                    kv_id,
+                    context,
+                    sampling=run.request.sampling,
+                    prompt_tokens=len(run.request.prompt),
+                )
             except InvalidArgument:
                 raise
             except KvrsError as exc:
@@ -251,7 +269,7 @@ class RecoveryExecutor:
                 }
             )
             try:
-                extended = await self.workers.extend(at, kv_id, tokens)
+                extended = await self.workers.extend(at, kv_id, tokens, run.request.sampling)
             except InvalidArgument:
                 raise
             except KvrsError as exc:

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import grpc
 
+from kvrs.sampling import seed_for
 from kvrs.v1 import router_pb2, router_pb2_grpc
-from services.common.core_pb import ACTION_TO_PB, option_to_pb
+from services.common.core_pb import ACTION_TO_PB, option_to_pb, sampling_from_pb
 from services.common.outcomes import terms_to_pb
 from services.router.flow import Router
 from services.router.records import GenerateInput, RecoveryRecord, Summary, Token
 
 
 def generate_from_pb(request: router_pb2.GenerateRequest) -> GenerateInput:
+    sampling = sampling_from_pb(request.sampling)
+    if not sampling.seed:
+        # Every worker the request reaches draws with this seed: recoveries agree.
+        sampling = dataclasses.replace(sampling, seed=seed_for(request.request_id))
     return GenerateInput(
         request_id=request.request_id,
         prompt=tuple(request.prompt_token_ids),
@@ -25,6 +31,7 @@ def generate_from_pb(request: router_pb2.GenerateRequest) -> GenerateInput:
         recovery_policy=request.recovery_policy,
         prefill_instance_id=request.prefill_instance_id,
         decode_instance_id=request.decode_instance_id,
+        sampling=sampling,
     )
 
 

@@ -21,8 +21,10 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs import errors
 from kvrs.rpc import error_from_rpc
+from kvrs.sampling import Sampling
 from kvrs.v1 import worker_pb2, worker_pb2_grpc
 from services.common import GrpcSettings, open_channel
+from services.common.core_pb import sampling_to_pb
 
 __all__ = ["Endpoint", "Extended", "Prefilled", "Pulled", "WorkerPool"]
 
@@ -116,10 +118,20 @@ class WorkerPool:
             await channel.close()
 
     async def prefill(
-        self, at: Endpoint, kv_id: str, prompt: Sequence[int], lease_s: float = 0.0
+        self,
+        at: Endpoint,
+        kv_id: str,
+        prompt: Sequence[int],
+        lease_s: float = 0.0,
+        sampling: Sampling | None = None,
+        prompt_tokens: int = 0,
     ) -> Prefilled:
         request = worker_pb2.PrefillRequest(
-            request_id=kv_id, prompt_token_ids=list(prompt), lease_s=lease_s
+            request_id=kv_id,
+            prompt_token_ids=list(prompt),
+            lease_s=lease_s,
+            sampling=sampling_to_pb(sampling) if sampling is not None else None,
+            prompt_tokens=prompt_tokens,
         )
         try:
             reply = await self._stub(at.address).Prefill(request, timeout=self.timeout_s)
@@ -127,8 +139,14 @@ class WorkerPool:
             raise self._failed(exc, at) from exc
         return Prefilled(reply.first_token_id, reply.kv_bytes, reply.prefill_s, reply.queued_s)
 
-    async def extend(self, at: Endpoint, kv_id: str, tokens: Sequence[int]) -> Extended:
-        request = worker_pb2.ExtendRequest(request_id=kv_id, token_ids=list(tokens))
+    async def extend(
+        self, at: Endpoint, kv_id: str, tokens: Sequence[int], sampling: Sampling | None = None
+    ) -> Extended:
+        request = worker_pb2.ExtendRequest(
+            request_id=kv_id,
+            token_ids=list(tokens),
+            sampling=sampling_to_pb(sampling) if sampling is not None else None,
+        )
         try:
             reply = await self._stub(at.address).Extend(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -175,6 +193,7 @@ class WorkerPool:
         generated: Sequence[int],
         max_new_tokens: int,
         release_when_done: bool,
+        sampling: Sampling | None = None,
     ) -> AsyncIterator[tuple[int, int, float]]:
         """(index, token_id, step_s) as the worker streams them (step_s: the compute of the
         step that produced the token, 0 for one already known)."""
@@ -183,6 +202,7 @@ class WorkerPool:
             generated_token_ids=list(generated),
             max_new_tokens=max_new_tokens,
             release_when_done=release_when_done,
+            sampling=sampling_to_pb(sampling) if sampling is not None else None,
         )
         call = self._stub(at.address).Decode(request)
         try:

@@ -19,6 +19,7 @@ import torch
 from opentelemetry import trace
 
 from kvrs.errors import FailedPrecondition, InvalidArgument, KvrsError, NotFound
+from kvrs.sampling import Sampling
 from kvrs.tokenizer import validate_token_ids
 from libkvxfer import (
     PROTOCOL_VERSION,
@@ -32,6 +33,7 @@ from libkvxfer import (
 from services.worker.compute import ComputeQueue, Estimates
 from services.worker.kvstore import KvStore, Resident
 from services.worker.model import Transformer
+from services.worker.sampling import choose
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +122,9 @@ def _check_request_id(request_id: str) -> None:
         raise InvalidArgument("request_id", f"longer than {_MAX_REQUEST_ID_CHARS} characters")
 
 
-def _argmax(logits: torch.Tensor) -> int:
-    return int(torch.argmax(logits))
+def _choose(entry: Resident, logits: torch.Tensor) -> int:
+    """The token after the resident positions: generated token (resident - prompt)."""
+    return choose(logits, entry.sampling, entry.resident_tokens - entry.prompt_tokens)
 
 
 class WorkerEngine:
@@ -191,7 +194,7 @@ class WorkerEngine:
                 self.store.unpin(entry)
 
     async def _extend(self, entry: Resident, token_ids: list[int]) -> tuple[int, float]:
-        """Append KV for `token_ids` (compute thread); the next greedy token and its time."""
+        """Append KV for `token_ids` (compute thread); the next token and its time."""
         cached = entry.resident_tokens
         self._check_positions(cached + len(token_ids), "token_ids")
         self.store.grow(entry, cached + len(token_ids))
@@ -200,18 +203,32 @@ class WorkerEngine:
             self.estimates.extend_s(cached, len(token_ids)),
         )
         entry.token_ids.extend(token_ids)
-        entry.next_token_id = _argmax(timed.value)
+        entry.next_token_id = _choose(entry, timed.value)
         return entry.next_token_id, timed.compute_s
 
     # -- prefill, decode, extend ----------------------------------------------------
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: Sequence[int], lease_s: float = 0.0
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        lease_s: float = 0.0,
+        sampling: Sampling | None = None,
+        prompt_tokens: int = 0,
     ) -> PrefillResult:
-        """KV of the prompt (kept resident) and the first generated token."""
+        """KV of the prompt (kept resident) and the token drawn after it.
+
+        `prompt_tokens` < len(prompt) says the prompt ends with generated tokens (a
+        RECOMPUTE): the token drawn is then generated token len(prompt) - prompt_tokens.
+        """
         _check_request_id(request_id)
         prompt = self._tokens(prompt_token_ids, "prompt_token_ids")
         self._check_positions(len(prompt), "prompt_token_ids")
+        if not 0 <= prompt_tokens <= len(prompt):
+            raise InvalidArgument(
+                "prompt_tokens", f"must be in [0, {len(prompt)}], got {prompt_tokens}"
+            )
+        prompt_tokens = prompt_tokens or len(prompt)
         lease = self._lease(lease_s)
         existing = self.store.find(request_id)
         if existing is not None:
@@ -219,7 +236,7 @@ class WorkerEngine:
                 if (
                     existing.first_token_id is None
                     or existing.token_ids[: len(prompt)] != prompt
-                    or existing.prompt_tokens != len(prompt)
+                    or existing.prompt_tokens != prompt_tokens
                 ):
                     raise FailedPrecondition(
                         f"request {request_id!r} is already resident here "
@@ -232,8 +249,9 @@ class WorkerEngine:
             self.model.new_cache(len(prompt)),
             len(prompt),
             lease,
-            prompt_tokens=len(prompt),
+            prompt_tokens=prompt_tokens,
         )
+        entry.sampling = sampling or Sampling()
         try:
             async with entry.lock:
                 timed = await self.compute.run(
@@ -241,7 +259,7 @@ class WorkerEngine:
                     self.estimates.prefill_s(len(prompt)),
                 )
                 entry.token_ids = prompt
-                entry.first_token_id = entry.next_token_id = _argmax(timed.value)
+                entry.first_token_id = entry.next_token_id = _choose(entry, timed.value)
         except BaseException:
             self.store.discard(entry)
             raise
@@ -270,8 +288,9 @@ class WorkerEngine:
         max_new_tokens: int,
         stop_token_id: int | None = None,
         release_when_done: bool = False,
+        sampling: Sampling | None = None,
     ) -> AsyncIterator[DecodedToken]:
-        """Greedy tokens after `generated_token_ids` (see DecodeRequest in worker.proto)."""
+        """Tokens after `generated_token_ids` (see DecodeRequest in worker.proto)."""
         _check_request_id(request_id)
         generated = self._tokens(generated_token_ids, "generated_token_ids", allow_empty=True)
         if max_new_tokens <= 0:
@@ -281,6 +300,8 @@ class WorkerEngine:
         finished = False
         try:
             async with self._using(entry):
+                if sampling is not None:
+                    entry.sampling = sampling
                 token, step_s = await self._catch_up(entry, generated)
                 index = len(generated)
                 for produced in range(max_new_tokens):
@@ -339,16 +360,20 @@ class WorkerEngine:
             lambda: self.model.decode_step(entry.cache, token), self.estimates.step_s(context)
         )
         entry.token_ids.append(token)
-        entry.next_token_id = _argmax(timed.value)
+        entry.next_token_id = _choose(entry, timed.value)
         self.store.touch(entry)
         return entry.next_token_id, timed.compute_s
 
-    async def extend(self, request_id: str, token_ids: Sequence[int]) -> ExtendResult:
-        """Append `token_ids` on top of the resident KV."""
+    async def extend(
+        self, request_id: str, token_ids: Sequence[int], sampling: Sampling | None = None
+    ) -> ExtendResult:
+        """Append `token_ids` on top of the resident KV; the token drawn after them."""
         _check_request_id(request_id)
         tokens = self._tokens(token_ids, "token_ids")
         entry = self.store.get(request_id)
         async with self._using(entry):
+            if sampling is not None:
+                entry.sampling = sampling
             next_token, extend_s = await self._extend(entry, tokens)
             return ExtendResult(
                 next_token_id=next_token,

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrs.errors import NotFound, ResourceExhausted
+from kvrs.sampling import Sampling
 from kvrs.tokenizer import prefix_block_hashes
 from services.worker.model import KvCache
 
@@ -39,6 +40,8 @@ class Resident:
     """Greedy token after the last resident position, when computed here."""
     first_token_id: int | None = None
     """Prefill's answer, so a retried Prefill gets the same one."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """How this request's tokens are drawn (the last Prefill, Decode or Extend's say)."""
     reserved_tokens: int = 0
     """Tokens the budget holds for this entry (>= resident, while it grows)."""
     pins: int = 0

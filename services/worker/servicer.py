@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvrs.errors import InvalidArgument
+from kvrs.sampling import Sampling
 from kvrs.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from libkvxfer import PROTOCOL_VERSION, TransferTicket
 from services.common import traceparent
+from services.common.core_pb import sampling_from_pb
 from services.common.metrics import Metrics
 from services.worker.engine import SendResult, WorkerEngine
 
@@ -63,6 +65,11 @@ def send_result_from_pb(message: worker_pb2.SendKvResponse) -> SendResult:
     )
 
 
+def _sampling(request) -> Sampling | None:
+    """The request's sampling parameters; None when it has none (keep what the KV has)."""
+    return sampling_from_pb(request.sampling) if request.HasField("sampling") else None
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """One worker's RPCs; every domain error maps through the shared interceptor."""
 
@@ -84,7 +91,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
         result = await self._engine.prefill(
-            request.request_id, request.prompt_token_ids, request.lease_s
+            request.request_id,
+            request.prompt_token_ids,
+            request.lease_s,
+            _sampling(request),
+            request.prompt_tokens,
         )
         return worker_pb2.PrefillResponse(
             request_id=request.request_id,
@@ -109,6 +120,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 request.max_new_tokens,
                 stop,
                 request.release_when_done,
+                _sampling(request),
             ):
                 yield worker_pb2.DecodeResponse(
                     request_id=request.request_id,
@@ -127,7 +139,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Extend(
         self, request: worker_pb2.ExtendRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ExtendResponse:
-        result = await self._engine.extend(request.request_id, request.token_ids)
+        result = await self._engine.extend(
+            request.request_id, request.token_ids, _sampling(request)
+        )
         return worker_pb2.ExtendResponse(
             request_id=request.request_id,
             next_token_id=result.next_token_id,

@@ -20,6 +20,7 @@ from worker_procs import WorkerProcess, stub
 from kvrs.cli.launcher import free_ports
 from kvrs.tokenizer import encode
 from kvrs.v1 import worker_pb2 as pb
+from kvrs.v1.common_pb2 import SamplingParams
 from tests import tiny_reference
 
 PROMPT = encode("Network-aware placement of the decode phase, and recovery of its KV.")
@@ -427,3 +428,59 @@ def _serving_address(process: subprocess.Popen) -> str:
             threading.Thread(target=process.stderr.read, daemon=True).start()
             return found.group(1)
     raise RuntimeError("worker exited before serving")
+
+
+def sampled_reference(sampling: SamplingParams, tokens: int) -> list[int]:
+    """What one process draws for PROMPT, uninterrupted: token i from uniform(seed, i)."""
+    from kvrs.sampling import Sampling
+    from services.worker.model import Transformer
+    from services.worker.sampling import choose
+
+    model = Transformer.load("tiny")
+    params = Sampling.of(sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed)
+    cache, logits = model.prefill(PROMPT)
+    out = [choose(logits, params, 0)]
+    while len(out) < tokens:
+        out.append(choose(model.decode_step(cache, out[-1]), params, len(out)))
+    return out
+
+
+async def test_a_sampled_request_draws_the_same_tokens_through_handoff_migration_and_recompute(
+    workers, stubs
+):
+    """Every worker draws token i from (seed, i): a request sampled at temperature 0.8
+    that moves prefill → decode-b → (MIGRATE) decode-c → (RECOMPUTE) decode-b streams
+    what one uninterrupted process draws."""
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=2026)
+    expected = sampled_reference(sampling, 24)
+    assert expected != tiny_reference.reference(tuple(PROMPT), 24)
+    a, b, c = stubs["prefill-a"], stubs["decode-b"], stubs["decode-c"]
+    prefill = await a.Prefill(
+        pb.PrefillRequest(request_id="r-sampled", prompt_token_ids=PROMPT, sampling=sampling)
+    )
+    got = [prefill.first_token_id]
+    await pull(b, workers["prefill-a"], "r-sampled", 0, L)
+    got += [t.token_id for t in await decode(b, "r-sampled", got, 7, sampling=sampling)]
+    # MIGRATE to decode-c: the prompt's KV from the prefill worker, generated tokens rebuilt.
+    await pull(c, workers["prefill-a"], "r-sampled", 0, L)
+    got += [t.token_id for t in await decode(c, "r-sampled", got, 8, sampling=sampling)]
+    # RECOMPUTE prompt + generated[:-1] on the prefill worker, pull it, extend the last one.
+    context = PROMPT + got[:-1]
+    recomputed = await a.Prefill(
+        pb.PrefillRequest(
+            request_id="r-sampled~r1",
+            prompt_token_ids=context,
+            sampling=sampling,
+            prompt_tokens=L,
+        )
+    )
+    assert recomputed.first_token_id == got[-1]
+    await pull(b, workers["prefill-a"], "r-sampled~r1", 0, len(context), prompt_tokens=L)
+    extended = await b.Extend(
+        pb.ExtendRequest(request_id="r-sampled~r1", token_ids=got[-1:], sampling=sampling)
+    )
+    got.append(extended.next_token_id)
+    got += [t.token_id for t in await decode(b, "r-sampled~r1", got, 7, sampling=sampling)]
+    assert got == expected
+    for worker, request_id in ((a, "r-sampled"), (a, "r-sampled~r1"), (b, "r-sampled~r1")):
+        await worker.ReleaseKv(pb.ReleaseKvRequest(request_id=request_id))

@@ -138,7 +138,7 @@ def test_a_chat_completion_streamed_or_not_is_the_rendered_conversation_continue
 
 def test_bad_parameters_raise_the_clients_errors(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="tiny", prompt=PROMPT, temperature=0.8)
+        client.completions.create(model="tiny", prompt=PROMPT, temperature=2.5)
     assert info.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt=PROMPT)
@@ -210,3 +210,34 @@ def test_a_decode_worker_killed_mid_stream_does_not_break_the_stream(client, rec
     assert recoveries, f"the router never recovered {request_id}"
     generated, lost = recoveries[0]
     assert lost == victim and 0 < generated < max_tokens, recoveries
+
+
+def test_a_sampled_stream_survives_a_kill_drawing_what_a_fault_free_run_draws(
+    client, recovery_cluster
+):
+    """Temperature 0.8 with a seed: token i is drawn from (seed, i) on whichever worker
+    computes it, so the stream recovered after its decode worker died is the text of
+    an undisturbed run of the same request."""
+    recovery_cluster.ensure_running()
+    params = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1200, "temperature": 0.8}
+    undisturbed = client.completions.create(**params, seed=31337).choices[0]
+    assert undisturbed.text != reference_text(PROMPT, 1200)
+    assert undisturbed.text != client.completions.create(**params, seed=1).choices[0].text
+    request_id = f"openai-sampled-kill-{uuid.uuid4().hex[:8]}"
+    stream = client.completions.create(
+        **params, seed=31337, stream=True, extra_headers={"x-request-id": request_id}
+    )
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    victim = asyncio.run(_busy_decode_instance(recovery_cluster, timeout_s=10))
+    recovery_cluster.kill(victim)
+    reasons = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            text += choice.text
+            reasons.append(choice.finish_reason)
+    assert not is_running(recovery_cluster.record(victim))
+    recoveries = _recoveries(recovery_cluster.run_dir / "logs" / "router.log", request_id)
+    assert recoveries and recoveries[0][1] == victim, recoveries
+    assert reasons[-1] == undisturbed.finish_reason
+    assert text == undisturbed.text

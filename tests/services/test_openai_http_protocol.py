@@ -71,10 +71,14 @@ def test_prompts_in_every_openai_form_become_token_ids():
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 65}, "max_tokens"),
         ({"max_tokens": "3"}, "max_tokens"),
-        ({"temperature": 0.7}, "temperature"),
-        ({"top_p": 0.9}, "top_p"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": 1.5}, "seed"),
         ({"n": 2}, "n"),
-        ({"stop": ["\n"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"echo": True}, "echo"),
         ({"logprobs": 2}, "logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
@@ -388,7 +392,7 @@ def test_a_conversation_renders_into_one_prompt():
         ({"messages": CONVERSATION, "max_completion_tokens": 0}, "max_completion_tokens"),
         ({"messages": CONVERSATION, "tools": [{"type": "function"}]}, "tools"),
         ({"messages": CONVERSATION, "response_format": {"type": "json_object"}}, "response_format"),
-        ({"messages": CONVERSATION, "temperature": 0.7}, "temperature"),
+        ({"messages": CONVERSATION, "temperature": -0.1}, "temperature"),
         ({"messages": CONVERSATION, "prompt": "x"}, "prompt"),
     ],
 )
@@ -435,3 +439,59 @@ async def test_chat_stream_deltas_add_up_to_the_message(serve):
     assert usage_chunk["usage"] == whole["usage"]
     spans = [s.name for s in exporter.get_finished_spans()]
     assert spans.count("openai_http.chat_completions") == 2
+
+
+def test_sampling_parameters_and_stop_sequences_are_parsed_as_openai_defines_them():
+    from kvrs.sampling import Sampling
+
+    request = parse(temperature=0.8, top_p=0.9, top_k=40, seed=7, stop="\n")
+    assert request.sampling == Sampling(0.8, 0.9, 40, 7)
+    assert request.stop == ("\n",)
+    assert parse().sampling == Sampling()  # no temperature: greedy, reproducible
+    assert parse(top_k=-1, seed=-1).sampling == Sampling(top_k=0, seed=(1 << 64) - 1)
+    assert parse(stop=["wö", "€"]).stop == ("wö", "€")
+    chat_request = chat.parse_chat_request(
+        {"model": "tiny", "messages": CONVERSATION, "temperature": 1.5, "stop": ["x"]}, "tiny", 64
+    )
+    assert chat_request.sampling.temperature == 1.5 and chat_request.stop == ("x",)
+
+
+def test_stop_text_holds_back_what_may_start_a_stop_sequence():
+    from services.openai_http.app import StopText
+
+    stopper = StopText(["wörld", "lo!"])
+    assert stopper.push("hél") == "hé"  # "l" may start "lo!"
+    assert stopper.push("lo, w") == "llo, "
+    assert stopper.push("ö") == ""
+    assert stopper.push("rld €") == ""
+    assert stopper.stopped
+    free = StopText([])
+    assert free.push("abc") == "abc" and free.flush() == ""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_sequence_ends_the_choice_before_it(serve, stream):
+    url, _, _ = await serve(ScriptedGenerator())
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 64, "stop": ["wör"], "stream": stream}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", json=body) as reply:
+            assert reply.status == 200
+            if stream:
+                chunks = [json.loads(e) for e in events_of(await reply.text())[:-1]]
+                text = "".join(c["choices"][0]["text"] for c in chunks)
+                reason = chunks[-1]["choices"][0]["finish_reason"]
+            else:
+                (choice,) = (await reply.json())["choices"]
+                text, reason = choice["text"], choice["finish_reason"]
+    assert (text, reason) == ("héllo, ", "stop")
+
+
+async def test_sampling_reaches_the_generator(serve):
+    generator = ScriptedGenerator()
+    url, _, _ = await serve(generator)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0.5, "seed": 9}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", json=body) as reply:
+            assert reply.status == 200
+    (call,) = generator.calls
+    assert (call.sampling.temperature, call.sampling.seed) == (0.5, 9)

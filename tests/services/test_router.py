@@ -101,6 +101,8 @@ async def test_one_request_streams_the_reference_tokens_under_one_trace(plane):
         ({"deadline_unix_ms": -5}, "deadline_unix_ms"),
         ({"placement_policy": "fastest"}, "placement_policy"),
         ({"recovery_policy": "pray"}, "recovery_policy"),
+        ({"sampling": {"temperature": -1.0}}, "sampling.temperature"),
+        ({"sampling": {"temperature": 0.7, "top_p": 1.5}}, "sampling.top_p"),
     ],
 )
 async def test_bad_input_is_invalid_argument_naming_the_field(plane, fields, field):
@@ -109,6 +111,8 @@ async def test_bad_input_is_invalid_argument_naming_the_field(plane, fields, fie
         if name == "prompt_token_ids":
             del request.prompt_token_ids[:]
             request.prompt_token_ids.extend(value)
+        elif name == "sampling":
+            request.sampling.CopyFrom(common_pb2.SamplingParams(**value))
         else:
             setattr(request, name, value)
     _, _, error = await collect(router(plane), request)
