@@ -17,6 +17,11 @@ each one's CPU says what its half of the work costs) and a slot broker, then:
    SelectDecode replies at 20/s), SelectDecode latency, the schedulers' CPU (refreshes +
    decisions) and what serving them costs `gossip-views`.
 
+`--gossip-addr ADDR --scheduler-addr ADDR [--scheduler-addr ...]` runs phase 2 against a
+running cluster instead (`kvrs up` without `--tls`: its gossip and schedulers are in its
+client environment), then probes those schedulers' view age; the instances (unreachable
+addresses, a TTL of four intervals) leave at the end.
+
 Not a test: figures depend on the machine (shared here: the load average is printed);
 nothing asserts.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -40,6 +46,7 @@ from pathlib import Path
 import grpc
 import redis
 
+from kvrs.errors import KvrsError
 from kvrs.rpc import SERVING, check_health
 from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import GrpcSettings, open_channel
@@ -133,7 +140,7 @@ def start_gossip(
 
 async def wait_serving(address: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while await check_health(address, GrpcSettings(), timeout_s=0.5) != SERVING:
+    while await check_health(address, GrpcSettings.from_env(), timeout_s=0.5) != SERVING:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{address} is not SERVING after {timeout_s} s")
         await asyncio.sleep(0.1)
@@ -170,7 +177,7 @@ def load(index: int, beat: int) -> NodeLoad:
 async def _register_all(address: str, instances: int) -> float:
     await wait_serving(address)
     started = time.perf_counter()
-    async with GossipClient(address, timeout_s=30) as gossip:
+    async with GossipClient(address, GrpcSettings.from_env(), timeout_s=30) as gossip:
         limit = asyncio.Semaphore(64)
 
         async def one(index: int) -> None:
@@ -191,7 +198,7 @@ def _drive_heartbeats(
 
     async def main() -> int:
         done = 0
-        async with GossipClient(address, timeout_s=30) as gossip:
+        async with GossipClient(address, GrpcSettings.from_env(), timeout_s=30) as gossip:
             stop_at = time.monotonic() + duration_s
 
             async def worker(offset: int) -> None:
@@ -259,13 +266,19 @@ def heartbeat_capacity(
 
 
 def _run_instances(
-    address: str, indices: list[int], interval_s: float, out, stop, ready_at: float
+    address: str,
+    indices: list[int],
+    interval_s: float,
+    out,
+    stop,
+    ready_at: float,
+    deregister: bool,
 ) -> None:
     """One driver process: a `HeartbeatLoop` per instance (each with its own stream), the
     starts spread over one interval; reports when all are registered, then beats."""
 
     async def main() -> None:
-        async with GossipClient(address, timeout_s=30) as gossip:
+        async with GossipClient(address, GrpcSettings.from_env(), timeout_s=30) as gossip:
             beats = [0] * len(indices)
 
             def source(slot: int):
@@ -276,7 +289,13 @@ def _run_instances(
                 return current
 
             loops = [
-                HeartbeatLoop(gossip, registration(index), load=source(slot), interval_s=interval_s)
+                HeartbeatLoop(
+                    gossip,
+                    # A TTL of four intervals, as workers beat (every TTL / 4).
+                    dataclasses.replace(registration(index), heartbeat_ttl_s=4 * interval_s),
+                    load=source(slot),
+                    interval_s=interval_s,
+                )
                 for slot, index in enumerate(indices)
             ]
             limit = asyncio.Semaphore(16)
@@ -284,7 +303,13 @@ def _run_instances(
             async def start(loop: HeartbeatLoop, delay_s: float) -> None:
                 await asyncio.sleep(delay_s)
                 async with limit:
-                    await loop.start()
+                    for attempt in range(3):  # a registry short of CPU answers late
+                        try:
+                            await loop.start()
+                            return
+                        except KvrsError:
+                            if attempt == 2:
+                                raise
 
             await asyncio.gather(
                 *(start(loop, interval_s * i / len(loops) / 4) for i, loop in enumerate(loops))
@@ -293,16 +318,27 @@ def _run_instances(
             while not stop.is_set():
                 await asyncio.sleep(0.1)
             for loop in loops:
-                await loop.stop(deregister=False)
+                await loop.stop(deregister=deregister)
             out.put(("beats", sum(beats)))
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except KvrsError as exc:
+        out.put(("failed", str(exc)))
 
 
 class Cluster:
     """N instances registered and heartbeating from `drivers` processes."""
 
-    def __init__(self, address: str, instances: int, drivers: int, interval_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        instances: int,
+        drivers: int,
+        interval_s: float,
+        deregister: bool = False,
+    ) -> None:
+        """`deregister`: the instances leave when stopped (in someone else's cluster)."""
         ctx = multiprocessing.get_context("spawn")
         self.out = ctx.Queue()
         self.stop_event = ctx.Event()
@@ -317,13 +353,19 @@ class Cluster:
                     self.out,
                     self.stop_event,
                     ready_at,
+                    deregister,
                 ),
             )
             for d in range(drivers)
         ]
         for worker in self.workers:
             worker.start()
-        self.register_s = max(self.out.get(timeout=300)[1] for _ in self.workers)
+        reports = [self.out.get(timeout=300) for _ in self.workers]
+        failed = [detail for kind, detail in reports if kind == "failed"]
+        if failed:
+            self.stop_event.set()
+            raise RuntimeError(f"instances could not register: {failed[0]}")
+        self.register_s = max(seconds for _, seconds in reports)
 
     def stop(self) -> int:
         self.stop_event.set()
@@ -374,7 +416,7 @@ def _select_request() -> scheduler_pb2.SelectDecodeRequest:
 
 async def _wait_view(address: str, decode: int, timeout_s: float = 120.0) -> None:
     await wait_serving(address, timeout_s)
-    channel = open_channel(address, GrpcSettings())
+    channel = open_channel(address, GrpcSettings.from_env())
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
     deadline = time.monotonic() + timeout_s
     try:
@@ -394,7 +436,7 @@ async def _wait_view(address: str, decode: int, timeout_s: float = 120.0) -> Non
 
 async def _probe(address: str, duration_s: float, rate_hz: float) -> dict[str, list[float]]:
     """SelectDecode at `rate_hz` for `duration_s`: view ages and client latencies."""
-    channel = open_channel(address, GrpcSettings())
+    channel = open_channel(address, GrpcSettings.from_env())
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
     ages, latencies = [], []
     try:
@@ -464,6 +506,46 @@ def views(
     return figures
 
 
+def against_cluster(args: argparse.Namespace, decode: int) -> dict:
+    """Registers the instances in a running cluster (`kvrs up`) and probes its schedulers.
+
+    The instances are placement candidates there (with unreachable addresses) until they
+    leave at the end: use a cluster that serves nothing else meanwhile.
+    """
+    cluster = Cluster(args.gossip_addr, args.instances, args.drivers, args.interval_s, True)
+    print(
+        f"registered {args.instances} instances in {args.gossip_addr}, each then beating "
+        f"every {args.interval_s} s, in {cluster.register_s:.1f} s (goal <= 10 s)"
+    )
+    results: dict = {"register_s": cluster.register_s, "schedulers": {}}
+    try:
+
+        async def probe_all() -> list[dict[str, list[float]]]:
+            addresses = args.scheduler_addr
+            await asyncio.gather(*(_wait_view(address, decode) for address in addresses))
+            return await asyncio.gather(
+                *(_probe(address, args.window_s, 20.0) for address in addresses)
+            )
+
+        for address, probe in zip(args.scheduler_addr, asyncio.run(probe_all()), strict=True):
+            figures = {
+                "view_age_p50_s": _quantile(probe["view_age_s"], 0.5),
+                "view_age_p99_s": _quantile(probe["view_age_s"], 0.99),
+                "select_decode_p50_ms": 1e3 * _quantile(probe["latency_s"], 0.5),
+                "select_decode_p99_ms": 1e3 * _quantile(probe["latency_s"], 0.99),
+            }
+            results["schedulers"][address] = figures
+            print(
+                f"  scheduler {address}: view age p50 {figures['view_age_p50_s'] * 1e3:.0f} ms,"
+                f" p99 {figures['view_age_p99_s'] * 1e3:.0f} ms; SelectDecode p50 "
+                f"{figures['select_decode_p50_ms']:.1f} ms, p99 "
+                f"{figures['select_decode_p99_ms']:.1f} ms"
+            )
+    finally:
+        results["steady_beats"] = cluster.stop()
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--instances", type=int, default=4096)
@@ -473,7 +555,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--window-s", type=float, default=8.0, help="each measured window")
     parser.add_argument("--duration-s", type=float, default=4.0, help="each capacity window")
     parser.add_argument("--json", help="also write every figure to this file")
+    parser.add_argument(
+        "--gossip-addr",
+        help="a running cluster's gossip (e.g. kvrs up's): register the instances there "
+        "and probe --scheduler-addr instead of starting processes",
+    )
+    parser.add_argument("--scheduler-addr", action="append", default=[])
     args = parser.parse_args(argv)
+    if args.gossip_addr and not args.scheduler_addr:
+        parser.error("--gossip-addr needs at least one --scheduler-addr")
 
     decode = sum(1 for i in range(args.instances) if registration(i).role == "decode")
     load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -488,6 +578,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
     }
+    if args.gossip_addr:
+        results["cluster"] = against_cluster(args, decode)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return results
     with tempfile.TemporaryDirectory(prefix="kvrs-bench-scale-") as tmp:
         procs = Processes(Path(tmp))
         try:

@@ -13,13 +13,14 @@ many services names all of them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
 from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
-from services.common.gossip_records import ALIVE, ROLES
+from services.common.gossip_records import ALIVE, ROLES, NodeRecord
 from services.common.metrics import Metrics
 from services.gossip import convert
 from services.gossip.store import GossipStore
@@ -135,22 +136,26 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         await self._store.report_link(convert.link_sample_from_pb(request))
         return gossip_pb2.ReportLinkSampleResponse()
 
+    def _count_alive(self, records: Iterable[NodeRecord]) -> None:
+        """Sets the alive gauge from a full listing: every view makes one at start and
+        every resync, so the gauge stays fresh without a listing of its own."""
+        alive = Counter(r.registration.role for r in records if r.state == ALIVE)
+        for role in ROLES:
+            self._metrics.instances_alive.labels(role=role).set(alive[role])
+
     async def ListNodes(self, request, context: grpc.aio.ServicerContext):
         role = convert.role_from_pb(request.role) or None
         records, now_ms = await self._store.list_nodes(role, request.include_down)
         if role is None:
-            # Every scheduler and router lists everything several times a second: the
-            # gauge stays fresh without a listing of its own.
-            for each in ROLES:
-                self._metrics.instances_alive.labels(role=each).set(
-                    sum(1 for r in records if r.state == ALIVE and r.registration.role == each)
-                )
+            self._count_alive(records)
         return gossip_pb2.ListNodesResponse(
             nodes=[convert.node_to_pb(record) for record in records], server_unix_ms=now_ms
         )
 
     async def ListChanges(self, request, context: grpc.aio.ServicerContext):
         listing = await self._store.list_changes(request.after_change_id)
+        if listing.full:
+            self._count_alive(listing.nodes)
         return gossip_pb2.ListChangesResponse(
             nodes=[convert.node_to_pb(record) for record in listing.nodes],
             change_id=listing.change_id,
