@@ -354,20 +354,24 @@ class SlotStore:
             raise InvalidArgument("dst_instance_id", "must differ from src_instance_id")
         ttl_ms = self._ttl_ms(ttl_s)
         link = json.dumps([src_instance_id, dst_instance_id])
-        reply = await self._reserve(
-            keys=self._keys,
-            args=[
-                self._prefix,
-                request_id,
-                holder_id,
-                src_instance_id,
-                dst_instance_id,
-                link,
-                ttl_ms,
-                uuid.uuid4().hex,
-            ],
-        )
+        args = [
+            self._prefix,
+            request_id,
+            holder_id,
+            src_instance_id,
+            dst_instance_id,
+            link,
+            ttl_ms,
+            uuid.uuid4().hex,
+        ]
+        reply = await self._reserve(keys=self._keys, args=args)
         status = _text(reply[0])
+        if status == "nopolicy" and self.policy is not None:
+            # The caps are gone (Redis restarted empty): the broker that owns them puts
+            # them back, and this reservation is held to them like every other.
+            await self.publish_policy()
+            reply = await self._reserve(keys=self._keys, args=args)
+            status = _text(reply[0])
         if status == "nopolicy":
             raise NoSlotPolicy(
                 "no slot policy is published yet (the slot broker publishes it when it starts)"
@@ -424,8 +428,13 @@ class SlotStore:
         )
 
     async def purge(self) -> int:
-        """Drops expired leases now; returns how many."""
-        in_use, _, _, purged, _, _ = await self._stats(keys=self._keys, args=[self._prefix])
+        """Drops expired leases now; returns how many. Puts this store's caps back if they
+        are gone (Redis restarted empty), so that direct reservations resume too."""
+        in_use, _, _, purged, cluster_cap, _ = await self._stats(
+            keys=self._keys, args=[self._prefix]
+        )
+        if not int(cluster_cap) and self.policy is not None:
+            await self.publish_policy()
         self._count("expired", int(in_use), int(purged))
         return int(purged)
 

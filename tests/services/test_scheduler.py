@@ -542,6 +542,33 @@ async def test_two_replicas_reserving_in_redis_keep_the_cap_exact(plane):
     assert await plane.slots_in_use() == 0
 
 
+async def test_a_replica_reserving_in_redis_asks_the_broker_while_the_caps_are_gone(plane):
+    """Without the broker's caps in Redis (Redis restarted empty) there is no cap to hold a
+    direct reservation to: the replica asks the broker, which puts them back."""
+    await plane.register()
+    client = redis_async.Redis.from_url(plane.redis_url)
+    try:
+        assert await client.delete(f"{plane.redis_prefix}slots:policy") == 1
+    finally:
+        await client.aclose()
+    stub = await plane.scheduler(
+        slot_reservations="redis", redis_url=plane.redis_url, redis_prefix=plane.redis_prefix
+    )
+    reply = await stub.Recover(recover("req-unpublished"), timeout=5)
+    assert reply.action == MIGRATE and reply.slot_lease.lease_id, reply.reason
+    assert await plane.slots_in_use() == 1
+
+    def reserve_rpcs() -> int:
+        return sum("ReserveSlot" in span.name for span in plane.exporter.get_finished_spans())
+
+    assert reserve_rpcs() >= 1, "the broker granted it"
+    # The broker put its caps back on the way: the next reservation takes the one hop.
+    asked = reserve_rpcs()
+    again = await stub.Recover(recover("req-republished"), timeout=5)
+    assert again.action == MIGRATE and again.slot_lease.lease_id, again.reason
+    assert reserve_rpcs() == asked and await plane.slots_in_use() == 2
+
+
 async def test_concurrent_retries_of_one_recover_share_one_decision(plane):
     await plane.register()
     stub = await plane.scheduler()

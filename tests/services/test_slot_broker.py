@@ -255,6 +255,24 @@ async def test_sweeper_returns_slots_without_any_call(redis_url, redis_prefix):
         await broker.close()
 
 
+async def test_the_broker_puts_its_caps_back_when_redis_lost_them(redis_url, redis_prefix):
+    broker = Broker(
+        await start_broker(redis_url, redis_prefix, cluster_cap=5, purge_interval_s=0.05)
+    )
+    client = redis_async.Redis.from_url(redis_url)
+    policy_key = f"{redis_prefix}slots:policy"
+    try:
+        assert int(await client.hget(policy_key, "cluster_cap")) == 5
+        await client.delete(policy_key)
+        await asyncio.sleep(0.3)
+        assert int(await client.hget(policy_key, "cluster_cap")) == 5, "the sweeper restores it"
+        await client.delete(policy_key)
+        assert (await broker.reserve("m0")).cluster_cap == 5, "a reservation restores it too"
+    finally:
+        await client.aclose()
+        await broker.close()
+
+
 async def test_two_brokers_share_one_cap(redis_url, redis_prefix):
     first = Broker(await start_broker(redis_url, redis_prefix, cluster_cap=2))
     second = Broker(await start_broker(redis_url, redis_prefix, cluster_cap=2))
