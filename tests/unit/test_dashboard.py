@@ -30,6 +30,7 @@ REQUIRED_METRICS = {
     "kvrs_decisions_total",
     "kvrs_recovery_actual_seconds_count",
     "kvrs_recovery_predicted_seconds_sum",
+    "kvrs_prediction_error_bucket",
     "kvrs_telemetry_age_seconds",
     "kvrs_transfer_bytes_total",
     "kvrs_transfer_rate_bps_bucket",
