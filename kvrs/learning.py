@@ -10,6 +10,7 @@ and reports an `Outcome`. `fit` turns a window of outcomes into `Corrections`:
                   cannot separate the two, decisions move KV of many sizes)
     compute       measured / predicted seconds of the forward passes (prefill and extend;
                   median ratio), which scales the compute profile
+    worker wait   a worker's queue wait (and call overhead) beyond the W(x) it reported
     interference  extra queue wait per request decoding on the target (median)
     error         the relative error of each decision kind, which decisions must beat
 
@@ -264,6 +265,8 @@ class Corrections:
     """Measured / predicted seconds of a forward pass (prefill or extend)."""
     wait_per_decode_s: float = 0.0
     """Queue wait a target adds per request it is decoding (interference)."""
+    worker_wait_s: Mapping[str, float] = field(default_factory=dict)
+    """instance id -> queue wait (and call overhead) it adds beyond its reported W(x)."""
     errors: Mapping[tuple[str, str], ErrorStats] = field(default_factory=dict)
     """(kind, term) -> error statistics of the predictions as they were made."""
     samples: int = 0
@@ -302,6 +305,7 @@ class Corrections:
             tuple(sorted((k, v.fixed_s, v.bandwidth_bps) for k, v in self.links.items())),
             self.compute_factor,
             self.wait_per_decode_s,
+            tuple(sorted(self.worker_wait_s.items())),
             tuple(sorted((k, v.p90) for k, v in self.errors.items() if k[1] == "total_s")),
         )
 
@@ -411,22 +415,46 @@ def fit(
         if o.extend_tokens
     ]
     compute_factor = _ratio(passes, config)
-    # Interference: a placement's wait for its first decode step beyond W(d), per request
-    # decoding there (recoveries also queue behind each other, which is not interference).
-    excess = [
-        max(0.0, o.measured.target_wait_s - o.predicted.target_wait_s) / o.target_running
+    # A worker's own excess wait: where it computed with no decode stream beside it.
+    excess_by_worker: dict[str, list[float]] = {}
+    for o in recent:
+        if o.kind == "recompute" and o.source_id:
+            excess_by_worker.setdefault(o.source_id, []).append(
+                o.measured.source_wait_s - o.predicted.source_wait_s
+            )
+        if o.target_running == 0 and o.target_id and o.extend_tokens:
+            excess_by_worker.setdefault(o.target_id, []).append(
+                o.measured.target_wait_s - o.predicted.target_wait_s
+            )
+    worker_wait_s = {
+        worker: _clip(_median(values), 0.0, config.max_fixed_s)
+        for worker, values in excess_by_worker.items()
+        if len(values) >= config.min_samples
+    }
+    # Interference: a placement's wait for its first decode step beyond W(d) and the
+    # worker's own excess, per request decoding there (recoveries also queue behind each
+    # other, which is not interference).
+    per_decode = [
+        max(
+            0.0,
+            o.measured.target_wait_s
+            - o.predicted.target_wait_s
+            - worker_wait_s.get(o.target_id, 0.0),
+        )
+        / o.target_running
         for o in recent
         if o.target_running > 0 and o.kind == "placement"
     ]
     wait_per_decode_s = (
-        _clip(_median(excess), 0.0, config.max_fixed_s)
-        if len(excess) >= config.min_samples
+        _clip(_median(per_decode), 0.0, config.max_fixed_s)
+        if len(per_decode) >= config.min_samples
         else 0.0
     )
     return Corrections(
         links=links,
         compute_factor=compute_factor,
         wait_per_decode_s=wait_per_decode_s,
+        worker_wait_s=worker_wait_s,
         errors=error_stats(recent, config.error_window),
         samples=len(recent),
     )

@@ -405,6 +405,7 @@ def _predictions(reply: Any) -> dict[str, Any]:
         "samples": reply.samples,
         "compute_factor": reply.compute_factor,
         "wait_per_decode_s": reply.wait_per_decode_s,
+        "worker_wait_s": dict(reply.worker_wait_s),
         "links": [
             {
                 "src_instance_id": link.src_instance_id,
@@ -432,6 +433,8 @@ def _render_predictions(report: dict[str, Any]) -> list[str]:
         f"{predictions['compute_factor']:.2f}, decode interference "
         f"{predictions['wait_per_decode_s'] * 1000:.2f} ms per decoding request"
     )
+    for worker, wait_s in sorted(predictions["worker_wait_s"].items()):
+        parts.append(f"  {worker} waits {wait_s * 1000:.2f} ms beyond its reported queue")
     rows = [
         [
             e["kind"],

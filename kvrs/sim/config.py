@@ -213,8 +213,15 @@ class RecoverySpec:
     deadline_s: float | None = None  # resume within this long after the failure
     detection_s: float = 0.0  # failure to recovery decision
     network_view: str = "live"
+    margins: Mapping[str, float] = field(default_factory=dict)
+    """Measured relative error per recovery action (`kvrs.learning.Corrections.margins`,
+    e.g. fitted from an earlier run's outcomes): decisions keep MIGRATE unless another
+    option beats it by more than its error, and check deadlines against the upper end."""
 
     def __post_init__(self) -> None:
+        for action, margin in self.margins.items():
+            if not (isinstance(margin, (int, float)) and 0.0 <= margin < math.inf):
+                raise InvalidArgument(f"recovery.margins.{action}", "must be a number >= 0")
         if self.planner not in RECOVERY_PLANNERS:
             raise InvalidArgument("recovery.planner", f"one of {RECOVERY_PLANNERS}")
         if self.network_view not in NETWORK_VIEWS:

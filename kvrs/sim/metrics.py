@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvrs.errors import InvalidArgument
+from kvrs.learning import KINDS, Outcome, Terms
 
 TTFT_MODES = ("first_token", "prefill_end")
 SLO_MODES = ("ttft", "ttft+tbt", "ttft+tpot")
@@ -301,3 +302,29 @@ def goodput_by_bisection(
         else:
             high_rate = middle
     return low_rate, probes
+
+
+def recovery_outcomes(records: Iterable[RequestRecord]) -> list[Outcome]:
+    """Every completed recovery of a run as a `kvrs.learning.Outcome`: the decision's
+    predicted time against the simulated failure → KV restored (detection included, as
+    a router measures from the failure it noticed), so a run's outcomes can be fitted
+    (`kvrs.learning.fit`) and replayed into the next run's decisions."""
+    outcomes = []
+    for record in records:
+        for i, recovery in enumerate(record.recoveries):
+            if math.isnan(recovery.restored_s) or math.isnan(recovery.predicted_s):
+                continue
+            if recovery.action not in KINDS:
+                continue
+            outcomes.append(
+                Outcome(
+                    kind=recovery.action,
+                    request_id=f"{record.index}.{i}",
+                    source_id=record.prefill_id,
+                    target_id=recovery.target_id,
+                    at_s=recovery.started_s,
+                    predicted=Terms(total_s=max(0.0, recovery.predicted_s)),
+                    measured=Terms(total_s=max(0.0, recovery.restore_s)),
+                )
+            )
+    return outcomes

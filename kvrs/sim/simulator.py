@@ -313,7 +313,9 @@ class Simulator:
         network = self.telemetry.network(network_view)
         cost = self._costs.get(network_view)
         if cost is None:
-            cost = self._costs[network_view] = CostModel(self.model, self.compute, network)
+            cost = self._costs[network_view] = CostModel(
+                self.model, self.compute, network, margins=self.config.recovery.margins
+            )
         return cost
 
     # -- arrival and prefill -------------------------------------------------------------

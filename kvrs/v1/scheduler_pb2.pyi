@@ -277,15 +277,24 @@ class TermError(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., term: _Optional[str] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class GetCorrectionsResponse(_message.Message):
-    __slots__ = ("links", "compute_factor", "wait_per_decode_s", "errors", "samples")
+    __slots__ = ("links", "compute_factor", "wait_per_decode_s", "errors", "samples", "worker_wait_s")
+    class WorkerWaitSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     LINKS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
     WAIT_PER_DECODE_S_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     links: _containers.RepeatedCompositeFieldContainer[LinkCorrection]
     compute_factor: float
     wait_per_decode_s: float
     errors: _containers.RepeatedCompositeFieldContainer[TermError]
     samples: int
-    def __init__(self, links: _Optional[_Iterable[_Union[LinkCorrection, _Mapping]]] = ..., compute_factor: _Optional[float] = ..., wait_per_decode_s: _Optional[float] = ..., errors: _Optional[_Iterable[_Union[TermError, _Mapping]]] = ..., samples: _Optional[int] = ...) -> None: ...
+    worker_wait_s: _containers.ScalarMap[str, float]
+    def __init__(self, links: _Optional[_Iterable[_Union[LinkCorrection, _Mapping]]] = ..., compute_factor: _Optional[float] = ..., wait_per_decode_s: _Optional[float] = ..., errors: _Optional[_Iterable[_Union[TermError, _Mapping]]] = ..., samples: _Optional[int] = ..., worker_wait_s: _Optional[_Mapping[str, float]] = ...) -> None: ...

@@ -386,7 +386,7 @@ class ViewCache:
         self, node: NodeRecord, corrections: Corrections, now_s: float
     ) -> InstanceState:
         registration, load = node.registration, node.load
-        wait_s = load.queued_work_s
+        wait_s = load.queued_work_s + corrections.worker_wait_s.get(registration.instance_id, 0.0)
         if registration.role == Role.DECODE.value:
             wait_s += corrections.wait_per_decode_s * load.running_requests
         if self.assigned is not None:

@@ -151,4 +151,5 @@ def corrections_to_pb(corrections: Corrections) -> scheduler_pb2.GetCorrectionsR
             for (kind, term), stats in sorted(corrections.errors.items())
         ],
         samples=corrections.samples,
+        worker_wait_s=dict(corrections.worker_wait_s),
     )

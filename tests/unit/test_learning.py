@@ -239,3 +239,42 @@ def test_margins_need_enough_outcomes_and_are_capped() -> None:
     assert corrections.margins(cap=0.5) == {"hybrid": 0.5}
     assert fit(outcomes[:2], BASE, NOW_S).margins() == {}
     assert Corrections().margins() == {}
+
+
+def test_a_workers_wait_beyond_its_reported_queue_is_its_own_correction() -> None:
+    outcomes = [
+        dataclasses.replace(
+            prefill(100 * i, factor=1.0),
+            predicted=Terms(source_wait_s=0.01, prefill_s=BASE.prefill_s(100 * i)),
+            measured=Terms(source_wait_s=0.03, prefill_s=BASE.prefill_s(100 * i)),
+        )
+        for i in range(1, 5)
+    ]
+    corrections = fit(outcomes, BASE, NOW_S)
+    assert corrections.worker_wait_s == {"p0": pytest.approx(0.02)}
+    assert corrections.compute_factor == pytest.approx(1.0)
+    assert corrections.wait_per_decode_s == 0.0 and corrections.links == {}
+
+
+def test_a_simulated_runs_recoveries_replay_into_the_next_runs_margins() -> None:
+    from kvrs.sim.config import SimConfig
+    from kvrs.sim.metrics import RecoveryRecord, RequestRecord, recovery_outcomes
+
+    records = []
+    for i, restored_s in enumerate((1.2, 1.5, 2.0, 1.1)):
+        record = RequestRecord(i, 0.0, 1000, 100)
+        record.recoveries.append(
+            RecoveryRecord("hybrid", started_s=10.0, restored_s=10.0 + restored_s, predicted_s=1.0)
+        )
+        records.append(record)
+    unfinished = RequestRecord(9, 0.0, 1000, 100)
+    unfinished.recoveries.append(RecoveryRecord("migrate", started_s=10.0, predicted_s=1.0))
+    outcomes = recovery_outcomes([*records, unfinished])
+    assert [o.kind for o in outcomes] == ["hybrid"] * 4
+    margins = fit(outcomes, BASE, 10.0).margins()
+    assert set(margins) == {"hybrid"} and 0.4 < margins["hybrid"] < 0.5
+    config = SimConfig.from_dict({"recovery": {"margins": margins}})
+    assert config.recovery.margins == margins
+    with pytest.raises(InvalidArgument) as raised:
+        SimConfig.from_dict({"recovery": {"margins": {"hybrid": -1.0}}})
+    assert raised.value.field == "recovery.margins.hybrid"

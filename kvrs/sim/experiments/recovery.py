@@ -17,12 +17,14 @@ from typing import Any
 
 from kvrs.cluster import ClusterView, InstanceState
 from kvrs.costmodel import CostModel
+from kvrs.learning import error_stats, fit
 from kvrs.model import model_spec
 from kvrs.network import NetworkModel
 from kvrs.recovery import Action, RecoveryRequest, make_recovery_policy
 from kvrs.sim.config import SimConfig
 from kvrs.sim.experiments.common import Output, deep_merge, md_table, run, sim_config, summary_row
 from kvrs.sim.experiments.rom import GOODPUT_DEFAULTS, two_node_topology
+from kvrs.sim.metrics import recovery_outcomes
 from kvrs.sim.trace import SyntheticWorkload, TraceRequest
 from kvrs.topology import Role, Topology
 
@@ -62,6 +64,13 @@ DEFAULTS: dict[str, Any] = {
             {"name": "kvrs per request", "policy": "kvrs", "planner": "per_request"},
             {"name": "rom batch", "policy": "rom", "planner": "batch"},
             {"name": "kvrs batch plan", "policy": "kvrs", "planner": "batch"},
+            # The same plan deciding with the error the previous run measured in view.
+            {
+                "name": "kvrs batch plan, error in view",
+                "policy": "kvrs",
+                "planner": "batch",
+                "margins_from": "kvrs batch plan",
+            },
         ],
         "placement": {"name": "kvrs", "policy": "netkv", "network_view": "live"},
     },
@@ -189,19 +198,28 @@ def _single(p: dict[str, Any], show_progress: bool) -> dict[str, Any]:
 def _node_failure(p: dict[str, Any], show_progress: bool) -> dict[str, Any]:
     requests = SyntheticWorkload(**p["workload"]).generate()
     results = []
+    outcomes: dict[str, list] = {}
     for variant in p["variants"]:
+        recovery: dict[str, Any] = {"policy": variant["policy"], "planner": variant["planner"]}
+        margins: dict[str, float] = {}
+        if variant.get("margins_from"):
+            # Replay the earlier run's outcomes: the margins it measured, as a scheduler
+            # fits them from the outcomes routers report.
+            earlier = outcomes[variant["margins_from"]]
+            base = sim_config(p["sim"]).serving.compute()
+            now_s = max((o.at_s for o in earlier), default=0.0)
+            margins = recovery["margins"] = fit(earlier, base, now_s).margins()
         config = sim_config(
             deep_merge(
                 p["sim"],
-                {
-                    "failures": [{"at_s": p["fail_at_s"], "node": p["node"]}],
-                    "recovery": {"policy": variant["policy"], "planner": variant["planner"]},
-                },
+                {"failures": [{"at_s": p["fail_at_s"], "node": p["node"]}], "recovery": recovery},
             )
         )
         result = run(
             config, requests, p["placement"], label=variant["name"], show_progress=show_progress
         )
+        outcomes[variant["name"]] = recovery_outcomes(result.records)
+        errors = error_stats(outcomes[variant["name"]], last_n=len(result.records))
         recovered = [r for r in result.records if r.recoveries]
         latencies = sorted(
             r.recoveries[0].latency_s
@@ -226,6 +244,12 @@ def _node_failure(p: dict[str, Any], show_progress: bool) -> dict[str, Any]:
                     "max": latencies[-1] if latencies else math.nan,
                 },
                 "batches": result.recovery_batches,
+                "margins": margins,
+                "prediction_error": {
+                    kind: {"p50": stats.p50, "p90": stats.p90, "n": stats.samples}
+                    for (kind, term), stats in errors.items()
+                    if term == "total_s"
+                },
             }
         )
     return {"results": results}
@@ -324,6 +348,11 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
             r["summary"]["aborted"],
             r["summary"]["lost"],
             max((b["plan_wall_s"] for b in r["batches"]), default=math.nan) * 1e3,
+            ", ".join(
+                f"{kind} {100 * e['p50']:.0f}/{100 * e['p90']:.0f}"
+                for kind, e in sorted(r["prediction_error"].items())
+            ),
+            ", ".join(f"{k} {100 * v:.0f} %" for k, v in sorted(r["margins"].items())) or "-",
         ]
         for r in node["results"]
     ]
@@ -347,6 +376,8 @@ def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = 
                         "aborted",
                         "lost",
                         "plan wall (ms)",
+                        "prediction error p50/p90 (%)",
+                        "margins decided with",
                     ],
                     node_rows,
                 ),
