@@ -111,6 +111,8 @@ def recovery_terms(
     MIGRATE  W(d) + [rtt + 8·S(L)/B] + T_ext(L, g)
     HYBRID   W(d) + max(T_pf(k), rtt + 8·S(L − k)/B) + T_ext(L, g)
     RECOMPUTE W(p') + T_pf(L + g) + [rtt + 8·S(L + g)/B]
+
+    The first token after it is predicted at KV ready: the extend already computed it.
     """
     option = chosen_option(decision)
     if option is None:
@@ -127,6 +129,7 @@ def recovery_terms(
             stream_s=stream_s,
             prefill_s=option.compute_s,
             total_s=option.cost_s,
+            first_token_s=option.cost_s,
         )
     prefill_s = cost.prefill_s(option.split_tokens) if option.action is Action.HYBRID else 0.0
     return Terms(
@@ -136,6 +139,7 @@ def recovery_terms(
         prefill_s=prefill_s,
         extend_s=max(0.0, option.compute_s - prefill_s),
         total_s=option.cost_s,
+        first_token_s=option.cost_s,
     )
 
 
@@ -151,6 +155,7 @@ def placement_terms(placement: Placement, prompt_tokens: int, cost: CostModel) -
         stream_s=transfer.transfer_s - setup_s,
         extend_s=extend_s,
         total_s=placement.predicted_ttft_s + extend_s,
+        first_token_s=placement.predicted_ttft_s + extend_s,
     )
 
 

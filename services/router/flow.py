@@ -623,7 +623,7 @@ class Router:
         run.awaiting = None
         now_s = time.monotonic()
         first_token_s = now_s - awaiting.started_s
-        predicted = _with(awaiting.predicted, first_token_s=awaiting.predicted.total_s)
+        predicted = awaiting.predicted
         if awaiting.kind == "placement":
             # The decode instance fed the first token as an extend: its wait and compute.
             measured = _with(
