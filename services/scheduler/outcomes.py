@@ -126,6 +126,12 @@ class Learning:
             self._failing = True
 
 
+CLOSE_TIMEOUT_S = 2.0
+"""How long shutdown waits for the Redis client to close (a connection whose reader was
+cancelled mid-reply may never answer)."""
+
+
 async def close_quietly(client: redis_async.Redis) -> None:
-    with contextlib.suppress(RedisError, OSError):
-        await client.aclose()
+    with contextlib.suppress(RedisError, OSError, TimeoutError):
+        async with asyncio.timeout(CLOSE_TIMEOUT_S):
+            await client.aclose()

@@ -9,8 +9,11 @@ import math
 
 import grpc
 import pytest
+import redis.asyncio as redis_async
 
-from kvrs.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvrs.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common.redis_store import Keys
+from services.scheduler.outcomes import OutcomeLog
 from tests.services.router_plane import Plane
 from tests.tiny_reference import reference
 
@@ -278,14 +281,14 @@ def _count(histogram, **labels) -> float:
 async def test_a_recoverys_measured_terms_reach_the_span_the_metrics_and_the_store(plane):
     request = generate(
         "r-measured",
-        max_new_tokens=600,
+        max_new_tokens=1500,
         decode_instance_id="decode-0",
         recovery_policy="always_migrate",
     )
     (task,) = await start_streams(plane, [request], min_tokens=5)
     await plane.gossip.deregister("decode-0", "operator drained it")
     tokens, summary, error = await task
-    assert error is None and tokens == reference(PROMPT, 600)
+    assert error is None and tokens == reference(PROMPT, 1500)
     (recovery,) = summary.recoveries
     assert recovery.action == common_pb2.RECOVERY_ACTION_MIGRATE and recovery.succeeded
     predicted, measured = recovery.predicted_terms, recovery.measured_terms
@@ -311,17 +314,28 @@ async def test_a_recoverys_measured_terms_reach_the_span_the_metrics_and_the_sto
     assert _count(metrics.prediction_error, kind="migrate", term="total_s") == 1
     assert _count(metrics.prediction_ratio, kind="migrate", term="extend_s") == 1
     assert _count(metrics.prediction_error, kind="placement", term="total_s") == 1
-    # The store every scheduler replica reads, and the corrections fitted from it.
-    learning = plane.handles["scheduler"].learning
-    deadline = asyncio.get_running_loop().time() + 5.0
-    while True:
-        stored = await learning.store.read()
-        if len(stored) >= 2 or asyncio.get_running_loop().time() > deadline:
-            break
-        await asyncio.sleep(0.05)
-    by_kind = {o.kind: o for o in stored if o.request_id == "r-measured"}
+    # The store every scheduler replica reads, as another replica would read it, and the
+    # corrections the scheduler fitted from it.
+    client = redis_async.Redis.from_url(plane.redis_url)
+    try:
+        log = OutcomeLog(client, Keys(plane.redis_prefix), capacity=64)
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while True:
+            stored = [o for o in await log.read() if o.request_id == "r-measured"]
+            if len(stored) >= 2 or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
+    by_kind = {o.kind: o for o in stored}
     assert set(by_kind) == {"placement", "migrate"}
     assert by_kind["migrate"].measured.total_s == pytest.approx(recovery.measured_s)
     assert by_kind["migrate"].kv_bytes == summary.kv_bytes
-    await learning.refresh()
-    assert ("migrate", "total_s") in learning.corrections.errors
+    stub = scheduler_pb2_grpc.SchedulerServiceStub(plane.channel("scheduler"))
+    for _ in range(50):
+        corrections = await stub.GetCorrections(scheduler_pb2.GetCorrectionsRequest(), timeout=5)
+        fitted = {(e.kind, e.term) for e in corrections.errors}
+        if ("migrate", "total_s") in fitted:
+            break
+        await asyncio.sleep(0.05)
+    assert ("migrate", "total_s") in fitted
