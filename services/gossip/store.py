@@ -164,57 +164,67 @@ return redis.call('HGETALL', node)
 """
 )
 
-# KEYS: live, events, changes. ARGV: common, id, load field/value pairs (possibly none)...
-# Returns {expiry} or {-1} (unknown) or {-2, state} (not alive: re-register). Appends to
-# the change stream only when a written value differs from the stored one.
+# KEYS: live, events, changes. ARGV: common, then per heartbeat: id, n, and n strings of
+# load field/value pairs (n may be 0). Returns one reply per heartbeat: {expiry}, {-1}
+# (unknown) or {-2, state} (not alive: re-register). A whole batch is one script, so it
+# costs one round trip and touches one slot. Appends to the change stream only when a
+# written value differs from the stored one.
 _HEARTBEAT = (
     _LUA_COMMON
     + """
-local id = ARGV[5]
-local node = ARGV[1] .. id
 local now = now_ms()
-local state = redis.call('HGET', node, 'state')
-if not state then
-  return {-1}
-end
-if state ~= 'alive' and state ~= 'suspect' then
-  return {-2, state}
-end
--- Late but before the sweep saw it: an alive instance is only late (unless it has no
--- confirmation window); a suspect one past its confirmation deadline is dead.
-if expired(id, now) and (state == 'suspect' or confirm_ms(node) <= 0) then
-  fail(id, now)
-  return {-2, 'failed'}
-end
-if state == 'suspect' then
-  local suspected = tonumber(redis.call('HGET', node, 'suspect_unix_ms')) or now
-  redis.call('HSET', node, 'state', 'alive')
-  redis.call('HDEL', node, 'suspect_unix_ms')
-  changed(id)
-  emit('refuted', id, node, now,
-    'heartbeat ' .. ((now - suspected) / 1000) .. ' s after the suspicion')
-end
-if #ARGV > 5 then
-  local names, values = {}, {}
-  for i = 6, #ARGV, 2 do
-    names[#names + 1] = ARGV[i]
-    values[#values + 1] = ARGV[i + 1]
+local function beat(id, first, last)
+  local node = ARGV[1] .. id
+  local state = redis.call('HGET', node, 'state')
+  if not state then
+    return {-1}
   end
-  local stored = redis.call('HMGET', node, unpack(names))
-  for i = 1, #names do
-    if stored[i] ~= values[i] then
-      changed(id)
-      break
+  if state ~= 'alive' and state ~= 'suspect' then
+    return {-2, state}
+  end
+  -- Late but before the sweep saw it: an alive instance is only late (unless it has no
+  -- confirmation window); a suspect one past its confirmation deadline is dead.
+  if expired(id, now) and (state == 'suspect' or confirm_ms(node) <= 0) then
+    fail(id, now)
+    return {-2, 'failed'}
+  end
+  if state == 'suspect' then
+    local suspected = tonumber(redis.call('HGET', node, 'suspect_unix_ms')) or now
+    redis.call('HSET', node, 'state', 'alive')
+    redis.call('HDEL', node, 'suspect_unix_ms')
+    changed(id)
+    emit('refuted', id, node, now,
+      'heartbeat ' .. ((now - suspected) / 1000) .. ' s after the suspicion')
+  end
+  if last >= first then
+    local names, values, fields = {}, {}, {}
+    for i = first, last, 2 do
+      names[#names + 1] = ARGV[i]
+      values[#values + 1] = ARGV[i + 1]
+      fields[#fields + 1] = ARGV[i]
+      fields[#fields + 1] = ARGV[i + 1]
     end
+    local stored = redis.call('HMGET', node, unpack(names))
+    for i = 1, #names do
+      if stored[i] ~= values[i] then
+        changed(id)
+        break
+      end
+    end
+    redis.call('HSET', node, unpack(fields))
   end
-  local fields = {}
-  for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
-  redis.call('HSET', node, unpack(fields))
+  redis.call('HSET', node, 'last_seen_unix_ms', now)
+  local expiry = now + tonumber(redis.call('HGET', node, 'ttl_ms'))
+  redis.call('ZADD', KEYS[1], expiry, id)
+  return {expiry}
 end
-redis.call('HSET', node, 'last_seen_unix_ms', now)
-local expiry = now + tonumber(redis.call('HGET', node, 'ttl_ms'))
-redis.call('ZADD', KEYS[1], expiry, id)
-return {expiry}
+local replies, i = {}, 5
+while i <= #ARGV do
+  local id, n = ARGV[i], tonumber(ARGV[i + 1])
+  replies[#replies + 1] = beat(id, i + 2, i + 1 + n)
+  i = i + 2 + n
+end
+return replies
 """
 )
 
@@ -357,6 +367,8 @@ _LOAD_FIELDS = ("queue_depth", "queued_work_s", "running_requests", "free_kv_blo
 SWEEP_BATCH = 500
 PROBE_TIMEOUT_S = 0.5
 """How long the direct probe of a suspect instance waits for its listener to accept."""
+HEARTBEAT_BATCH_MAX = 256
+"""Most heartbeats one script call records: Redis runs nothing else meanwhile."""
 CHANGES_READ_MAX = 20_000
 """More change entries than this since a reader's id: a full listing costs less."""
 
@@ -494,7 +506,7 @@ class GossipStore:
         self._resume_pending = True
         """Whether expiries need a fresh TTL before they are trusted (see module doc)."""
         self._beats: list[tuple[list, asyncio.Future]] = []
-        """Heartbeats waiting for the next pipeline (see `_flush_beats`)."""
+        """Heartbeats waiting for the next script call (see `_flush_beats`)."""
         self._flushing: asyncio.Task | None = None
 
     @contextlib.asynccontextmanager
@@ -556,7 +568,7 @@ class GossipStore:
         if not prefix_hashes_unchanged:
             pairs += ["resident_prefix_hashes", json.dumps(list(load.resident_prefix_hashes))]
         beat: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._beats.append(([*self._common, instance_id, *pairs], beat))
+        self._beats.append(([instance_id, str(len(pairs)), *pairs], beat))
         if self._flushing is None:
             self._flushing = asyncio.create_task(self._flush_beats())
         reply = await beat
@@ -570,34 +582,29 @@ class GossipStore:
         return code
 
     async def _flush_beats(self) -> None:
-        """Sends every heartbeat waiting, as one pipeline, until none is left.
+        """Sends every heartbeat waiting, as one script call, until none is left.
 
-        Heartbeats that arrive while a pipeline is in flight wait for the next one: under
+        Heartbeats that arrive while a call is in flight wait for the next one: under
         load many beats share one round trip (and one connection), and an idle registry
         answers a lone beat at once.
         """
         try:
             while self._beats:
-                batch, self._beats = self._beats, []
+                batch = self._beats[:HEARTBEAT_BATCH_MAX]
+                self._beats = self._beats[HEARTBEAT_BATCH_MAX:]
                 try:
                     async with self._redis_call(trusts_expiries=True):
-                        async with self._redis.pipeline(transaction=False) as pipe:
-                            for args, _ in batch:
-                                await self._heartbeat(
-                                    keys=self._script_keys, args=args, client=pipe
-                                )
-                            replies = await pipe.execute(raise_on_error=False)
+                        replies = await self._heartbeat(
+                            keys=self._script_keys,
+                            args=[*self._common, *(arg for args, _ in batch for arg in args)],
+                        )
                 except Exception as exc:  # noqa: BLE001 - every waiting beat gets the error
                     for _, beat in batch:
                         if not beat.done():
                             beat.set_exception(exc)
                     continue
                 for (_, beat), reply in zip(batch, replies, strict=True):
-                    if beat.done():
-                        continue
-                    if isinstance(reply, Exception):
-                        beat.set_exception(reply)
-                    else:
+                    if not beat.done():
                         beat.set_result(reply)
         finally:
             self._flushing = None
