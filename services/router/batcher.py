@@ -17,19 +17,17 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvrs.errors import Unavailable
-from services.router.peers import RecoverItem
+from kvrs.recovery import RecoveryRequest
 from services.router.records import Decision
 
 log = logging.getLogger(__name__)
 
 
 class Planner(Protocol):
-    async def recover(
-        self, item: RecoverItem, failed_id: str, policy: str, exclude_ids: Sequence[str] = ()
-    ) -> Decision: ...
+    async def recover(self, request: RecoveryRequest, failed_id: str, policy: str) -> Decision: ...
 
     async def recover_batch(
-        self, items: Sequence[RecoverItem], failed_id: str, policy: str
+        self, requests: Sequence[RecoveryRequest], failed_id: str, policy: str
     ) -> list[Decision]: ...
 
 
@@ -38,7 +36,7 @@ class _Group:
     failed_id: str
     policy: str
     expected: int
-    items: list[tuple[RecoverItem, asyncio.Future]] = field(default_factory=list)
+    items: list[tuple[RecoveryRequest, asyncio.Future]] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     closed: bool = False
 
@@ -55,7 +53,7 @@ class RecoveryBatcher:
         """Scheduler calls made (Recover or RecoverBatch), for tests and benchmarks."""
 
     async def decide(
-        self, item: RecoverItem, failed_id: str, policy: str, expected: int
+        self, item: RecoveryRequest, failed_id: str, policy: str, expected: int
     ) -> Decision:
         """The decision for `item`, planned with the others of `failed_id` that join in
         time. `expected`: requests the caller knows were on the instance (this one

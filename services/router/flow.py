@@ -44,12 +44,11 @@ from kvrs.errors import (
 )
 from kvrs.learning import TERMS, Outcome, Terms, relative_error
 from kvrs.profile import ComputeProfile
-from kvrs.recovery import Action
+from kvrs.recovery import Action, RecoveryRequest
 from kvrs.tokenizer import prefix_block_hashes
 from services.common.membership import Membership
 from services.common.metrics import Metrics
 from services.router.batcher import RecoveryBatcher
-from services.router.peers import RecoverItem
 from services.router.prefill_choice import choose_prefill
 from services.router.records import (
     DETECTED_BY_GOSSIP,
@@ -88,12 +87,10 @@ class Control(Protocol):
         candidate_ids: Sequence[str] = (),
     ) -> Placement: ...
 
-    async def recover(
-        self, item: RecoverItem, failed_id: str, policy: str, exclude_ids: Sequence[str] = ()
-    ) -> Decision: ...
+    async def recover(self, request: RecoveryRequest, failed_id: str, policy: str) -> Decision: ...
 
     async def recover_batch(
-        self, items: Sequence[RecoverItem], failed_id: str, policy: str
+        self, requests: Sequence[RecoveryRequest], failed_id: str, policy: str
     ) -> list[Decision]: ...
 
     async def renew_slot(self, lease_id: str) -> int: ...
@@ -682,15 +679,16 @@ class Router:
     ) -> Decision:
         request = run.request
         assert run.prefill is not None
-        item = RecoverItem(
+        exclude = run.failed - {lost.instance_id}
+        item = RecoveryRequest(
             request_id=request.request_id,
-            source_prefill_id=run.prefill.instance_id,
             prompt_tokens=len(request.prompt),
             generated_tokens=len(run.generated),
-            deadline_unix_ms=request.deadline_unix_ms,
-            source_kv_lost=run.prefill_kv_lost,
+            source_prefill_id=run.prefill.instance_id,
+            deadline_s=request.deadline_unix_ms / 1000.0 if request.deadline_unix_ms else None,
+            source_kv_available=not run.prefill_kv_lost,
+            exclude_ids=frozenset(exclude),
         )
-        exclude = sorted(run.failed - {lost.instance_id})
         started = time.monotonic()
         try:
             with self.tracer.start_as_current_span("router.recover.decide"):
@@ -700,9 +698,7 @@ class Router:
                         item, lost.instance_id, run.policy, expected
                     )
                 else:
-                    decision = await self.control.recover(
-                        item, lost.instance_id, run.policy, exclude
-                    )
+                    decision = await self.control.recover(item, lost.instance_id, run.policy)
         except InvalidArgument:
             raise
         except KvrsError as exc:

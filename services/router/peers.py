@@ -10,27 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvrs.client import KvrsClient
 from kvrs.learning import Outcome
-from kvrs.recovery import Action
+from kvrs.recovery import Action, RecoveryRequest
 from kvrs.v1 import scheduler_pb2
 from services.common.core_pb import ACTION_FROM_PB, option_from_pb
 from services.common.outcomes import outcome_to_pb, terms_from_pb
 from services.router.records import Decision, Endpoint, Placement
-
-
-@dataclass(frozen=True)
-class RecoverItem:
-    """One request of a RecoverBatch (or a Recover) call."""
-
-    request_id: str
-    source_prefill_id: str
-    prompt_tokens: int
-    generated_tokens: int
-    deadline_unix_ms: int = 0
-    source_kv_lost: bool = False
 
 
 class ControlPlane:
@@ -64,45 +51,40 @@ class ControlPlane:
             predicted=terms_from_pb(reply.predicted_terms),
         )
 
-    async def recover(
-        self,
-        item: RecoverItem,
-        failed_id: str,
-        policy: str,
-        exclude_ids: Sequence[str] = (),
-    ) -> Decision:
+    async def recover(self, request: RecoveryRequest, failed_id: str, policy: str) -> Decision:
+        """Recover for `request` (its `exclude_ids` are the instances it lost before)."""
         reply = await self.client.recover(
-            item.request_id,
+            request.request_id,
             failed_instance_id=failed_id,
-            source_prefill_instance_id=item.source_prefill_id,
-            prompt_tokens=item.prompt_tokens,
-            generated_tokens=item.generated_tokens,
-            deadline_unix_ms=item.deadline_unix_ms,
+            source_prefill_instance_id=request.source_prefill_id,
+            prompt_tokens=request.prompt_tokens,
+            generated_tokens=request.generated_tokens,
+            deadline_unix_ms=_unix_ms(request.deadline_s),
             policy=policy,
-            source_kv_lost=item.source_kv_lost,
-            exclude_instance_ids=exclude_ids,
+            source_kv_lost=not request.source_kv_available,
+            exclude_instance_ids=sorted(request.exclude_ids - {failed_id}),
         )
         return decision_from_pb(reply, batch_size=1)
 
     async def recover_batch(
-        self, items: Sequence[RecoverItem], failed_id: str, policy: str
+        self, requests: Sequence[RecoveryRequest], failed_id: str, policy: str
     ) -> list[Decision]:
         reply = await self.client.recover_batch(
             failed_id,
             [
                 scheduler_pb2.RecoverItem(
-                    request_id=item.request_id,
-                    source_prefill_instance_id=item.source_prefill_id,
-                    prompt_tokens=item.prompt_tokens,
-                    generated_tokens=item.generated_tokens,
-                    deadline_unix_ms=item.deadline_unix_ms,
-                    source_kv_lost=item.source_kv_lost,
+                    request_id=request.request_id,
+                    source_prefill_instance_id=request.source_prefill_id,
+                    prompt_tokens=request.prompt_tokens,
+                    generated_tokens=request.generated_tokens,
+                    deadline_unix_ms=_unix_ms(request.deadline_s),
+                    source_kv_lost=not request.source_kv_available,
                 )
-                for item in items
+                for request in requests
             ],
             policy=policy,
         )
-        return [decision_from_pb(d, batch_size=len(items)) for d in reply.decisions]
+        return [decision_from_pb(d, batch_size=len(requests)) for d in reply.decisions]
 
     async def report_outcome(self, outcome: Outcome) -> None:
         await self.client.report_outcome(outcome_to_pb(outcome))
@@ -133,3 +115,8 @@ def decision_from_pb(reply: scheduler_pb2.RecoverResponse, batch_size: int) -> D
         batch_size=batch_size,
         predicted=terms_from_pb(reply.predicted_terms),
     )
+
+
+def _unix_ms(deadline_s: float | None) -> int:
+    """A deadline in unix seconds as the protos carry it (0 = none)."""
+    return 0 if deadline_s is None else round(deadline_s * 1000)

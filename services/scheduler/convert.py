@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from kvrs.errors import InvalidArgument
 from kvrs.learning import Corrections
+from kvrs.recovery import RecoveryRequest
 from kvrs.v1 import scheduler_pb2, slots_pb2
 from services.common.core_pb import ACTION_TO_PB, option_to_pb, transfer_to_pb
 from services.common.outcomes import terms_to_pb
 from services.scheduler.leases import Lease
 from services.scheduler.records import (
     BatchOutcome,
-    RecoverInput,
     RecoveryOutcome,
     SelectDecodeInput,
     Selection,
@@ -52,35 +55,43 @@ def selection_to_pb(selection: Selection) -> scheduler_pb2.SelectDecodeResponse:
     return response
 
 
-def recover_from_pb(request: scheduler_pb2.RecoverRequest) -> RecoverInput:
-    return RecoverInput(
-        request_id=request.request_id,
-        failed_id=request.failed_instance_id,
-        source_prefill_id=request.source_prefill_instance_id,
-        prompt_tokens=request.prompt_tokens,
-        generated_tokens=request.generated_tokens,
-        deadline_unix_ms=request.deadline_unix_ms,
-        policy=request.policy,
-        source_kv_lost=request.source_kv_lost,
-        exclude_ids=frozenset(request.exclude_instance_ids),
-        skip_slot=request.skip_slot,
+def recovery_request_from_pb(
+    message: scheduler_pb2.RecoverRequest | scheduler_pb2.RecoverItem,
+    failed_id: str,
+    exclude_ids: Iterable[str] = (),
+    where: str = "",
+) -> RecoveryRequest:
+    """The core's request for a Recover (or one RecoverBatch item) as the caller sent it:
+    the failed instance excluded, a lost source KV unavailable. The fields the core
+    request holds are checked here, naming the message's own field (`where` prefixes a
+    batch item's); the scheduler checks the rest against its view."""
+    if not message.request_id:
+        raise InvalidArgument(where + "request_id", "must not be empty")
+    if message.prompt_tokens <= 0:
+        raise InvalidArgument(where + "prompt_tokens", f"must be > 0, got {message.prompt_tokens}")
+    for field, value in (
+        ("generated_tokens", message.generated_tokens),
+        ("deadline_unix_ms", message.deadline_unix_ms),
+    ):
+        if value < 0:
+            raise InvalidArgument(where + field, f"must be >= 0, got {value}")
+    if not message.source_prefill_instance_id:
+        raise InvalidArgument(where + "source_prefill_instance_id", "must not be empty")
+    return RecoveryRequest(
+        request_id=message.request_id,
+        prompt_tokens=message.prompt_tokens,
+        generated_tokens=message.generated_tokens,
+        source_prefill_id=message.source_prefill_instance_id,
+        deadline_s=message.deadline_unix_ms / 1000.0 if message.deadline_unix_ms else None,
+        source_kv_available=not message.source_kv_lost,
+        exclude_ids=frozenset({failed_id, *exclude_ids}),
     )
 
 
-def recover_items_from_pb(request: scheduler_pb2.RecoverBatchRequest) -> list[RecoverInput]:
+def recover_items_from_pb(request: scheduler_pb2.RecoverBatchRequest) -> list[RecoveryRequest]:
     return [
-        RecoverInput(
-            request_id=item.request_id,
-            failed_id=request.failed_instance_id,
-            source_prefill_id=item.source_prefill_instance_id,
-            prompt_tokens=item.prompt_tokens,
-            generated_tokens=item.generated_tokens,
-            deadline_unix_ms=item.deadline_unix_ms,
-            policy=request.policy,
-            source_kv_lost=item.source_kv_lost,
-            skip_slot=request.skip_slot,
-        )
-        for item in request.items
+        recovery_request_from_pb(item, request.failed_instance_id, where=f"items[{i}].")
+        for i, item in enumerate(request.items)
     ]
 
 

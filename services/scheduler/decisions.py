@@ -55,7 +55,6 @@ from services.scheduler.outcomes import Learning
 from services.scheduler.records import (
     BatchOutcome,
     Endpoint,
-    RecoverInput,
     RecoveryOutcome,
     SelectDecodeInput,
     Selection,
@@ -184,34 +183,50 @@ class Scheduler:
 
     # -- Recover --------------------------------------------------------------------------
 
-    async def recover(self, request: RecoverInput) -> RecoveryOutcome:
+    async def recover(
+        self,
+        request: RecoveryRequest,
+        failed_id: str,
+        policy_name: str = "",
+        skip_slot: bool = False,
+    ) -> RecoveryOutcome:
+        """Decides one request's recovery (`request` as its caller sent it: the failed
+        instance excluded, `source_kv_available` false when it said the KV is lost); an
+        equal call within the replay window gets the same decision and lease."""
         with self.tracer.start_as_current_span("kvrs.recover") as span:
-            attributes = spans.recover_input_attributes(request)
+            attributes = spans.recover_input_attributes(request, failed_id, skip_slot)
             started = time.perf_counter()
             try:
-                self._validate_recover(request, "")
-                policy = self.recovery_policy(request.policy)
+                self._validate_recover(request, failed_id, "")
+                policy = self.recovery_policy(policy_name)
                 attributes["kvrs.policy"] = policy.name
-                pending = self.recent.get(request)
+                call = (request, failed_id, policy_name, skip_slot)
+                pending = self.recent.get(request.request_id, call)
                 if pending is not None:
                     outcome = dataclasses.replace(await asyncio.shield(pending), replayed=True)
                 else:
-                    outcome = await self._recover_once(request, policy)
+                    outcome = await self._recover_once(request, call, policy, skip_slot)
                     self._record("recover", [outcome], started)
                 attributes.update(spans.recovery_attributes(outcome))
                 return outcome
             finally:
                 span.set_attributes(attributes)
 
-    async def _recover_once(self, request: RecoverInput, policy: RecoveryPolicy) -> RecoveryOutcome:
+    async def _recover_once(
+        self,
+        request: RecoveryRequest,
+        call: tuple[RecoveryRequest, str, str, bool],
+        policy: RecoveryPolicy,
+        skip_slot: bool,
+    ) -> RecoveryOutcome:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.recent.put(request, future)
+        self.recent.put(request.request_id, call, future)
         try:
             view = self.view.current()
-            core_request = self._core_request(request, view)
+            core_request = _in_view(request, view)
             decision = policy.decide(core_request, view.cluster, view.cost, view.cluster.now_s)
             outcome = await self._hold_slot(
-                core_request, decision, policy, view, request.skip_slot, priced=True
+                core_request, decision, policy, view, skip_slot, priced=True
             )
         except BaseException as exc:
             self.recent.forget(request.request_id, future)
@@ -299,35 +314,19 @@ class Scheduler:
             predicted=recovery_terms(decision, core_request, view.cost, view.cluster.now_s),
         )
 
-    def _core_request(self, request: RecoverInput, view: DecisionView) -> RecoveryRequest:
-        source = view.cluster.instances.get(request.source_prefill_id)
-        source_alive = source is None or source.alive
-        deadline_s = request.deadline_unix_ms / 1000.0 if request.deadline_unix_ms else None
-        return RecoveryRequest(
-            request_id=request.request_id,
-            prompt_tokens=request.prompt_tokens,
-            generated_tokens=request.generated_tokens,
-            source_prefill_id=request.source_prefill_id,
-            deadline_s=deadline_s,
-            source_kv_available=source_alive and not request.source_kv_lost,
-            exclude_ids=frozenset({request.failed_id, *request.exclude_ids}),
-        )
-
-    def _validate_recover(self, request: RecoverInput, where: str) -> None:
-        _require_id(where + "request_id", request.request_id)
-        _require_positive(where + "prompt_tokens", request.prompt_tokens)
-        _require_non_negative(where + "generated_tokens", request.generated_tokens)
+    def _validate_recover(self, request: RecoveryRequest, failed_id: str, where: str) -> None:
+        """What the request's own fields cannot say (convert.py checked those): whether
+        its sizes fit this scheduler and its instances are the ones it names."""
         # A recompute re-creates the KV of the prompt and every generated token.
         inputs = self.view.inputs
         inputs.require_context_tokens(where + "prompt_tokens", request.prompt_tokens)
         inputs.require_context_tokens(
             where + "generated_tokens", request.prompt_tokens + request.generated_tokens
         )
-        _require_non_negative(where + "deadline_unix_ms", request.deadline_unix_ms)
         self._require_role(
             where + "source_prefill_instance_id", request.source_prefill_id, Role.PREFILL
         )
-        self._require_known("failed_instance_id", request.failed_id)
+        self._require_known("failed_instance_id", failed_id)
 
     # -- RecoverBatch ---------------------------------------------------------------------
 
@@ -335,7 +334,7 @@ class Scheduler:
         self,
         batch_id: str,
         failed_id: str,
-        items: Sequence[RecoverInput],
+        items: Sequence[RecoveryRequest],
         policy_name: str,
         skip_slot: bool,
     ) -> BatchOutcome:
@@ -356,7 +355,7 @@ class Scheduler:
     async def _recover_batch(
         self,
         failed_id: str,
-        items: Sequence[RecoverInput],
+        items: Sequence[RecoveryRequest],
         policy_name: str,
         skip_slot: bool,
         attributes: dict[str, AttributeValue],
@@ -365,7 +364,7 @@ class Scheduler:
         _require_id("failed_instance_id", failed_id)
         seen: set[str] = set()
         for i, item in enumerate(items):
-            self._validate_recover(item, f"items[{i}].")
+            self._validate_recover(item, failed_id, f"items[{i}].")
             if item.request_id in seen:
                 raise InvalidArgument(
                     f"items[{i}].request_id", f"duplicate request id {item.request_id!r}"
@@ -385,7 +384,7 @@ class Scheduler:
         attributes["kvrs.slots_free"] = slots_free
         view = self.view.current()
         attributes.update(spans.view_attributes(view))
-        core_requests = [self._core_request(item, view) for item in items]
+        core_requests = [_in_view(item, view) for item in items]
         plan = plan_batch(
             core_requests, view.cluster, view.cost, view.cluster.now_s, policy, slots_free
         )
@@ -501,6 +500,14 @@ def _endpoint(view: DecisionView, instance_id: str) -> Endpoint:
     return Endpoint(instance_id, state.address, state.transfer_address)
 
 
+def _in_view(request: RecoveryRequest, view: DecisionView) -> RecoveryRequest:
+    """`request` on this view: a source the view knows to be dead holds no KV."""
+    source = view.cluster.instances.get(request.source_prefill_id)
+    if source is None or source.alive or not request.source_kv_available:
+        return request
+    return dataclasses.replace(request, source_kv_available=False)
+
+
 def _require_id(field: str, value: str) -> None:
     if not value:
         raise InvalidArgument(field, "must not be empty")
@@ -509,8 +516,3 @@ def _require_id(field: str, value: str) -> None:
 def _require_non_negative(field: str, value: int) -> None:
     if value < 0:
         raise InvalidArgument(field, f"must be >= 0, got {value}")
-
-
-def _require_positive(field: str, value: int) -> None:
-    if value <= 0:
-        raise InvalidArgument(field, f"must be > 0, got {value}")

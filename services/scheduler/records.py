@@ -53,22 +53,6 @@ class Selection:
 
 
 @dataclass(frozen=True)
-class RecoverInput:
-    """A Recover request (or one RecoverBatch item); equal inputs replay one decision."""
-
-    request_id: str
-    failed_id: str
-    source_prefill_id: str
-    prompt_tokens: int
-    generated_tokens: int
-    deadline_unix_ms: int = 0
-    policy: str = ""
-    source_kv_lost: bool = False
-    exclude_ids: frozenset[str] = frozenset()
-    skip_slot: bool = False
-
-
-@dataclass(frozen=True)
 class Endpoint:
     """An instance and its worker / transfer addresses, as the view knew them."""
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Callable
-
-from services.scheduler.records import RecoverInput
+from collections.abc import Callable, Hashable
 
 
 class RecentRecoveries:
@@ -20,18 +18,20 @@ class RecentRecoveries:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._clock = clock
-        self._entries: OrderedDict[str, tuple[RecoverInput, float, asyncio.Future]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[Hashable, float, asyncio.Future]] = OrderedDict()
 
-    def get(self, request: RecoverInput) -> asyncio.Future | None:
+    def get(self, request_id: str, call: Hashable) -> asyncio.Future | None:
+        """The pending or finished decision of `request_id`, if it was asked with an equal
+        `call` (the request and every argument of the Recover)."""
         self._expire()
-        entry = self._entries.get(request.request_id)
-        if entry is None or entry[0] != request:
+        entry = self._entries.get(request_id)
+        if entry is None or entry[0] != call:
             return None
         return entry[2]
 
-    def put(self, request: RecoverInput, future: asyncio.Future) -> None:
-        self._entries.pop(request.request_id, None)
-        self._entries[request.request_id] = (request, self._clock(), future)
+    def put(self, request_id: str, call: Hashable, future: asyncio.Future) -> None:
+        self._entries.pop(request_id, None)
+        self._entries[request_id] = (call, self._clock(), future)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 

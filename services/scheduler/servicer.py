@@ -9,8 +9,8 @@ from services.common.outcomes import outcome_from_pb
 from services.scheduler.convert import (
     batch_to_pb,
     corrections_to_pb,
-    recover_from_pb,
     recover_items_from_pb,
+    recovery_request_from_pb,
     recovery_to_pb,
     select_decode_from_pb,
     selection_to_pb,
@@ -30,7 +30,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def Recover(
         self, request: scheduler_pb2.RecoverRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.RecoverResponse:
-        return recovery_to_pb(await self.scheduler.recover(recover_from_pb(request)))
+        core_request = recovery_request_from_pb(
+            request, request.failed_instance_id, request.exclude_instance_ids
+        )
+        outcome = await self.scheduler.recover(
+            core_request,
+            failed_id=request.failed_instance_id,
+            policy_name=request.policy,
+            skip_slot=request.skip_slot,
+        )
+        return recovery_to_pb(outcome)
 
     async def RecoverBatch(
         self, request: scheduler_pb2.RecoverBatchRequest, context: grpc.aio.ServicerContext

@@ -13,9 +13,9 @@ from opentelemetry.util.types import AttributeValue
 
 from kvrs.network import TransferEstimate
 from kvrs.placement import Placement
-from kvrs.recovery import Action, OptionCost
+from kvrs.recovery import Action, OptionCost, RecoveryRequest
 from services.common.gossip_view import DecisionView
-from services.scheduler.records import RecoverInput, RecoveryOutcome, SlotOutcome
+from services.scheduler.records import RecoveryOutcome, SlotOutcome
 
 
 def view_attributes(view: DecisionView) -> dict[str, AttributeValue]:
@@ -59,16 +59,20 @@ def transfer_attributes(transfer: TransferEstimate) -> dict[str, AttributeValue]
     }
 
 
-def recover_input_attributes(request: RecoverInput) -> dict[str, AttributeValue]:
+def recover_input_attributes(
+    request: RecoveryRequest, failed_id: str, skip_slot: bool
+) -> dict[str, AttributeValue]:
+    """The Recover call as the caller sent it."""
+    deadline_s = request.deadline_s
     return {
         "kvrs.request_id": request.request_id,
-        "kvrs.failed_instance_id": request.failed_id,
+        "kvrs.failed_instance_id": failed_id,
         "kvrs.source_prefill_instance_id": request.source_prefill_id,
         "kvrs.prompt_tokens": request.prompt_tokens,
         "kvrs.generated_tokens": request.generated_tokens,
-        "kvrs.deadline_unix_ms": request.deadline_unix_ms,
-        "kvrs.source_kv_lost": request.source_kv_lost,
-        "kvrs.skip_slot": request.skip_slot,
+        "kvrs.deadline_unix_ms": round(deadline_s * 1000) if deadline_s is not None else 0,
+        "kvrs.source_kv_lost": not request.source_kv_available,
+        "kvrs.skip_slot": skip_slot,
     }
 
 
