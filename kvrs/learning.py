@@ -504,6 +504,11 @@ class AssignedWork:
         if work_s > 0.0:
             self._items.setdefault(instance_id, []).append((at_s, work_s))
 
+    def instances(self) -> list[str]:
+        """The instances with assignments still counted (a view refreshing only what
+        changed in gossip re-reads these too)."""
+        return [instance_id for instance_id, items in self._items.items() if items]
+
     def pending_s(self, instance_id: str, now_s: float, reported_at_s: float) -> float:
         """Seconds assigned after `reported_at_s` (the heartbeat's time) and not yet done."""
         items = self._items.get(instance_id)

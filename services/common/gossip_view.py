@@ -131,6 +131,10 @@ class ViewCache:
         self._alive: dict[str, NodeRecord] = {}
         """The alive instances of the last view, listed or carried."""
         self._vanished_at_s: dict[str, float] = {}
+        self._records: dict[str, tuple[NodeRecord, float]] = {}
+        """Each instance's last record and when it was reported (local clock)."""
+        self._pending_ids: set[str] = set()
+        """Instances whose W(x) counted assigned work at the last build."""
 
     @property
     def state(self) -> DecisionState | None:
@@ -262,12 +266,20 @@ class ViewCache:
             instance_id = node.registration.instance_id
             if not self.is_known(instance_id):
                 self.inputs.topology.add_instance(_instance_spec(node.registration))
-            changed[instance_id] = self._instance_state(node, corrections, now_s)
+            self._records[instance_id] = (node, now_s - node.age_s)
             self._vanished_at_s.pop(instance_id, None)
             if node.state == ALIVE:
                 self._alive[instance_id] = node
             else:
                 self._alive.pop(instance_id, None)
+        # Work this scheduler assigned moves W(x) without any change in gossip: those
+        # instances (and those whose assignments just ran out) are re-read as well.
+        assigned = set(self.assigned.instances()) if self.assigned is not None else set()
+        for instance_id in {node.registration.instance_id for node in snapshot.changed} | (
+            (assigned | self._pending_ids) & self._records.keys()
+        ):
+            node, reported_at_s = self._records[instance_id]
+            changed[instance_id] = self._instance_state(node, corrections, now_s, reported_at_s)
         carried, dropped = [], []
         for instance_id in previous.carried_ids - changed.keys():
             record = self._alive.get(instance_id)
@@ -284,17 +296,34 @@ class ViewCache:
     def _build(self, snapshot: GossipSnapshot) -> DecisionState:
         corrections = self.corrections()
         previous = self._state
-        if snapshot.changed is not None and previous is not None:
+        if (
+            snapshot.changed is not None
+            and previous is not None
+            and previous.telemetry_key[-1] == corrections.key()
+        ):
             cluster, carried_ids = self._apply_changes(previous, snapshot, corrections)
-        else:
+        else:  # a full listing, or new corrections: every instance's W(x) is read again
+            self._pending_ids = set()
+            if snapshot.changed is None:
+                self._records = {}
+            else:
+                for node in snapshot.changed:
+                    self._records[node.registration.instance_id] = (
+                        node,
+                        snapshot.fetched_at_s - node.age_s,
+                    )
             instances: dict[str, InstanceState] = {}
             carried = self._carry_vanished(snapshot)
             for node in (*snapshot.nodes, *carried):
                 registration = node.registration
                 if not self.is_known(registration.instance_id):
                     self.inputs.topology.add_instance(_instance_spec(registration))
+                if registration.instance_id not in self._records:
+                    reported_at_s = snapshot.fetched_at_s - node.age_s
+                    self._records[registration.instance_id] = (node, reported_at_s)
+                node, reported_at_s = self._records[registration.instance_id]
                 instances[registration.instance_id] = self._instance_state(
-                    node, corrections, snapshot.fetched_at_s
+                    node, corrections, snapshot.fetched_at_s, reported_at_s
                 )
             cluster = ClusterView(instances=instances, now_s=snapshot.fetched_at_s)
             carried_ids = tuple(record.registration.instance_id for record in carried)
@@ -383,14 +412,20 @@ class ViewCache:
         return network
 
     def _instance_state(
-        self, node: NodeRecord, corrections: Corrections, now_s: float
+        self, node: NodeRecord, corrections: Corrections, now_s: float, reported_at_s: float
     ) -> InstanceState:
+        """`reported_at_s`: when gossip received this record's report (local clock)."""
         registration, load = node.registration, node.load
         wait_s = load.queued_work_s + corrections.worker_wait_s.get(registration.instance_id, 0.0)
         if registration.role == Role.DECODE.value:
             wait_s += corrections.wait_per_decode_s * load.running_requests
         if self.assigned is not None:
-            wait_s += self.assigned.pending_s(registration.instance_id, now_s, now_s - node.age_s)
+            pending_s = self.assigned.pending_s(registration.instance_id, now_s, reported_at_s)
+            if pending_s > 0.0:
+                self._pending_ids.add(registration.instance_id)
+            else:
+                self._pending_ids.discard(registration.instance_id)
+            wait_s += pending_s
         if registration.kv_capacity_blocks > 0:
             free_kv_tokens = load.free_kv_blocks * self.inputs.model.block_tokens
         else:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
+from kvrs.learning import AssignedWork
 from services.common.decision_inputs import InputsConfig, load_inputs
 from services.common.gossip_records import NodeLoad
 from services.common.gossip_source import GossipSource
@@ -106,3 +110,24 @@ async def test_router_membership_follows_changes(gossip):
     await gossip.deregister("decode-0")
     assert await membership.refresh()
     assert not membership.is_alive("decode-0")
+
+
+async def test_work_assigned_since_the_last_heartbeat_moves_w_on_a_delta_refresh(gossip):
+    await gossip.register(decode("decode-0", ttl_s=30.0))
+    await gossip.register(decode("decode-1", ttl_s=30.0))
+    await gossip.heartbeat("decode-0", NodeLoad(queued_work_s=0.5))
+    assigned = AssignedWork()
+    source = GossipSource(lambda: gossip, resync_s=3600.0)
+    view = ViewCache(
+        load_inputs(InputsConfig()), source, refresh_s=0.1, stale_after_s=5.0, assigned=assigned
+    )
+    assert await view.refresh()
+    assert view.state.cluster.instances["decode-0"].wait_s == 0.5
+    assigned.add("decode-0", time.time(), 0.4)
+    assert await view.refresh()  # nothing changed in gossip
+    assert source.registry.full_listings == 1
+    assert 0.8 < view.state.cluster.instances["decode-0"].wait_s <= 0.9
+    assert view.state.cluster.instances["decode-1"].wait_s == 0.0
+    await asyncio.sleep(0.45)  # the assigned work is predicted done
+    assert await view.refresh()
+    assert view.state.cluster.instances["decode-0"].wait_s == 0.5
