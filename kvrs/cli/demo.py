@@ -197,10 +197,14 @@ async def _demo(args: argparse.Namespace, state) -> int:
         victim = await _kill_busiest_decode(state, settings, streams, tasks)
         await asyncio.gather(*tasks)
         _report(streams, victim, args.max_new_tokens)
+        _report_placements(streams)
         if args.json is not None:
-            args.json.write_text(
-                json.dumps({"victim": victim, "recoveries": recoveries(streams)}, indent=2)
-            )
+            report = {
+                "victim": victim,
+                "recoveries": recoveries(streams),
+                "placements": placements(streams),
+            }
+            args.json.write_text(json.dumps(report, indent=2))
             print(f"recoveries written to {args.json}")
         completed = sum(1 for s in streams if len(s.tokens) == args.max_new_tokens)
         print(f"\n{completed}/{len(streams)} requests completed")
@@ -388,6 +392,34 @@ def recoveries(streams: list[Stream]) -> list[dict[str, Any]]:
             }
             rows.append(row)
     return rows
+
+
+def placements(streams: list[Stream]) -> list[dict[str, Any]]:
+    """Every placement as `--json` writes it: predicted_s / measured_s = SelectDecode's
+    answer to the first decoded token (the KV pull, the decode instance's queue and the
+    first token's extend)."""
+    return [
+        {
+            "request_id": s.request_id,
+            "target": s.summary.decode_instance_id,
+            "predicted_s": s.summary.placement_predicted_s,
+            "measured_s": s.summary.placement_measured_s,
+            "error": _error(s.summary.placement_predicted_s, s.summary.placement_measured_s),
+        }
+        for s in streams
+        if s.summary is not None and s.summary.placement_measured_s > 0.0
+    ]
+
+
+def _report_placements(streams: list[Stream]) -> None:
+    rows = placements(streams)
+    if rows:
+        errors = [row["error"] for row in rows]
+        print(
+            f"\nplacements: predicted vs measured time from SelectDecode's answer to the "
+            f"first decoded token over {len(rows)} requests: error p50 "
+            f"{100 * _quantile(errors, 0.5):.0f} %, p90 {100 * _quantile(errors, 0.9):.0f} %"
+        )
 
 
 def _report(streams: list[Stream], victim: str, max_new_tokens: int) -> None:

@@ -631,6 +631,7 @@ class Router:
                 first_token_s=first_token_s,
             )
             run.summary.placement_measured_s = first_token_s
+            run.summary.placement_predicted_s = predicted.total_s
         else:
             measured = _with(awaiting.measured, first_token_s=first_token_s)
             if awaiting.record is not None:

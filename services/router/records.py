@@ -150,6 +150,8 @@ class Summary:
     trace_id: str = ""
     placement_measured_s: float = 0.0
     """SelectDecode's answer to the first decoded token."""
+    placement_predicted_s: float = 0.0
+    """The placement's prediction of `placement_measured_s`."""
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ def summary_to_pb(summary: Summary) -> router_pb2.GenerateSummary:
         recoveries=[recovery_to_pb(record) for record in summary.recoveries],
         trace_id=summary.trace_id,
         placement_measured_s=summary.placement_measured_s,
+        placement_predicted_s=summary.placement_predicted_s,
     )
 
 

@@ -296,7 +296,7 @@ async def test_a_recoverys_measured_terms_reach_the_span_the_metrics_and_the_sto
     assert measured.total_s == pytest.approx(recovery.measured_s)
     assert measured.stream_s > 0.0 and measured.extend_s > 0.0
     assert measured.first_token_s >= measured.total_s
-    assert summary.placement_measured_s > 0.0
+    assert summary.placement_measured_s > 0.0 and summary.placement_predicted_s > 0.0
     # The span: the recovery's terms on router.recover, the outcome as an event.
     spans = plane.exporter.get_finished_spans()
     in_trace = [s for s in spans if format(s.context.trace_id, "032x") == summary.trace_id]
