@@ -440,8 +440,11 @@ class NetworkModel:
                 path.hi_s = turns_stale_s
             else:
                 path.lo_s = turns_stale_s
-        path.measured_bps = path.estimate.bandwidth_bps if fresh else 0.0
-        path.rtt_s = path.estimate.rtt_s if fresh else topology.base_rtt_s(src_id, dst_id)
+        estimate = path.estimate
+        if fresh and estimate is not None:
+            path.measured_bps, path.rtt_s = estimate.bandwidth_bps, estimate.rtt_s
+        else:
+            path.measured_bps, path.rtt_s = 0.0, topology.base_rtt_s(src_id, dst_id)
         if path.links:
             path.bps, path.bottleneck, path.flows = _share(path, None)
         else:

@@ -139,46 +139,48 @@ def _netkv_scores(
     bits_per_token = cost.kv_bits_per_token
     bits = bits_per_token * prompt_tokens
     if len(columns.ids) < NUMPY_MIN_CANDIDATES:
-        hits = hits or {}
+        assert not isinstance(hits, np.ndarray), "hit arrays are built for large sets only"
+        hit_map = hits or {}
         if prompt_tokens == 0:
             scores = list(columns.wait)
         else:
             scores = [a + bits * b for a, b in zip(fan.rtt_wait, fan.inv_bps, strict=True)]
-        for i, hit in hits.items():
+        for i, hit in hit_map.items():
             need = prompt_tokens - hit
             scores[i] = columns.wait[i] + (
                 fan.rtt[i] + bits_per_token * need * fan.inv_bps[i] if need else 0.0
             )
         if columns.min_free < prompt_tokens:
-            for i, free in enumerate(columns.free):
-                if free < prompt_tokens - hits.get(i, 0):
+            for i, free_tokens in enumerate(columns.free):
+                if free_tokens < prompt_tokens - hit_map.get(i, 0):
                     scores[i] = _INF
         return scores
     wait, free = columns.arrays()
     rtt, inv_bps, rtt_wait = fan.arrays()
+    array: np.ndarray
     if not isinstance(hits, np.ndarray) and not hits:
-        scores = rtt_wait + bits * inv_bps if prompt_tokens else wait.copy()
+        array = rtt_wait + bits * inv_bps if prompt_tokens else wait.copy()
         if columns.min_free < prompt_tokens:
-            scores[free < prompt_tokens] = _INF
-        return scores
+            array[free < prompt_tokens] = _INF
+        return array
     if isinstance(hits, np.ndarray):
-        need = prompt_tokens - hits
-        scores = np.where(need > 0, rtt + (bits_per_token * need) * inv_bps, 0.0)
-        scores += wait
+        needs = prompt_tokens - hits
+        array = np.where(needs > 0, rtt + (bits_per_token * needs) * inv_bps, 0.0)
+        array += wait
         if columns.min_free < prompt_tokens:
-            scores[free < need] = _INF
-        return scores
-    scores = rtt_wait + bits * inv_bps
+            array[free < needs] = _INF
+        return array
+    array = rtt_wait + bits * inv_bps
     index = np.fromiter(hits, dtype=np.intp, count=len(hits))
-    need = prompt_tokens - np.fromiter(hits.values(), dtype=np.float64, count=len(hits))
-    scores[index] = wait[index] + np.where(
-        need > 0, rtt[index] + (bits_per_token * need) * inv_bps[index], 0.0
+    needs = prompt_tokens - np.fromiter(hits.values(), dtype=np.float64, count=len(hits))
+    array[index] = wait[index] + np.where(
+        needs > 0, rtt[index] + (bits_per_token * needs) * inv_bps[index], 0.0
     )
     if columns.min_free < prompt_tokens:
         need_all = np.full(len(columns.ids), float(prompt_tokens))
-        need_all[index] = need
-        scores[free < need_all] = _INF
-    return scores
+        need_all[index] = needs
+        array[free < need_all] = _INF
+    return array
 
 
 def _two_best(

@@ -207,11 +207,11 @@ def _split(
     for k in (below, below + 1):
         if 0 < k <= prompt_tokens:
             # The fit exactly as ComputeProfile.prefill_s evaluates it.
-            prefill_s = a + k * (b + k * c)
+            fit_s = a + k * (b + k * c)
             moved_s = (
                 rtt_s + bits_per_token * (prompt_tokens - k) / bps if k < prompt_tokens else 0.0
             )
-            term = prefill_s if prefill_s > moved_s else moved_s
+            term = fit_s if fit_s > moved_s else moved_s
             if term < best_s:
                 best_k, best_s = k, term
     return best_k, best_s

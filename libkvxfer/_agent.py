@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from opentelemetry import trace
@@ -308,7 +309,7 @@ class TransferAgent(KvSender, KvReceiver):
         """Receive every chunk into `out`, hash each once it lands, check the trailer."""
         posted: deque = deque()
         trailer = torch.empty(trailer_bytes(len(chunks)), dtype=torch.uint8)
-        trailer_work = []
+        trailer_work: list[Any] = []
         next_index = 0
 
         def post_next() -> None:

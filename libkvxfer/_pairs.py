@@ -36,8 +36,10 @@ CLOSE_TAG = 0
 _CLAIM_POLL_S = 0.005
 
 
-def _gloo_options(host: str, timeout_s: float) -> ProcessGroupGloo._Options:
-    options = ProcessGroupGloo._Options()
+# torch's type stubs leave out ProcessGroupGloo's `_Options`, `send` and `recv`, which it
+# has at run time (the ignores below are for that alone).
+def _gloo_options(host: str, timeout_s: float) -> ProcessGroupGloo._Options:  # type: ignore[name-defined]
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = datetime.timedelta(seconds=timeout_s)
     # An explicit device avoids resolving the machine's hostname (slow, and possibly
     # not the interface the peer can reach).
@@ -64,13 +66,13 @@ class PairGroup:
 
     def send(self, data: torch.Tensor, tag: int):
         try:
-            return self._group.send([data], self._peer_rank, tag)
+            return self._group.send([data], self._peer_rank, tag)  # type: ignore[attr-defined]
         except RuntimeError as exc:
             raise self.fail(exc, "send") from exc
 
     def recv(self, data: torch.Tensor, tag: int):
         try:
-            return self._group.recv([data], self._peer_rank, tag)
+            return self._group.recv([data], self._peer_rank, tag)  # type: ignore[attr-defined]
         except RuntimeError as exc:
             raise self.fail(exc, "recv") from exc
 
@@ -94,7 +96,7 @@ class PairGroup:
             self.broken = True
         probe = torch.empty(1, dtype=torch.uint8)
         try:
-            self._group.recv([probe], self._peer_rank, CLOSE_TAG).wait(
+            self._group.recv([probe], self._peer_rank, CLOSE_TAG).wait(  # type: ignore[attr-defined]
                 datetime.timedelta(milliseconds=1)
             )
         except RuntimeError:
@@ -232,6 +234,7 @@ class OutboundPairs:
                     )
                 old, pair = pair, _Outbound(generation)
                 self._pairs[key] = pair
+        assert pair is not None
         if same:
             group = pair.group.result()
             if group.broken:

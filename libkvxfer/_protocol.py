@@ -234,4 +234,4 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def checksum(data: torch.Tensor) -> int:
     """xxh3-64 of a flat uint8 tensor, read in place (tens of GB/s per core)."""
-    return xxhash.xxh3_64_intdigest(data.numpy())
+    return xxhash.xxh3_64_intdigest(data.numpy().data)

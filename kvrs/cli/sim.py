@@ -14,6 +14,7 @@ import logging
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -68,7 +69,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    params = {}
+    params: dict[str, Any] = {}
     if args.config is not None:
         params = yaml.safe_load(args.config.read_text()) or {}
     try:

@@ -9,7 +9,7 @@ docs/simulator.md). KV flows share what is left, max-min fairly.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +17,7 @@ import numpy as np
 from kvrs.errors import InvalidArgument
 from kvrs.sim.engine import EventLoop
 from kvrs.sim.flownet import FlowNetwork
+from kvrs.topology import LinkId
 
 # Link kinds per tier name: the ToR-agg links are "pod" tier, the agg-spine links "spine".
 BACKGROUND_LINK_KINDS = {
@@ -53,7 +54,7 @@ class BackgroundTraffic:
         spec: BackgroundSpec,
         loop: EventLoop,
         network: FlowNetwork,
-        links: Iterable[Hashable],
+        links: Iterable[LinkId],
         seed: int,
     ) -> None:
         self.spec = spec
@@ -78,7 +79,7 @@ class BackgroundTraffic:
         """No more switches (the workload is over; lets the event loop drain)."""
         self.stopped = True
 
-    def _set(self, link: Hashable, on: bool) -> None:
+    def _set(self, link: LinkId, on: bool) -> None:
         if self.stopped:
             return
         spec = self.spec

@@ -258,7 +258,11 @@ class SimConfig:
         changes = {}
         for name, value in sections.items():
             current = getattr(self, name)
-            if isinstance(value, Mapping) and dataclasses.is_dataclass(current):
+            if (
+                isinstance(value, Mapping)
+                and dataclasses.is_dataclass(current)
+                and not isinstance(current, type)
+            ):
                 value = dataclasses.replace(current, **value)
             changes[name] = value
         return dataclasses.replace(self, **changes)

@@ -10,10 +10,11 @@ rates and their already scheduled completion events.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvrs.sim.engine import EventLoop
+from kvrs.topology import LinkId
 from kvrs.units import BITS_PER_BYTE
 
 # Bits left below which a flow counts as finished (float round-off of rate x time).
@@ -25,7 +26,7 @@ class Link:
 
     __slots__ = ("link_id", "capacity_bps", "background_bps", "flows")
 
-    def __init__(self, link_id: Hashable, capacity_bps: float) -> None:
+    def __init__(self, link_id: LinkId, capacity_bps: float) -> None:
         self.link_id = link_id
         self.capacity_bps = capacity_bps
         self.background_bps = 0.0
@@ -88,10 +89,10 @@ class Flow:
 class FlowNetwork:
     """Links and the flows on them, with max-min fair rates kept current on the loop."""
 
-    def __init__(self, loop: EventLoop, capacity_of: Callable[[Hashable], float]) -> None:
+    def __init__(self, loop: EventLoop, capacity_of: Callable[[LinkId], float]) -> None:
         self.loop = loop
         self._capacity_of = capacity_of
-        self.links: dict[Hashable, Link] = {}
+        self.links: dict[LinkId, Link] = {}
         self._next_id = 0
         self.flows_started = 0
         self.flows_finished = 0
@@ -99,10 +100,10 @@ class FlowNetwork:
         self.refilled_flows = 0
         # Flows launched and not yet finished, per link, setup phase included: what the
         # control plane that started them knows. `counts_version` changes with them.
-        self.launched: dict[Hashable, int] = {}
+        self.launched: dict[LinkId, int] = {}
         self.counts_version = 0
 
-    def link(self, link_id: Hashable) -> Link:
+    def link(self, link_id: LinkId) -> Link:
         """The link named `link_id`, created on first use with the topology's capacity."""
         found = self.links.get(link_id)
         if found is None:
@@ -111,7 +112,7 @@ class FlowNetwork:
 
     def start(
         self,
-        link_ids: Iterable[Hashable],
+        link_ids: Iterable[LinkId],
         kv_bytes: float,
         on_done: Callable[[Flow], Any] | None = None,
         setup_s: float = 0.0,
@@ -145,18 +146,18 @@ class FlowNetwork:
         flow.on_done = None
         self._count(flow, -1)
 
-    def set_background(self, link_id: Hashable, background_bps: float) -> None:
+    def set_background(self, link_id: LinkId, background_bps: float) -> None:
         """Set the background (non-KV) load on a link; KV flows on it are re-shared."""
         link = self.link(link_id)
         link.background_bps = min(max(0.0, background_bps), link.capacity_bps)
         if link.flows:
             self._refill((link,))
 
-    def flow_counts(self) -> dict[Hashable, int]:
+    def flow_counts(self) -> dict[LinkId, int]:
         """KV flows now on each link (links with none are left out)."""
         return {link.link_id: len(link.flows) for link in self.links.values() if link.flows}
 
-    def utilisation(self, link_id: Hashable) -> float:
+    def utilisation(self, link_id: LinkId) -> float:
         """(background + KV) load over capacity, now."""
         link = self.link(link_id)
         if link.capacity_bps <= 0:

@@ -16,7 +16,7 @@ import gc
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -24,15 +24,16 @@ from typing import Any
 import numpy as np
 
 from kvrs.batch import plan_batch
-from kvrs.cluster import InstanceList
+from kvrs.cluster import InstanceList, InstanceState
 from kvrs.costmodel import CostModel, prefix_hit_tokens
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvrs.placement import PlacementRequest, make_placement_policy
+from kvrs.placement import PlacementPolicy, PlacementRequest, make_placement_policy
 from kvrs.prefill import choose_prefill, prefill_finishes
 from kvrs.recovery import (
     NEEDS_SLOT,
     Action,
     RecoveryDecision,
+    RecoveryPolicy,
     RecoveryRequest,
     decide_without_slot,
     kv_tokens_moved,
@@ -236,6 +237,8 @@ class Simulator:
             self.decodes,
         )
         self._costs: dict[str, CostModel] = {}
+        self.placement: PlacementPolicy | None
+        self.placement_recovery: RecoveryPolicy | None
         if policy.mode == "placement":
             self.placement = make_placement_policy(policy.policy, **dict(policy.params))
             self.placement_recovery = None
@@ -376,7 +379,7 @@ class Simulator:
         # under the first block can hit; the others stay cold.
         tokens = request.input_tokens
         first_block = request.hash_ids[0] if request.hash_ids else None
-        holders = self._pooled_blocks.caches(first_block) if request.hash_ids else ()
+        holders = self._pooled_blocks.caches(first_block) if first_block is not None else ()
         hits: dict[int, int] = {}
         for pool in holders:
             for i in routing.by_pool.get(pool, ()):
@@ -439,7 +442,7 @@ class Simulator:
             return
         now_s = self.loop.now_s
         view = self.telemetry.view(self.policy_spec.network_view)
-        candidates = view.decode_instances()
+        candidates: Sequence[InstanceState] = view.decode_instances()
         if self.policy_spec.candidates == "same_node":
             node = self.node_of[flight.prefill_id]
             candidates = [s for s in candidates if self.node_of[s.instance_id] == node]

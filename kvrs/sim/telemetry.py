@@ -98,8 +98,10 @@ class Telemetry:
         self._position = {
             instance_id: position for position, instance_id in enumerate((*prefills, *decodes))
         }
-        for instance in (*prefills.values(), *decodes.values()):
-            instance.on_change = self.before_change
+        for prefill in prefills.values():
+            prefill.on_change = self.before_change
+        for decode in decodes.values():
+            decode.on_change = self.before_change
         # The control plane's copy of the topology, whose link capacities are measured.
         self._measured = build_topology()
         self._measured_bps: dict = {}

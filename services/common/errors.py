@@ -34,9 +34,10 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: 
     mapped = status_for(exc)
     if mapped is None:
         log.exception("unexpected error in %s", method)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
+        mapped = (grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
+    else:
+        log.debug("%s -> %s: %s", method, mapped[0].name, mapped[1])
     code, message = mapped
-    log.debug("%s -> %s: %s", method, code.name, message)
     await context.abort(code, message)
 
 

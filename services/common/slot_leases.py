@@ -354,7 +354,7 @@ class SlotStore:
             raise InvalidArgument("dst_instance_id", "must differ from src_instance_id")
         ttl_ms = self._ttl_ms(ttl_s)
         link = json.dumps([src_instance_id, dst_instance_id])
-        args = [
+        args: list[str | int] = [
             self._prefix,
             request_id,
             holder_id,

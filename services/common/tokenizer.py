@@ -57,7 +57,7 @@ def byte_level_tokenizer() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(sorted(SPECIAL_TOKENS, key=SPECIAL_TOKENS.get))
+    tokenizer.add_special_tokens(sorted(SPECIAL_TOKENS, key=SPECIAL_TOKENS.__getitem__))
     return tokenizer
 
 

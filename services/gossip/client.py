@@ -156,7 +156,7 @@ class GossipClient:
         if role and role not in convert.ROLE_TO_PB:
             raise errors.InvalidArgument("role", f"must be one of {tuple(convert.ROLE_TO_PB)}")
         request = gossip_pb2.ListNodesRequest(
-            role=convert.ROLE_TO_PB[role] if role else 0, include_down=include_down
+            role=convert.ROLE_TO_PB[role] if role else None, include_down=include_down
         )
         reply = await self._call(self._stub.ListNodes, request)
         return [convert.node_from_pb(info) for info in reply.nodes]
@@ -394,10 +394,10 @@ class HeartbeatLoop:
     async def _send(self, load: NodeLoad) -> None:
         sent = self._sent
         full = sent is None or self._beats_since_full + 1 >= FULL_LOAD_EVERY
-        load_unchanged = not full and not load_changed(
-            sent, load, self._registration.kv_capacity_blocks
-        )
-        prefix_unchanged = not full and load.resident_prefix_hashes == sent.resident_prefix_hashes
+        load_unchanged = prefix_unchanged = False
+        if sent is not None and not full:
+            load_unchanged = not load_changed(sent, load, self._registration.kv_capacity_blocks)
+            prefix_unchanged = load.resident_prefix_hashes == sent.resident_prefix_hashes
         self._sent = None  # unknown until the registry answers
         await self._stream.heartbeat(
             self._registration.instance_id,

@@ -24,7 +24,7 @@ from services.common.gossip_records import (
 )
 
 ROLE_TO_PB = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
-ROLE_FROM_PB = {value: name for name, value in ROLE_TO_PB.items()}
+ROLE_FROM_PB: dict[int, str] = {value: name for name, value in ROLE_TO_PB.items()}
 STATE_TO_PB = {
     ALIVE: gossip_pb2.NODE_STATE_ALIVE,
     FAILED: gossip_pb2.NODE_STATE_FAILED,

@@ -42,7 +42,11 @@ async def build_server(
     `config.redis_url` unless one is passed; it is then closed on stop)."""
     metrics = metrics or Metrics()
     owns_redis = redis_client is None
-    client = connect_redis(config.redis_url, config.redis_tls) if owns_redis else redis_client
+    client = (
+        redis_client
+        if redis_client is not None
+        else connect_redis(config.redis_url, config.redis_tls)
+    )
     store = GossipStore(
         client,
         config.redis_prefix,

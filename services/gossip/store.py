@@ -42,7 +42,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import asdict, dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as redis_async
 import redis.exceptions
@@ -758,7 +758,7 @@ class GossipStore:
         self, after_event_id: str, block_s: float, count: int = 100
     ) -> list[NodeEvent]:
         """Events after `after_event_id`, waiting up to `block_s` for the first one."""
-        reply = await _shielded(
+        reply: Any = await _shielded(
             self._redis.xread(
                 {self._events: after_event_id}, count=count, block=max(1, int(block_s * 1000))
             )

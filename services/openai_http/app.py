@@ -24,7 +24,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,7 +139,7 @@ async def _choice(
     codec: TextCodec,
     stop_token_ids: frozenset[int],
     stops: Sequence[str],
-) -> AsyncIterator[Piece | Finished]:
+) -> AsyncGenerator[Piece | Finished, None]:
     """One choice as text, as its tokens arrive, up to the model's end-of-sequence token
     or a stop sequence (then finishing with reason "stop", the rest of the generation
     cancelled); a multi-byte character comes out once complete."""
@@ -166,8 +166,8 @@ async def _choice(
 
 
 async def _merged(
-    choices: Sequence[Callable[[], AsyncIterator[Piece | Finished]]],
-) -> AsyncIterator[Event]:
+    choices: Sequence[Callable[[], AsyncGenerator[Piece | Finished, None]]],
+) -> AsyncGenerator[Event, None]:
     """The events of every choice, each tagged with its prompt's index, as they come."""
     if len(choices) == 1:
         # Closed here, so a client that goes away cancels its router call at once.
@@ -177,7 +177,9 @@ async def _merged(
         return
     queue: asyncio.Queue[tuple[int, Piece | Finished | Exception | None]] = asyncio.Queue()
 
-    async def pump(index: int, choice: Callable[[], AsyncIterator[Piece | Finished]]) -> None:
+    async def pump(
+        index: int, choice: Callable[[], AsyncGenerator[Piece | Finished, None]]
+    ) -> None:
         try:
             async with contextlib.aclosing(choice()) as events:
                 async for event in events:
@@ -344,7 +346,7 @@ class CompletionsApi:
 
     def _choices(
         self, parsed: protocol.CompletionRequest, calls: Sequence[GenerateCall]
-    ) -> list[Callable[[], AsyncIterator[Piece | Finished]]]:
+    ) -> list[Callable[[], AsyncGenerator[Piece | Finished, None]]]:
         return [
             functools.partial(
                 _choice, self.generator, call, self.codec, self._stop_token_ids, parsed.stop

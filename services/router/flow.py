@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -156,7 +156,7 @@ class Router:
 
     # -- the request ----------------------------------------------------------------
 
-    async def generate(self, request: GenerateInput) -> AsyncIterator[Token | Summary]:
+    async def generate(self, request: GenerateInput) -> AsyncGenerator[Token | Summary, None]:
         """Tokens in order, then the summary; raises the KvrsError the stream ends with."""
         request.validate()
         started = time.monotonic()

@@ -143,11 +143,11 @@ class Config:
                 f"SCHEDULER_SLOT_RESERVATIONS must be one of {', '.join(SLOT_RESERVATIONS)}, "
                 f"got {self.slot_reservations!r}"
             )
-        for name, make, value in (
+        for name, make, policy in (
             ("SCHEDULER_PLACEMENT_POLICY", make_placement_policy, self.placement_policy),
             ("SCHEDULER_RECOVERY_POLICY", make_recovery_policy, self.recovery_policy),
         ):
             try:
-                make(value)
+                make(policy)
             except KvrsError as exc:
                 raise ConfigError(f"{name}: {exc}") from None

@@ -18,6 +18,7 @@ from opentelemetry.trace import Tracer
 from opentelemetry.util.types import AttributeValue
 
 from kvrs.batch import plan_batch
+from kvrs.cluster import InstanceState
 from kvrs.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -148,7 +149,7 @@ class Scheduler:
             self._require_known("candidate_instance_ids", instance_id)
         view = self.view.current()
         attributes.update(spans.view_attributes(view))
-        candidates = view.cluster.decode_instances()
+        candidates: Sequence[InstanceState] = view.cluster.decode_instances()
         if request.exclude_ids or request.candidate_ids:
             # A filtered copy; the unfiltered list is shared so its derived columns stay
             # cached between decisions.

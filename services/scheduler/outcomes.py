@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import cast
 
 import redis.asyncio as redis_async
 from redis.exceptions import RedisError
@@ -51,7 +52,7 @@ class OutcomeLog:
         outcomes = []
         for member in await self.client.zrange(self.key, 0, -1):
             try:
-                outcomes.append(Outcome.from_json(json.loads(member)))
+                outcomes.append(Outcome.from_json(json.loads(cast(str | bytes, member))))
             except (ValueError, TypeError) as exc:
                 log.warning("skipping a malformed outcome in %s: %s", self.key, exc)
         return outcomes

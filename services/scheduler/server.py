@@ -55,9 +55,10 @@ async def build_server(
     # Background refreshes are not traced (ten spans a second of noise); slot calls are,
     # so a recovery's trace shows its reservation.
     broker = PeerChannel(config.slot_broker_addr, config.grpc, provider)
-    slots = broker_slots = SlotBrokerClient(
+    broker_slots = SlotBrokerClient(
         broker, config.holder_id, config.slot_ttl_s, config.peer_timeout_s
     )
+    slots: SlotBrokerClient | RedisSlots = broker_slots
     # One Redis connection: the shared outcome log, and the slots when reserved there.
     redis_client = connect_redis(config.redis_url, config.redis_tls)
     if config.slot_reservations == "redis":

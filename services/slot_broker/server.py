@@ -27,7 +27,11 @@ async def build_server(
     """Starts a slot broker on `config.listen_addr` (a Redis client is opened from
     `config.redis_url` unless one is passed; it is then closed on stop)."""
     owns_redis = redis_client is None
-    client = connect_redis(config.redis_url, config.redis_tls) if owns_redis else redis_client
+    client = (
+        redis_client
+        if redis_client is not None
+        else connect_redis(config.redis_url, config.redis_tls)
+    )
     store = SlotStore(
         client,
         config.redis_prefix,

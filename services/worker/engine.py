@@ -272,6 +272,7 @@ class WorkerEngine:
 
     def _prefill_result(self, entry: Resident, prefill_s: float, queued_s: float) -> PrefillResult:
         expires_unix_ms = int((time.time() + entry.lease_s) * 1000)
+        assert entry.first_token_id is not None, "a prefilled entry has its first token"
         return PrefillResult(
             first_token_id=entry.first_token_id,
             prompt_tokens=entry.prompt_tokens,
@@ -458,7 +459,7 @@ class WorkerEngine:
                     entry,
                     source_instance_id,
                     source_address,
-                    (),
+                    [],
                     token_end,
                     prompt_tokens,
                     pacing_bps,

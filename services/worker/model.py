@@ -309,8 +309,8 @@ class Transformer:
                     down_bias=t.optional(p + "mlp.down_proj.bias", hidden),
                 )
             )
-        self.final_norm = t.get("norm.weight", hidden)
-        self.final_norm_bias = None
+        self.final_norm: torch.Tensor | None = t.get("norm.weight", hidden)
+        self.final_norm_bias: torch.Tensor | None = None
         head = t.optional("lm_head.weight", a.vocab_size, hidden)
         self.head = self.embed if head is None else head
         t.optional("rotary_emb.inv_freq", a.head_dim // 2)  # older exports; recomputed
@@ -495,9 +495,11 @@ class Transformer:
             attended = self._attend(cache, index, q, k, v, masks[window], start, end)
             hidden = hidden + F.linear(attended, block.o, block.o_bias)
             normed = _rms_norm(hidden, block.norm2, a.norm_eps)
+            assert block.gate is not None, "a gated MLP loads its gate"
             gate = self._act(F.linear(normed, block.gate, block.gate_bias))
             up = F.linear(normed, block.up, block.up_bias)
             hidden = hidden + F.linear(gate * up, block.down, block.down_bias)
+        assert self.final_norm is not None, "a Llama checkpoint loads its final norm"
         return _rms_norm(hidden[-1], self.final_norm, a.norm_eps)
 
     def _forward_opt(self, cache: KvCache, ids: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, fields
 
@@ -214,7 +215,7 @@ async def build_server(
             asyncio.create_task(_canary_forever(engine, handle, config.canary_interval_s)),
             asyncio.create_task(engine.expire_forever(_LEASE_SWEEP_S)),
         ):
-            handle.cleanups.append(lambda t=task: _cancel(t))
+            handle.cleanups.append(functools.partial(_cancel, task))
     except BaseException:
         await handle.stop(0)
         raise
