@@ -31,8 +31,11 @@ from services.gossip.client import GossipClient
 from tests.tiny_reference import reference
 
 PROMPT_TOKENS = 100
-LONG_TOKENS = 1200
-"""Long enough that no request can finish between the kill decision and the kill."""
+LONG_TOKENS = 800
+"""Long enough that the first request placed is still decoding when the last one starts
+(`run_and_kill` waits for that moment on the victim), short enough that the reference run
+here stays well within the timeout on a loaded machine (transformers generates ~25 ms a
+token there)."""
 
 MIGRATE = common_pb2.RECOVERY_ACTION_MIGRATE
 RECOMPUTE = common_pb2.RECOVERY_ACTION_RECOMPUTE
@@ -52,6 +55,31 @@ class Stream:
     tokens: list[int] = field(default_factory=list)
     summary: router_pb2.GenerateSummary | None = None
     error: grpc.aio.AioRpcError | None = None
+    at_kill: str = ""
+    """What `run_and_kill` checked when it killed: this stream's tokens, the victims' state."""
+
+
+def describe(stream: Stream) -> str:
+    """Everything a failed assertion about `stream` needs to be understood."""
+    summary = stream.summary or router_pb2.GenerateSummary()
+    recoveries = [
+        (
+            r.failed_instance_id,
+            r.detected_by,
+            common_pb2.RecoveryAction.Name(r.action),
+            r.generated_tokens,
+            r.succeeded,
+            r.error,
+        )
+        for r in summary.recoveries
+    ]
+    error = f"{stream.error.code().name}: {stream.error.details()}" if stream.error else None
+    return (
+        f"{stream.request.request_id}: {len(stream.tokens)}/{stream.request.max_new_tokens} "
+        f"tokens, placed on {summary.decode_instance_id!r}, ended on "
+        f"{summary.final_decode_instance_id!r}, recoveries (failed, detected_by, action, "
+        f"generated, succeeded, error) {recoveries}, error {error}; at the kill: {stream.at_kill}"
+    )
 
 
 async def run_stream(stub, stream: Stream) -> Stream:
@@ -80,28 +108,82 @@ def request(
     )
 
 
+async def decoding(stubs: dict[str, worker_pb2_grpc.WorkerServiceStub]) -> dict[str, int]:
+    """Decode streams open on each worker now."""
+    replies = await asyncio.gather(
+        *(
+            stub.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=5)
+            for stub in stubs.values()
+        )
+    )
+    return {name: reply.running_requests for name, reply in zip(stubs, replies, strict=True)}
+
+
 async def run_and_kill(
     cluster,
     requests: Sequence[router_pb2.GenerateRequest],
     victims: Sequence[str],
-    min_tokens: int = 10,
 ) -> list[Stream]:
-    """Streams every request; once each has `min_tokens`, freezes then kills `victims`."""
-    async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
-        streams = [Stream(r) for r in requests]
-        tasks = [asyncio.create_task(run_stream(stub, s)) for s in streams]
-        deadline = time.monotonic() + 60
-        while min(len(s.tokens) for s in streams) < min_tokens:
-            assert not any(t.done() for t in tasks), [s.error for s in streams]
-            assert time.monotonic() < deadline, "requests did not start streaming"
-            await asyncio.sleep(0.001)
-        for victim in victims:
-            # Frozen first, so no process gets to answer anything in between.
-            cluster.signal(victim, signal.SIGSTOP)
-        cluster.kill(*victims)
-        assert all(len(s.tokens) < s.request.max_new_tokens for s in streams)
-        return list(await asyncio.gather(*tasks))
+    """Streams every request; once every one is decoding on its victim, freezes then kills
+    `victims`.
+
+    "Decoding" is read on the victims themselves (their open Decode streams), not from the
+    tokens this client has seen: those lag the worker's (the router relays them one by
+    one, slowly on a loaded machine), and a request placed first can finish on the worker
+    before the last one starts; a kill decided from the client's side then misses it.
+    Each stream records what was checked at the kill (`Stream.at_kill`)."""
+    placed = {
+        v: sum(r.decode_instance_id == v for r in requests)
+        for v in victims
+        if v.startswith("decode")
+    }
+    channels = {v: grpc.aio.insecure_channel(cluster.address(v)) for v in placed}
+    stubs = {v: worker_pb2_grpc.WorkerServiceStub(c) for v, c in channels.items()}
+    try:
+        async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            streams = [Stream(r) for r in requests]
+            tasks = [asyncio.create_task(run_stream(stub, s)) for s in streams]
+            deadline = time.monotonic() + 60
+            seen: list[dict[str, int]] = []
+            while True:
+                # A stream that ends first ended on the worker before the last one started
+                # there: the kill would miss it.
+                assert not any(t.done() for t in tasks), (
+                    f"a stream ended before every request was decoding on its victim at once "
+                    f"({placed} placed; open decode streams seen, newest last: {seen[-5:]})",
+                    [describe(s) for s in streams],
+                )
+                assert time.monotonic() < deadline, (
+                    f"not every request was decoding on its victim at once ({placed} placed; "
+                    f"open decode streams seen, newest last: {seen[-5:]})",
+                    [describe(s) for s in streams],
+                )
+                open_streams = await decoding(stubs)
+                seen.append(open_streams)
+                if all(open_streams[v] >= n for v, n in placed.items()) and all(
+                    s.tokens for s in streams
+                ):
+                    break
+                await asyncio.sleep(0.005)
+            for victim in victims:
+                # Frozen first, so no process gets to answer anything in between.
+                cluster.signal(victim, signal.SIGSTOP)
+            frozen_s = time.monotonic()
+            cluster.kill(*victims)
+            for stream in streams:
+                stream.at_kill = (
+                    f"{len(stream.tokens)} tokens received; decode streams open on "
+                    f"{open_streams} just before the freeze; killed "
+                    f"{time.monotonic() - frozen_s:.3f} s after it"
+                )
+            assert all(len(s.tokens) < s.request.max_new_tokens for s in streams), [
+                describe(s) for s in streams
+            ]
+            return list(await asyncio.gather(*tasks))
+    finally:
+        for channel in channels.values():
+            await channel.close()
 
 
 async def assert_nothing_leaked(cluster, workers: Sequence[str]) -> None:
@@ -119,10 +201,10 @@ async def assert_nothing_leaked(cluster, workers: Sequence[str]) -> None:
 
 
 def assert_exact(stream: Stream) -> None:
-    assert stream.error is None, stream.error
+    assert stream.error is None, describe(stream)
     expected = reference(tuple(stream.request.prompt_token_ids), stream.request.max_new_tokens)
-    assert stream.tokens == expected
-    assert stream.summary.generated_tokens == len(expected)
+    assert stream.tokens == expected, describe(stream)
+    assert stream.summary.generated_tokens == len(expected), describe(stream)
 
 
 @pytest.fixture
@@ -166,14 +248,17 @@ async def test_kill_9_of_a_decode_worker_mid_stream_loses_no_token(cluster):
     streams = await run_and_kill(cluster, requests, ["decode-0"])
     for stream in streams:
         assert_exact(stream)
+        assert len(stream.summary.recoveries) == 1, describe(stream)
         (recovery,) = stream.summary.recoveries
-        assert recovery.failed_instance_id == "decode-0"
-        assert recovery.succeeded
-        assert recovery.target_instance_id == "decode-1"
-        assert stream.summary.final_decode_instance_id == "decode-1"
-        assert 10 <= recovery.generated_tokens < LONG_TOKENS
+        assert recovery.failed_instance_id == "decode-0", describe(stream)
+        assert recovery.succeeded, describe(stream)
+        assert recovery.target_instance_id == "decode-1", describe(stream)
+        assert stream.summary.final_decode_instance_id == "decode-1", describe(stream)
+        assert 1 <= recovery.generated_tokens < LONG_TOKENS, describe(stream)
     # They failed together, so they were planned together.
-    assert {s.summary.recoveries[0].batch_size for s in streams} == {4}
+    assert {s.summary.recoveries[0].batch_size for s in streams} == {4}, [
+        describe(s) for s in streams
+    ]
     await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-1"))
 
 
