@@ -26,11 +26,10 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
-from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs import errors
 from kvrs.rpc import (
@@ -53,6 +52,9 @@ from kvrs.v1 import (
     slots_pb2,
     slots_pb2_grpc,
 )
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 __all__ = ["KvrsClient", "RETRYABLE_CODES", "parse_addresses"]
 

@@ -13,6 +13,7 @@ too). CONTRIBUTING.md gives the reasons.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,28 @@ def test_the_scan_sees_lazy_imports_inside_functions(tmp_path):
         "services.router",
         "services.router.peers",
     ]
+
+
+def test_the_client_imports_only_kvrs_grpc_protobuf_and_the_standard_library():
+    tree = ast.parse((ROOT / "kvrs" / "client.py").read_text())
+    # Imports for annotations only (under `if TYPE_CHECKING:`) are not loaded.
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in ast.walk(block)
+    }
+    allowed = {"kvrs", "grpc", "google", "__future__", *sys.stdlib_module_names}
+    loaded = {
+        name.split(".")[0]
+        for node in ast.walk(tree)
+        if id(node) not in typing_only
+        for name in (
+            [alias.name for alias in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+            else []
+        )
+    }
+    assert loaded <= allowed, sorted(loaded - allowed)
