@@ -43,7 +43,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ...) -> None: ...
 
 class GenerateSummary(_message.Message):
-    __slots__ = ("request_id", "prefill_instance_id", "decode_instance_id", "final_decode_instance_id", "prompt_tokens", "generated_tokens", "finish_reason", "ttft_s", "ttft_slo_met", "total_s", "predicted_ttft_s", "prefill_s", "kv_transfer_s", "kv_bytes", "recoveries", "trace_id", "placement_measured_s", "placement_predicted_s")
+    __slots__ = ("request_id", "prefill_instance_id", "decode_instance_id", "final_decode_instance_id", "prompt_tokens", "generated_tokens", "finish_reason", "ttft_s", "ttft_slo_met", "total_s", "predicted_ttft_s", "prefill_s", "kv_transfer_s", "kv_bytes", "recoveries", "trace_id", "placement_measured_s", "placement_predicted_s", "prefix_hit_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class GenerateSummary(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_MEASURED_S_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_PREDICTED_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_instance_id: str
     decode_instance_id: str
@@ -80,7 +81,8 @@ class GenerateSummary(_message.Message):
     trace_id: str
     placement_measured_s: float
     placement_predicted_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., final_decode_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., ttft_slo_met: _Optional[bool] = ..., total_s: _Optional[float] = ..., predicted_ttft_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryReport, _Mapping]]] = ..., trace_id: _Optional[str] = ..., placement_measured_s: _Optional[float] = ..., placement_predicted_s: _Optional[float] = ...) -> None: ...
+    prefix_hit_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., final_decode_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., ttft_slo_met: _Optional[bool] = ..., total_s: _Optional[float] = ..., predicted_ttft_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryReport, _Mapping]]] = ..., trace_id: _Optional[str] = ..., placement_measured_s: _Optional[float] = ..., placement_predicted_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class RecoveryReport(_message.Message):
     __slots__ = ("failed_instance_id", "detected_by", "generated_tokens", "action", "target_instance_id", "source_instance_id", "split_tokens", "predicted_cost_s", "options", "slo_slack_s", "reason", "policy", "batch_size", "measured_s", "decision_s", "succeeded", "error", "predicted_terms", "measured_terms")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvrs.v1 import common_pb2 as kvrs_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvrs/v1/worker.proto\x12\x07kvrs.v1\x1a\x14kvrs/v1/common.proto\"\x91\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.kvrs.v1.SamplingParams\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\"\xbf\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x1d\n\x15lease_expires_unix_ms\x18\x07 \x01(\x03\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\"\xcc\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11release_when_done\x18\x05 \x01(\x08\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.kvrs.v1.SamplingParamsB\x10\n\x0e_stop_token_id\"c\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12\x0e\n\x06step_s\x18\x04 \x01(\x01\x12\x0c\n\x04last\x18\x05 \x01(\x08\"a\n\rExtendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.kvrs.v1.SamplingParams\"x\n\x0e\x45xtendResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x17\n\x0fresident_tokens\x18\x03 \x01(\x05\x12\x10\n\x08\x65xtend_s\x18\x04 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\"\xd5\x01\n\rPullKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12source_instance_id\x18\x02 \x01(\t\x12\x16\n\x0esource_address\x18\x03 \x01(\t\x12\x13\n\x0btoken_start\x18\x04 \x01(\x05\x12\x11\n\ttoken_end\x18\x05 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x18\n\x10prefix_token_ids\x18\x07 \x03(\x05\x12\x0f\n\x07lease_s\x18\x08 \x01(\x01\x12\x12\n\npacing_bps\x18\t \x01(\x01\"\xdb\x01\n\x0ePullKvResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fresident_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14transferred_kv_bytes\x18\x03 \x01(\x03\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x14\n\x0ctransfer_bps\x18\x05 \x01(\x01\x12\x19\n\x11recomputed_tokens\x18\x06 \x01(\x05\x12\x13\n\x0brecompute_s\x18\x07 \x01(\x01\x12\x0f\n\x07total_s\x18\x08 \x01(\x01\x12\x13\n\x0btransfer_id\x18\t \x01(\t\"\xbf\x02\n\x10KvTransferTicket\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\x03\x12\x1c\n\x14receiver_instance_id\x18\x04 \x01(\t\x12\x1c\n\x14receiver_incarnation\x18\x05 \x01(\t\x12\x1a\n\x12rendezvous_address\x18\x06 \x01(\t\x12\x18\n\x10group_generation\x18\x07 \x01(\x03\x12\x1a\n\x12sender_instance_id\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x13\n\x0btoken_start\x18\n \x01(\x05\x12\x11\n\ttoken_end\x18\x0b \x01(\x05\x12\x13\n\x0btraceparent\x18\x0c \x01(\t\x12\x10\n\x08\x61uth_key\x18\r \x01(\x0c\"b\n\rSendKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06ticket\x18\x02 \x01(\x0b\x32\x19.kvrs.v1.KvTransferTicket\x12\x12\n\npacing_bps\x18\x03 \x01(\x01\"]\n\x0eSendKvResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"&\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"=\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x16\n\x0e\x66reed_kv_bytes\x18\x02 \x01(\x03\"\x17\n\x15GetWorkerStatsRequest\"\xf2\x03\n\x16GetWorkerStatsResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1b\n\x04role\x18\x02 \x01(\x0e\x32\r.kvrs.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12#\n\x08location\x18\x05 \x01(\x0b\x32\x11.kvrs.v1.Location\x12\x18\n\x10transfer_address\x18\x06 \x01(\t\x12\x18\n\x10protocol_version\x18\x07 \x01(\x05\x12\x19\n\x11resident_requests\x18\x08 \x01(\x05\x12\x14\n\x0c\x62lock_tokens\x18\t \x01(\x05\x12\x1a\n\x12kv_capacity_blocks\x18\n \x01(\x03\x12\x16\n\x0e\x66ree_kv_blocks\x18\x0b \x01(\x03\x12\x15\n\rused_kv_bytes\x18\x0c \x01(\x03\x12\x19\n\x11kv_capacity_bytes\x18\r \x01(\x03\x12\x15\n\rqueued_work_s\x18\x0e \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\x05\x12\x18\n\x10running_requests\x18\x10 \x01(\x05\x12\x18\n\x10\x65victed_requests\x18\x11 \x01(\x03\x12\x18\n\x10\x65xpired_requests\x18\x12 \x01(\x03\x12\x1e\n\x16resident_prefix_hashes\x18\x13 \x03(\x04\x32\xd2\x03\n\rWorkerService\x12<\n\x07Prefill\x12\x17.kvrs.v1.PrefillRequest\x1a\x18.kvrs.v1.PrefillResponse\x12;\n\x06\x44\x65\x63ode\x12\x16.kvrs.v1.DecodeRequest\x1a\x17.kvrs.v1.DecodeResponse0\x01\x12\x39\n\x06\x45xtend\x12\x16.kvrs.v1.ExtendRequest\x1a\x17.kvrs.v1.ExtendResponse\x12\x39\n\x06PullKv\x12\x16.kvrs.v1.PullKvRequest\x1a\x17.kvrs.v1.PullKvResponse\x12\x39\n\x06SendKv\x12\x16.kvrs.v1.SendKvRequest\x1a\x17.kvrs.v1.SendKvResponse\x12\x42\n\tReleaseKv\x12\x19.kvrs.v1.ReleaseKvRequest\x1a\x1a.kvrs.v1.ReleaseKvResponse\x12Q\n\x0eGetWorkerStats\x12\x1e.kvrs.v1.GetWorkerStatsRequest\x1a\x1f.kvrs.v1.GetWorkerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvrs/v1/worker.proto\x12\x07kvrs.v1\x1a\x14kvrs/v1/common.proto\"\x91\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.kvrs.v1.SamplingParams\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\"\xda\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x1d\n\x15lease_expires_unix_ms\x18\x07 \x01(\x03\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x19\n\x11prefix_hit_tokens\x18\t \x01(\x05\"\xcc\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11release_when_done\x18\x05 \x01(\x08\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.kvrs.v1.SamplingParamsB\x10\n\x0e_stop_token_id\"c\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12\x0e\n\x06step_s\x18\x04 \x01(\x01\x12\x0c\n\x04last\x18\x05 \x01(\x08\"a\n\rExtendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.kvrs.v1.SamplingParams\"x\n\x0e\x45xtendResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x17\n\x0fresident_tokens\x18\x03 \x01(\x05\x12\x10\n\x08\x65xtend_s\x18\x04 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\"\xd5\x01\n\rPullKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12source_instance_id\x18\x02 \x01(\t\x12\x16\n\x0esource_address\x18\x03 \x01(\t\x12\x13\n\x0btoken_start\x18\x04 \x01(\x05\x12\x11\n\ttoken_end\x18\x05 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x18\n\x10prefix_token_ids\x18\x07 \x03(\x05\x12\x0f\n\x07lease_s\x18\x08 \x01(\x01\x12\x12\n\npacing_bps\x18\t \x01(\x01\"\xdb\x01\n\x0ePullKvResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fresident_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14transferred_kv_bytes\x18\x03 \x01(\x03\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x14\n\x0ctransfer_bps\x18\x05 \x01(\x01\x12\x19\n\x11recomputed_tokens\x18\x06 \x01(\x05\x12\x13\n\x0brecompute_s\x18\x07 \x01(\x01\x12\x0f\n\x07total_s\x18\x08 \x01(\x01\x12\x13\n\x0btransfer_id\x18\t \x01(\t\"\xbf\x02\n\x10KvTransferTicket\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\x03\x12\x1c\n\x14receiver_instance_id\x18\x04 \x01(\t\x12\x1c\n\x14receiver_incarnation\x18\x05 \x01(\t\x12\x1a\n\x12rendezvous_address\x18\x06 \x01(\t\x12\x18\n\x10group_generation\x18\x07 \x01(\x03\x12\x1a\n\x12sender_instance_id\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x13\n\x0btoken_start\x18\n \x01(\x05\x12\x11\n\ttoken_end\x18\x0b \x01(\x05\x12\x13\n\x0btraceparent\x18\x0c \x01(\t\x12\x10\n\x08\x61uth_key\x18\r \x01(\x0c\"b\n\rSendKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06ticket\x18\x02 \x01(\x0b\x32\x19.kvrs.v1.KvTransferTicket\x12\x12\n\npacing_bps\x18\x03 \x01(\x01\"]\n\x0eSendKvResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"&\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"=\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x16\n\x0e\x66reed_kv_bytes\x18\x02 \x01(\x03\"\x17\n\x15GetWorkerStatsRequest\"\xf2\x03\n\x16GetWorkerStatsResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1b\n\x04role\x18\x02 \x01(\x0e\x32\r.kvrs.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12#\n\x08location\x18\x05 \x01(\x0b\x32\x11.kvrs.v1.Location\x12\x18\n\x10transfer_address\x18\x06 \x01(\t\x12\x18\n\x10protocol_version\x18\x07 \x01(\x05\x12\x19\n\x11resident_requests\x18\x08 \x01(\x05\x12\x14\n\x0c\x62lock_tokens\x18\t \x01(\x05\x12\x1a\n\x12kv_capacity_blocks\x18\n \x01(\x03\x12\x16\n\x0e\x66ree_kv_blocks\x18\x0b \x01(\x03\x12\x15\n\rused_kv_bytes\x18\x0c \x01(\x03\x12\x19\n\x11kv_capacity_bytes\x18\r \x01(\x03\x12\x15\n\rqueued_work_s\x18\x0e \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\x05\x12\x18\n\x10running_requests\x18\x10 \x01(\x05\x12\x18\n\x10\x65victed_requests\x18\x11 \x01(\x03\x12\x18\n\x10\x65xpired_requests\x18\x12 \x01(\x03\x12\x1e\n\x16resident_prefix_hashes\x18\x13 \x03(\x04\x32\xd2\x03\n\rWorkerService\x12<\n\x07Prefill\x12\x17.kvrs.v1.PrefillRequest\x1a\x18.kvrs.v1.PrefillResponse\x12;\n\x06\x44\x65\x63ode\x12\x16.kvrs.v1.DecodeRequest\x1a\x17.kvrs.v1.DecodeResponse0\x01\x12\x39\n\x06\x45xtend\x12\x16.kvrs.v1.ExtendRequest\x1a\x17.kvrs.v1.ExtendResponse\x12\x39\n\x06PullKv\x12\x16.kvrs.v1.PullKvRequest\x1a\x17.kvrs.v1.PullKvResponse\x12\x39\n\x06SendKv\x12\x16.kvrs.v1.SendKvRequest\x1a\x17.kvrs.v1.SendKvResponse\x12\x42\n\tReleaseKv\x12\x19.kvrs.v1.ReleaseKvRequest\x1a\x1a.kvrs.v1.ReleaseKvResponse\x12Q\n\x0eGetWorkerStats\x12\x1e.kvrs.v1.GetWorkerStatsRequest\x1a\x1f.kvrs.v1.GetWorkerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=56
   _globals['_PREFILLREQUEST']._serialized_end=201
   _globals['_PREFILLRESPONSE']._serialized_start=204
-  _globals['_PREFILLRESPONSE']._serialized_end=395
-  _globals['_DECODEREQUEST']._serialized_start=398
-  _globals['_DECODEREQUEST']._serialized_end=602
-  _globals['_DECODERESPONSE']._serialized_start=604
-  _globals['_DECODERESPONSE']._serialized_end=703
-  _globals['_EXTENDREQUEST']._serialized_start=705
-  _globals['_EXTENDREQUEST']._serialized_end=802
-  _globals['_EXTENDRESPONSE']._serialized_start=804
-  _globals['_EXTENDRESPONSE']._serialized_end=924
-  _globals['_PULLKVREQUEST']._serialized_start=927
-  _globals['_PULLKVREQUEST']._serialized_end=1140
-  _globals['_PULLKVRESPONSE']._serialized_start=1143
-  _globals['_PULLKVRESPONSE']._serialized_end=1362
-  _globals['_KVTRANSFERTICKET']._serialized_start=1365
-  _globals['_KVTRANSFERTICKET']._serialized_end=1684
-  _globals['_SENDKVREQUEST']._serialized_start=1686
-  _globals['_SENDKVREQUEST']._serialized_end=1784
-  _globals['_SENDKVRESPONSE']._serialized_start=1786
-  _globals['_SENDKVRESPONSE']._serialized_end=1879
-  _globals['_RELEASEKVREQUEST']._serialized_start=1881
-  _globals['_RELEASEKVREQUEST']._serialized_end=1919
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1921
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1982
-  _globals['_GETWORKERSTATSREQUEST']._serialized_start=1984
-  _globals['_GETWORKERSTATSREQUEST']._serialized_end=2007
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=2010
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=2508
-  _globals['_WORKERSERVICE']._serialized_start=2511
-  _globals['_WORKERSERVICE']._serialized_end=2977
+  _globals['_PREFILLRESPONSE']._serialized_end=422
+  _globals['_DECODEREQUEST']._serialized_start=425
+  _globals['_DECODEREQUEST']._serialized_end=629
+  _globals['_DECODERESPONSE']._serialized_start=631
+  _globals['_DECODERESPONSE']._serialized_end=730
+  _globals['_EXTENDREQUEST']._serialized_start=732
+  _globals['_EXTENDREQUEST']._serialized_end=829
+  _globals['_EXTENDRESPONSE']._serialized_start=831
+  _globals['_EXTENDRESPONSE']._serialized_end=951
+  _globals['_PULLKVREQUEST']._serialized_start=954
+  _globals['_PULLKVREQUEST']._serialized_end=1167
+  _globals['_PULLKVRESPONSE']._serialized_start=1170
+  _globals['_PULLKVRESPONSE']._serialized_end=1389
+  _globals['_KVTRANSFERTICKET']._serialized_start=1392
+  _globals['_KVTRANSFERTICKET']._serialized_end=1711
+  _globals['_SENDKVREQUEST']._serialized_start=1713
+  _globals['_SENDKVREQUEST']._serialized_end=1811
+  _globals['_SENDKVRESPONSE']._serialized_start=1813
+  _globals['_SENDKVRESPONSE']._serialized_end=1906
+  _globals['_RELEASEKVREQUEST']._serialized_start=1908
+  _globals['_RELEASEKVREQUEST']._serialized_end=1946
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1948
+  _globals['_RELEASEKVRESPONSE']._serialized_end=2009
+  _globals['_GETWORKERSTATSREQUEST']._serialized_start=2011
+  _globals['_GETWORKERSTATSREQUEST']._serialized_end=2034
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=2037
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=2535
+  _globals['_WORKERSERVICE']._serialized_start=2538
+  _globals['_WORKERSERVICE']._serialized_end=3004
 # @@protoc_insertion_point(module_scope)

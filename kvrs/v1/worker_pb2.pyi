@@ -22,7 +22,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "prompt_tokens", "kv_bytes", "prefill_s", "queued_s", "lease_expires_unix_ms", "instance_id")
+    __slots__ = ("request_id", "first_token_id", "prompt_tokens", "kv_bytes", "prefill_s", "queued_s", "lease_expires_unix_ms", "instance_id", "prefix_hit_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class PrefillResponse(_message.Message):
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     prompt_tokens: int
@@ -39,7 +40,8 @@ class PrefillResponse(_message.Message):
     queued_s: float
     lease_expires_unix_ms: int
     instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_s: _Optional[float] = ..., queued_s: _Optional[float] = ..., lease_expires_unix_ms: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    prefix_hit_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_s: _Optional[float] = ..., queued_s: _Optional[float] = ..., lease_expires_unix_ms: _Optional[int] = ..., instance_id: _Optional[str] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "generated_token_ids", "max_new_tokens", "stop_token_id", "release_when_done", "sampling")

@@ -34,6 +34,7 @@ from typing import Protocol
 
 from opentelemetry.trace import Span, Tracer
 
+from kvrs.costmodel import prefix_hit_tokens
 from kvrs.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -284,6 +285,7 @@ class Router:
             run.prefill, run.prefill_kv_id = at, request.request_id
             run.summary.prefill_instance_id = at.instance_id
             run.summary.prefill_s = prefilled.prefill_s
+            run.summary.prefix_hit_tokens = prefilled.prefix_hit_tokens
             return prefilled.first_token_id
         raise Unavailable(f"prefill failed on {', '.join(sorted(tried))}: {last_error}")
 
@@ -316,6 +318,21 @@ class Router:
             self._prefill_inflight_s,
         )
         return Endpoint(chosen.instance_id, chosen.address), estimate_s
+
+    def _resident_prefix_tokens(self, instance_id: str, prompt: Sequence[int]) -> int:
+        """Leading whole blocks of `prompt` that `instance_id` heartbeats as resident,
+        short of the whole prompt (a pull moves at least one token)."""
+        instance = self.membership.instance(instance_id)
+        if instance is None or not instance.resident_prefix_hashes:
+            return 0
+        block = self.settings.block_tokens
+        hit = prefix_hit_tokens(
+            prefix_block_hashes(prompt, block),
+            instance.resident_prefix_hashes,
+            block,
+            len(prompt),
+        )
+        return min(hit, (len(prompt) - 1) // block * block)
 
     async def _select(
         self, request: GenerateInput, prefill: Endpoint, hashes: Sequence[int]
@@ -350,15 +367,20 @@ class Router:
         self._attach(run, placement.decode, asyncio.Queue())
         started = time.monotonic()
         running = self.decoding_on(placement.decode.instance_id) - 1
+        # Only the blocks the target lacks cross the network: the leading prompt blocks
+        # it advertises resident are filled from its own copies (recomputed there if it
+        # dropped them since its last heartbeat).
+        held = self._resident_prefix_tokens(placement.decode.instance_id, request.prompt)
         try:
             pulled = await self.executor.pull(
                 run,
                 placement.decode,
                 run.prefill_kv_id,
                 run.prefill,
-                0,
+                held,
                 prompt_tokens,
                 prompt_tokens,
+                request.prompt[:held],
             )
         except StepFailed as failed:
             return failed.lost

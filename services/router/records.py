@@ -146,6 +146,8 @@ class Summary:
     prefill_s: float = 0.0
     kv_transfer_s: float = 0.0
     kv_bytes: int = 0
+    prefix_hit_tokens: int = 0
+    """Prompt tokens the prefill instance reused from its resident prefix blocks."""
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     trace_id: str = ""
     placement_measured_s: float = 0.0

@@ -79,6 +79,7 @@ def summary_to_pb(summary: Summary) -> router_pb2.GenerateSummary:
         prefill_s=summary.prefill_s,
         kv_transfer_s=summary.kv_transfer_s,
         kv_bytes=summary.kv_bytes,
+        prefix_hit_tokens=summary.prefix_hit_tokens,
         recoveries=[recovery_to_pb(record) for record in summary.recoveries],
         trace_id=summary.trace_id,
         placement_measured_s=summary.placement_measured_s,

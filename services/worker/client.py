@@ -44,6 +44,8 @@ class Prefilled:
     prefill_s: float
     queued_s: float = 0.0
     """Time the prefill waited for the worker's compute thread."""
+    prefix_hit_tokens: int = 0
+    """Prompt tokens taken from the worker's resident prefix blocks."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,13 @@ class WorkerPool:
             reply = await self._stub(at.address).Prefill(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._failed(exc, at) from exc
-        return Prefilled(reply.first_token_id, reply.kv_bytes, reply.prefill_s, reply.queued_s)
+        return Prefilled(
+            reply.first_token_id,
+            reply.kv_bytes,
+            reply.prefill_s,
+            reply.queued_s,
+            reply.prefix_hit_tokens,
+        )
 
     async def extend(
         self, at: Endpoint, kv_id: str, tokens: Sequence[int], sampling: Sampling | None = None

@@ -31,7 +31,7 @@ from libkvxfer import (
     TransferTicket,
 )
 from services.worker.compute import ComputeQueue, Estimates
-from services.worker.kvstore import KvStore, Resident
+from services.worker.kvstore import KvStore, PrefixReuse, Resident
 from services.worker.model import Transformer
 from services.worker.sampling import choose
 
@@ -69,6 +69,8 @@ class PrefillResult:
     prefill_s: float
     queued_s: float
     lease_expires_unix_ms: int
+    prefix_hit_tokens: int = 0
+    """Leading prompt tokens whose KV came from resident prefix blocks, not computed."""
 
 
 @dataclass(frozen=True)
@@ -252,23 +254,58 @@ class WorkerEngine:
             prompt_tokens=prompt_tokens,
         )
         entry.sampling = sampling or Sampling()
+        # Resident prefix blocks are copied in, not computed; at least the last token is
+        # computed, since its logits give the first generated token.
+        block = self.store.block_tokens
+        reuse = self.store.reusable_prefix(prompt, (len(prompt) - 1) // block * block)
+        hit = len(reuse.blocks) * block
         try:
             async with entry.lock:
                 timed = await self.compute.run(
-                    lambda: self.model.prefill(prompt, entry.cache)[1],
-                    self.estimates.prefill_s(len(prompt)),
+                    self._fill(entry.cache, prompt, reuse),
+                    self.estimates.extend_s(hit, len(prompt) - hit)
+                    if hit
+                    else self.estimates.prefill_s(len(prompt)),
                 )
                 entry.token_ids = prompt
                 entry.first_token_id = entry.next_token_id = _choose(entry, timed.value)
+                entry.prefix_hit_tokens = hit
         except BaseException:
             self.store.discard(entry)
             raise
         finally:
+            self.store.release_prefix(reuse)
             self.store.unpin(entry)
         trace.get_current_span().set_attributes(
-            {"kvrs.request_id": request_id, "kvrs.prompt_tokens": len(prompt)}
+            {
+                "kvrs.request_id": request_id,
+                "kvrs.prompt_tokens": len(prompt),
+                "kvrs.prefix_hit_tokens": hit,
+            }
         )
         return self._prefill_result(entry, timed.compute_s, timed.queued_s)
+
+    def _fill(self, cache, tokens: list[int], reuse: PrefixReuse):
+        """Work for the compute thread: the resident blocks of `reuse` copied into `cache`,
+        the rest of `tokens` computed on top; the last position's logits (None when the
+        blocks covered every token)."""
+        blocks = reuse.blocks
+        block = self.store.block_tokens
+        hit = len(blocks) * block
+
+        def work():
+            cache.reserve(len(tokens))
+            for index, layers in enumerate(blocks):
+                views = cache.views(index * block, (index + 1) * block)
+                for (key, value), (cached_key, cached_value) in zip(views, layers, strict=True):
+                    key.copy_(cached_key)
+                    value.copy_(cached_value)
+            cache.commit(hit)
+            if hit == len(tokens):
+                return None
+            return self.model.extend(cache, tokens[hit:])[1]
+
+        return work
 
     def _prefill_result(self, entry: Resident, prefill_s: float, queued_s: float) -> PrefillResult:
         expires_unix_ms = int((time.time() + entry.lease_s) * 1000)
@@ -280,6 +317,7 @@ class WorkerEngine:
             prefill_s=prefill_s,
             queued_s=queued_s,
             lease_expires_unix_ms=expires_unix_ms,
+            prefix_hit_tokens=entry.prefix_hit_tokens,
         )
 
     async def decode(
@@ -511,13 +549,16 @@ class WorkerEngine:
         self.store.grow(entry, token_end)
         entry.cache.reserve(token_end)
         recompute = None
+        reuse = self.store.reusable_prefix(prefix, len(prefix))
+        reused = len(reuse.blocks) * self.store.block_tokens
         if prefix:
-            # HYBRID: the prefix is computed into [0, start) while the rest is received
+            # The prefix [0, start) is filled here — from resident prefix blocks where this
+            # worker holds them, computed otherwise (HYBRID) — while the rest is received
             # into [start, token_end) of the same buffers.
             recompute = asyncio.ensure_future(
                 self.compute.run(
-                    lambda: self.model.prefill(prefix, entry.cache),
-                    self.estimates.prefill_s(len(prefix)),
+                    self._fill(entry.cache, prefix, reuse),
+                    self.estimates.extend_s(reused, len(prefix) - reused),
                 )
             )
         try:
@@ -536,10 +577,14 @@ class WorkerEngine:
                 # The recompute writes into the same buffers: let it finish first.
                 with contextlib.suppress(KvrsError):
                     await recompute
+            self.store.release_prefix(reuse)
             raise
         recompute_s = 0.0
-        if recompute is not None:
-            recompute_s = (await recompute).compute_s
+        try:
+            if recompute is not None:
+                recompute_s = (await recompute).compute_s
+        finally:
+            self.store.release_prefix(reuse)
         if len(sent.token_ids) != token_end - start:
             raise FailedPrecondition(
                 f"source sent {len(sent.token_ids)} token ids for {token_end - start} positions",
@@ -549,13 +594,15 @@ class WorkerEngine:
         entry.token_ids = [*entry.token_ids, *prefix, *sent.token_ids]
         entry.prompt_tokens = prompt_tokens or token_end
         entry.next_token_id = None
+        entry.prefix_hit_tokens = reused
         self.store.touch(entry)
         trace.get_current_span().set_attributes(
             {
                 "kvrs.request_id": entry.request_id,
                 "kvrs.kv_bytes": stats.kv_bytes,
                 "kvrs.source_instance_id": source_id,
-                "kvrs.recomputed_tokens": len(prefix),
+                "kvrs.recomputed_tokens": len(prefix) - reused,
+                "kvrs.prefix_hit_tokens": reused,
             }
         )
         return PullResult(
@@ -563,7 +610,7 @@ class WorkerEngine:
             transferred_kv_bytes=stats.kv_bytes,
             transfer_s=stats.seconds,
             transfer_bps=stats.throughput_bps,
-            recomputed_tokens=len(prefix),
+            recomputed_tokens=len(prefix) - reused,
             recompute_s=recompute_s,
             total_s=time.monotonic() - started,
             transfer_id=stats.transfer_id,

@@ -1,10 +1,16 @@
-"""Resident KV of one worker: leases, a memory budget in blocks, eviction.
+"""Resident KV of one worker: leases, a memory budget in blocks, prefix blocks, eviction.
 
 A request's KV stays here after hand-off (the prefill side keeps it for a possible
 migration) until it is released, its lease runs out, or memory is needed: then
 expired entries go first, least recently used next. Entries in use (a decode step, a
-transfer) are pinned and never evicted. Lives on the event loop; only the tensors are
-touched from compute threads.
+transfer) are pinned and never evicted.
+
+Besides the requests, the store keeps prefix blocks: copies of the KV of every full
+prompt block a request computed or received, under its chained prefix hash
+(`kvrs.prefix_blocks` decides which live). A later prompt starting with those blocks
+reuses them; they share the budget and are the first thing given up when memory is
+needed, least recently used first, never one a request is reading. Lives on the event
+loop; only the tensors are touched from compute threads.
 """
 
 from __future__ import annotations
@@ -15,12 +21,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from kvrs.errors import NotFound, ResourceExhausted
+from kvrs.prefix_blocks import PrefixBlocks
 from kvrs.sampling import Sampling
 from kvrs.tokenizer import prefix_block_hashes
 from services.worker.model import KvCache
 
 Clock = Callable[[], float]
+
+
+@dataclass
+class PrefixReuse:
+    """Resident KV a new request starts from: per block, per layer (key, value)."""
+
+    blocks: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    """Kept prefix blocks pinned for the copy."""
+    entries: list[Resident] = field(default_factory=list)
+    """Resident requests pinned for the copy."""
 
 
 @dataclass(eq=False)
@@ -40,6 +60,8 @@ class Resident:
     """Greedy token after the last resident position, when computed here."""
     first_token_id: int | None = None
     """Prefill's answer, so a retried Prefill gets the same one."""
+    prefix_hit_tokens: int = 0
+    """Leading tokens whose KV came from this worker's resident prefix blocks."""
     sampling: Sampling = field(default_factory=Sampling)
     """How this request's tokens are drawn (the last Prefill, Decode or Extend's say)."""
     reserved_tokens: int = 0
@@ -78,6 +100,8 @@ class KvStore:
         self.capacity_blocks = capacity_bytes // (block_tokens * bytes_per_token)
         self._clock = clock
         self._entries: dict[str, Resident] = {}
+        self.prefix = PrefixBlocks()
+        self._prefix_kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.evicted = 0
         self.expired = 0
 
@@ -86,7 +110,9 @@ class KvStore:
 
     @property
     def used_blocks(self) -> int:
-        return sum(self.blocks(e.reserved_tokens) for e in self._entries.values())
+        return len(self.prefix) + sum(
+            self.blocks(e.reserved_tokens) for e in self._entries.values()
+        )
 
     @property
     def free_blocks(self) -> int:
@@ -94,7 +120,8 @@ class KvStore:
 
     @property
     def used_bytes(self) -> int:
-        return sum(e.cache.resident_bytes() for e in self._entries.values())
+        blocks = len(self.prefix) * self.block_tokens * self.bytes_per_token
+        return blocks + sum(e.cache.resident_bytes() for e in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -158,7 +185,7 @@ class KvStore:
         entry.pins -= 1
         self.touch(entry)
         if entry.pins == 0 and entry.release_pending:
-            self._remove(entry)
+            self._remove(entry, retain=True)
 
     def touch(self, entry: Resident) -> None:
         entry.last_used_s = self._clock()
@@ -178,7 +205,7 @@ class KvStore:
         if entry.pins:
             entry.release_pending = True
         else:
-            self._remove(entry)
+            self._remove(entry, retain=True)
         return freed
 
     def expire(self) -> list[str]:
@@ -186,7 +213,7 @@ class KvStore:
         now = self._clock()
         gone = [e for e in self._entries.values() if not e.pins and e.expires_at_s <= now]
         for entry in gone:
-            self._remove(entry)
+            self._remove(entry, retain=True)
         self.expired += len(gone)
         return [e.request_id for e in gone]
 
@@ -194,6 +221,7 @@ class KvStore:
         if blocks <= self.free_blocks:
             return
         self.expire()
+        self._drop_prefix_blocks(blocks - self.free_blocks)
         candidates = sorted(
             (e for e in self._entries.values() if not e.pins and e is not exclude),
             key=lambda e: e.last_used_s,
@@ -208,13 +236,70 @@ class KvStore:
                 "rest in use"
             )
 
-    def _remove(self, entry: Resident) -> None:
+    def _remove(self, entry: Resident, retain: bool = False) -> None:
+        """Forget `entry`; with `retain`, its full prompt blocks stay as prefix blocks as
+        far as the memory it frees allows (an eviction for memory keeps nothing)."""
         self._entries.pop(entry.request_id, None)
+        if not retain:
+            return
+        tokens = min(entry.prompt_tokens, entry.resident_tokens, len(entry.token_ids))
+        for index, block_hash in enumerate(entry.block_hashes(self.block_tokens)):
+            if (index + 1) * self.block_tokens > tokens or self.free_blocks < 1:
+                break
+            if not self.prefix.insert(block_hash):
+                continue
+            start = index * self.block_tokens
+            self._prefix_kv[block_hash] = [
+                (k.clone(), v.clone())
+                for k, v in entry.cache.layers_kv(start, start + self.block_tokens)
+            ]
+
+    # -- prefix blocks ----------------------------------------------------------------
+
+    def _drop_prefix_blocks(self, count: int) -> None:
+        for block_hash in self.prefix.evict(count):
+            del self._prefix_kv[block_hash]
+
+    def reusable_prefix(self, token_ids: list[int], limit_tokens: int) -> PrefixReuse:
+        """The leading blocks of `token_ids` (within `limit_tokens`) whose KV this worker
+        holds — kept prefix blocks, or blocks of a resident request with the same prefix —
+        pinned until `release_prefix`."""
+        hashes = prefix_block_hashes(token_ids[:limit_tokens], self.block_tokens)
+        live: dict[int, tuple[Resident, int]] = {}
+        for entry in self._entries.values():
+            if entry.release_pending:
+                continue
+            full = min(entry.prompt_tokens, entry.resident_tokens) // self.block_tokens
+            for index, block_hash in enumerate(entry.block_hashes(self.block_tokens)[:full]):
+                live.setdefault(block_hash, (entry, index))
+        reuse = PrefixReuse()
+        for block_hash in hashes:
+            if block_hash in self.prefix:
+                self.prefix.acquire([block_hash])
+                reuse.kept.append(block_hash)
+                reuse.blocks.append(self._prefix_kv[block_hash])
+            elif block_hash in live:
+                entry, index = live[block_hash]
+                if entry not in reuse.entries:
+                    self.pin(entry)
+                    reuse.entries.append(entry)
+                start = index * self.block_tokens
+                reuse.blocks.append(entry.cache.layers_kv(start, start + self.block_tokens))
+            else:
+                break
+        return reuse
+
+    def release_prefix(self, reuse: PrefixReuse) -> None:
+        """Unpin what `reusable_prefix` pinned (once its KV has been copied)."""
+        self.prefix.release(reuse.kept)
+        for entry in reuse.entries:
+            self.unpin(entry)
+        reuse.kept, reuse.entries = [], []
 
     def prefix_hashes(self, limit: int = 4096) -> list[int]:
         """Hashes of the full prefix blocks resident here (most recently used first)."""
-        hashes: list[int] = []
-        seen: set[int] = set()
+        hashes: list[int] = list(self.prefix.hashes()[:limit])
+        seen: set[int] = set(hashes)
         for entry in sorted(self._entries.values(), key=lambda e: -e.last_used_s):
             for block_hash in entry.block_hashes(self.block_tokens):
                 if block_hash not in seen:

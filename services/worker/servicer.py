@@ -106,6 +106,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             queued_s=result.queued_s,
             lease_expires_unix_ms=result.lease_expires_unix_ms,
             instance_id=self._engine.instance_id,
+            prefix_hit_tokens=result.prefix_hit_tokens,
         )
 
     async def Decode(

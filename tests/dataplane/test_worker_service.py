@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from worker_procs import WorkerProcess, stub
 
 from kvrs.cli.launcher import free_ports
-from kvrs.tokenizer import encode
+from kvrs.tokenizer import encode, prefix_block_hashes
 from kvrs.v1 import worker_pb2 as pb
 from kvrs.v1.common_pb2 import SamplingParams
 from tests import tiny_reference
@@ -484,3 +484,32 @@ async def test_a_sampled_request_draws_the_same_tokens_through_handoff_migration
     assert got == expected
     for worker, request_id in ((a, "r-sampled"), (a, "r-sampled~r1"), (b, "r-sampled~r1")):
         await worker.ReleaseKv(pb.ReleaseKvRequest(request_id=request_id))
+
+
+async def test_a_shared_1024_token_prefix_is_reused_not_recomputed_nor_moved(workers, stubs):
+    """The second request sharing a 1,024-token prefix: the prefill worker computes only
+    its suffix, the decode worker, already holding the prefix blocks, receives only the
+    suffix; the tokens are those of a cold run."""
+    a, b = stubs["prefill-a"], stubs["decode-b"]
+    shared = [(7 * i + 3) % 256 for i in range(1024)]
+    first, second = shared + encode("first question?"), shared + encode("and another one")
+    cold = tiny_reference.reference(tuple(second), 12)
+    one = await a.Prefill(pb.PrefillRequest(request_id="r-prefix-1", prompt_token_ids=first))
+    assert one.prefix_hit_tokens == 0
+    await pull(b, workers["prefill-a"], "r-prefix-1", 0, len(first))
+    two = await a.Prefill(pb.PrefillRequest(request_id="r-prefix-2", prompt_token_ids=second))
+    assert two.prefix_hit_tokens == 1024
+    assert two.first_token_id == cold[0]
+    # The target holds the prefix blocks: only [1024, L) crosses the network.
+    pulled = await pull(
+        b, workers["prefill-a"], "r-prefix-2", 1024, len(second), prefix_token_ids=shared
+    )
+    assert pulled.recomputed_tokens == 0
+    assert pulled.transferred_kv_bytes == (len(second) - 1024) * 1024
+    tokens = await decode(b, "r-prefix-2", [two.first_token_id], 11, release_when_done=True)
+    assert [two.first_token_id, *(t.token_id for t in tokens)] == cold
+    stats = await b.GetWorkerStats(pb.GetWorkerStatsRequest())
+    assert set(prefix_block_hashes(shared, 512)) <= set(stats.resident_prefix_hashes)
+    for request_id in ("r-prefix-1", "r-prefix-2"):
+        await a.ReleaseKv(pb.ReleaseKvRequest(request_id=request_id))
+    await b.ReleaseKv(pb.ReleaseKvRequest(request_id="r-prefix-1"))

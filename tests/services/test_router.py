@@ -11,6 +11,7 @@ import grpc
 import pytest
 import redis.asyncio as redis_async
 
+from kvrs.tokenizer import prefix_block_hashes
 from kvrs.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.redis_store import Keys
 from services.scheduler.outcomes import OutcomeLog
@@ -339,3 +340,36 @@ async def test_a_recoverys_measured_terms_reach_the_span_the_metrics_and_the_sto
             break
         await asyncio.sleep(0.05)
     assert ("migrate", "total_s") in fitted
+
+
+async def test_a_request_sharing_a_1024_token_prefix_moves_only_its_suffix(plane):
+    """The first request leaves the prefix's blocks on its prefill and decode workers; the
+    second, sharing 1,024 tokens, prefills only its suffix there and moves at most its
+    suffix plus one block, and streams exactly what a cold run does."""
+    shared = [(11 * i + 5) % 256 for i in range(1024)]
+    first, second = [*shared, *range(40, 70)], [*shared, *range(90, 130)]
+    block_hashes = set(prefix_block_hashes(shared, 512))
+    _, one, error = await collect(
+        router(plane), generate("r-prefix-a", first, 8, decode_instance_id="decode-0")
+    )
+    assert error is None and one.prefix_hit_tokens == 0
+    assert one.kv_bytes == len(first) * 1024
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:  # until decode-0 and the prefill worker heartbeat the blocks they keep
+        nodes = {n.registration.instance_id: n for n in await plane.gossip.list_nodes()}
+        holders = {
+            name for name, n in nodes.items() if block_hashes <= set(n.load.resident_prefix_hashes)
+        }
+        if "decode-0" in holders and one.prefill_instance_id in holders:
+            break
+        assert asyncio.get_running_loop().time() < deadline, holders
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.15)  # the router's view refreshes every 50 ms
+    tokens, two, error = await collect(
+        router(plane), generate("r-prefix-b", second, 16, decode_instance_id="decode-0")
+    )
+    assert error is None
+    assert tokens == reference(tuple(second), 16)
+    assert two.prefill_instance_id == one.prefill_instance_id
+    assert two.prefix_hit_tokens == 1024
+    assert two.kv_bytes <= (len(second) - 1024 + 512) * 1024
