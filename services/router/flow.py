@@ -143,7 +143,7 @@ class Router:
         self.metrics = metrics
         self.settings = settings
         self.batcher = RecoveryBatcher(control, settings.batch_window_s)
-        self.executor = RecoveryExecutor(workers, control, tracer)
+        self.executor = RecoveryExecutor(workers, control, tracer, self._resident_prefix_tokens)
         self._decoding: dict[str, set[Run]] = {}
         self._inboxes: dict[Run, tuple[str, asyncio.Queue]] = {}
         self._prefill_inflight_s: dict[str, float] = {}

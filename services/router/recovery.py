@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from opentelemetry.trace import Tracer
@@ -106,10 +106,18 @@ class StepFailed(Exception):
 class RecoveryExecutor:
     """Runs the worker steps of one decision (see the module docstring)."""
 
-    def __init__(self, workers: Workers, slots: Slots, tracer: Tracer) -> None:
+    def __init__(
+        self,
+        workers: Workers,
+        slots: Slots,
+        tracer: Tracer,
+        resident_prefix_tokens: Callable[[str, Sequence[int]], int] = lambda _id, _p: 0,
+    ) -> None:
         self.workers = workers
         self.slots = slots
         self.tracer = tracer
+        self.resident_prefix_tokens = resident_prefix_tokens
+        """(instance id, prompt) -> leading prompt tokens the instance heartbeats as held."""
 
     async def execute(self, run: Run, decision: Decision) -> tuple[Terms, int]:
         """Leaves `run.decode` / `run.kv_id` on the target, ready to decode; returns the
@@ -182,6 +190,9 @@ class RecoveryExecutor:
             decision.action, len(prompt), len(run.generated), decision.split_tokens
         )
         split = len(prompt) - max(1, moved)
+        # Blocks the target already holds need not cross the network either: it fills
+        # them from its own copies (and recomputes them if it dropped them meanwhile).
+        split = max(split, self.resident_prefix_tokens(decision.target.instance_id, prompt))
         kv_id = run.prefill_kv_id
         started = time.monotonic()
         pulled = await self.pull(

@@ -373,3 +373,50 @@ async def test_a_request_sharing_a_1024_token_prefix_moves_only_its_suffix(plane
     assert two.prefill_instance_id == one.prefill_instance_id
     assert two.prefix_hit_tokens == 1024
     assert two.kv_bytes <= (len(second) - 1024 + 512) * 1024
+
+
+async def test_a_migration_moves_only_the_blocks_its_target_lacks(plane):
+    """decode-1 holds a 1,024-token prefix from an earlier request; when decode-0 stops
+    under a request sharing it, MIGRATE to decode-1 pulls only the rest of the prompt and
+    the stream goes on exactly."""
+    shared = [(13 * i + 1) % 256 for i in range(1024)]
+    warm, prompt = [*shared, *range(10, 20)], [*shared, *range(60, 100)]
+    _, _, error = await collect(
+        router(plane), generate("r-warm-1", warm, 4, decode_instance_id="decode-1")
+    )
+    assert error is None
+    block_hashes = set(prefix_block_hashes(shared, 512))
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        nodes = {n.registration.instance_id: n for n in await plane.gossip.list_nodes()}
+        if block_hashes <= set(nodes["decode-1"].load.resident_prefix_hashes):
+            break
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.15)
+    request = generate(
+        "r-migrate-held",
+        prompt,
+        600,
+        decode_instance_id="decode-0",
+        recovery_policy="always_migrate",
+    )
+    (task,) = await start_streams(plane, [request], min_tokens=5)
+    await plane.handles.pop("decode-0").stop(0)
+    tokens, summary, error = await task
+    assert error is None
+    assert tokens == reference(tuple(prompt), 600)
+    (recovery,) = summary.recoveries
+    assert recovery.action == common_pb2.RECOVERY_ACTION_MIGRATE
+    assert recovery.target_instance_id == "decode-1"
+    spans = plane.exporter.get_finished_spans()
+    pulls = [
+        s
+        for s in spans
+        if s.name == "router.pull_kv"
+        and format(s.context.trace_id, "032x") == summary.trace_id
+        and s.attributes["kvrs.transfer.dst_instance_id"] == "decode-1"
+    ]
+    (pull,) = pulls
+    assert pull.attributes["kvrs.token_start"] == 1024
+    assert pull.attributes["kvrs.transfer.kv_bytes"] == (len(prompt) - 1024) * 1024
