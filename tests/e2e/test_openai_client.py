@@ -219,13 +219,22 @@ def test_a_sampled_stream_survives_a_kill_drawing_what_a_fault_free_run_draws(
     computes it, so the stream recovered after its decode worker died is the text of
     an undisturbed run of the same request."""
     recovery_cluster.ensure_running()
-    params = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1200, "temperature": 0.8}
-    undisturbed = client.completions.create(**params, seed=31337).choices[0]
-    assert undisturbed.text != reference_text(PROMPT, 1200)
+    params = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 1000,
+        "temperature": 0.8,
+        "top_p": 0.9,
+    }
+    # Seed 7 draws no end-of-sequence token in 1,000 tokens (others stop early), so the
+    # stream is still running when its decode worker is killed.
+    undisturbed = client.completions.create(**params, seed=7).choices[0]
+    assert undisturbed.finish_reason == "length"
+    assert undisturbed.text != reference_text(PROMPT, 1000)
     assert undisturbed.text != client.completions.create(**params, seed=1).choices[0].text
     request_id = f"openai-sampled-kill-{uuid.uuid4().hex[:8]}"
     stream = client.completions.create(
-        **params, seed=31337, stream=True, extra_headers={"x-request-id": request_id}
+        **params, seed=7, stream=True, extra_headers={"x-request-id": request_id}
     )
     chunks = iter(stream)
     text = next(chunks).choices[0].text
