@@ -110,13 +110,22 @@ class Learning:
         self._refit()
 
     async def run(self, refresh_s: float) -> None:
-        """Refreshes forever, every `refresh_s`."""
-        while True:
+        """Refreshes every `refresh_s` until cancelled.
+
+        The Redis client can turn a cancellation that lands mid-reply into a connection
+        error, which `refresh` logs and survives; the loop therefore also stops once its
+        task has been asked to, so shutdown never waits on it.
+        """
+        task = asyncio.current_task()
+        while task is None or not task.cancelling():
             try:
                 await self.refresh()
             except Exception:  # noqa: BLE001 - one bad refresh must not end the refreshes
                 log.exception("refitting the corrections failed; keeping the last ones")
+            if task is not None and task.cancelling():
+                break
             await asyncio.sleep(refresh_s)
+        raise asyncio.CancelledError
 
     def _refit(self) -> None:
         self._corrections = fit(self._outcomes, self.base, self.clock(), self.config)
