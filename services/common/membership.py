@@ -10,6 +10,11 @@ tells every listener (the router, which then recovers the requests it had decodi
 there). A `suspect` event (a late heartbeat, death not confirmed) only stops new work
 going there: its streams stay, and a `refuted` event brings it back. Reads never await:
 a request picks its prefill instance from the last copy.
+
+A full listing that no longer holds an instance the copy had alive (a Redis restart that
+lost the registry) does not drop it at once: it stays, as it was, for one heartbeat TTL,
+in which a live worker registers again; otherwise every request in that moment would be
+refused ("no alive prefill instance") though nothing died.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -47,6 +53,7 @@ class Instance:
     queue_depth: int = 0
     running_requests: int = 0
     resident_prefix_hashes: frozenset[int] = frozenset()
+    heartbeat_ttl_s: float = 0.0
 
 
 def instance_from_record(record: NodeRecord) -> Instance:
@@ -62,6 +69,7 @@ def instance_from_record(record: NodeRecord) -> Instance:
         queue_depth=load.queue_depth,
         running_requests=load.running_requests,
         resident_prefix_hashes=frozenset(load.resident_prefix_hashes),
+        heartbeat_ttl_s=record.heartbeat_ttl_s,
     )
 
 
@@ -73,6 +81,8 @@ class Membership:
         self.refresh_s = refresh_s
         self._registry = RegistryCopy()
         self._instances: dict[str, Instance] = {}
+        self._vanished_at_s: dict[str, float] = {}
+        """Alive instances a full listing lacked, and since when (see the module doc)."""
         self._down: set[str] = set()
         """Instances a failure event named; down until a `joined` event (a restarted
         worker registers again), whatever a listing fetched before the event says."""
@@ -138,11 +148,30 @@ class Membership:
             log.warning("gossip listing failed; keeping the last view: %s", exc)
             return False
         if changed is None:
-            self._instances = {}
+            self._instances = self._vanished_but_kept()
             changed = tuple(self._registry.nodes.values())
         self._apply(instance_from_record(record) for record in changed)
         self._loaded.set()
         return True
+
+    def _vanished_but_kept(self) -> dict[str, Instance]:
+        """After a full listing: the alive instances it lacks, kept for one TTL."""
+        now_s = time.monotonic()
+        kept: dict[str, Instance] = {}
+        for instance_id, instance in self._instances.items():
+            if instance_id in self._registry.nodes or not instance.alive:
+                continue
+            since_s = self._vanished_at_s.get(instance_id, now_s)
+            if now_s - since_s <= instance.heartbeat_ttl_s:
+                kept[instance_id] = instance
+        if kept.keys() - self._vanished_at_s.keys():
+            log.warning(
+                "alive instances missing from gossip's listing (did the registry lose "
+                "them?); kept for one heartbeat TTL: %s",
+                ", ".join(sorted(kept.keys() - self._vanished_at_s.keys())),
+            )
+        self._vanished_at_s = {i: self._vanished_at_s.get(i, now_s) for i in kept}
+        return kept
 
     def _apply(self, instances: Iterable[Instance]) -> None:
         for instance in instances:

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+import redis
 
 from kvrs.learning import AssignedWork
 from services.common.decision_inputs import InputsConfig, load_inputs
@@ -131,3 +132,24 @@ async def test_work_assigned_since_the_last_heartbeat_moves_w_on_a_delta_refresh
     await asyncio.sleep(0.45)  # the assigned work is predicted done
     assert await view.refresh()
     assert view.state.cluster.instances["decode-0"].wait_s == 0.5
+
+
+async def test_router_membership_keeps_what_a_registry_loss_dropped_for_one_ttl(
+    gossip, redis_url, redis_prefix
+):
+    """Redis restarted empty: the full listing lacks every instance until they register
+    again; the router keeps placing on them meanwhile, and forgets them a TTL later."""
+    await gossip.register(decode("decode-0", ttl_s=1.0))
+    membership = Membership(gossip, refresh_s=0.1)
+    assert await membership.refresh()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.delete(*client.keys(f"{redis_prefix}*"))
+    finally:
+        client.close()
+    membership._registry.resync_s = 0.0  # every refresh a full listing
+    assert await membership.refresh()
+    assert [i.instance_id for i in membership.alive("decode")] == ["decode-0"]
+    await asyncio.sleep(1.2)
+    assert await membership.refresh()
+    assert membership.alive("decode") == []
