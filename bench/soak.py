@@ -1,5 +1,10 @@
 """Soak: a local cluster under ~80 % of its capacity, a decode worker killed every minute.
 
+With `--chaos`, every `--fault-every-s` one fault of `bench.chaos.FAULTS` (decode, prefill
+or scheduler kill, Redis restart, link flap, CPU-starved worker) is drawn at random from
+`--seed` instead; a request must then end token-exact, or with the error the recovery
+policy chose (ABORT, its summary's finish reason "abort") — anything else is a failure.
+
 `python -m bench.soak --minutes 10` starts the whole `kvrs up` cluster (private Redis,
 gossip, slot broker, cost oracle, two schedulers, two prefill and two decode workers on
 the tiny float64 model, prober, router), measures its capacity with closed-loop clients,
@@ -36,6 +41,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.chaos import Chaos
 from kvrs.cli.launcher import (
     SERVICES,
     ClusterOptions,
@@ -100,6 +106,8 @@ class Outcome:
     recovered: bool = False
     actions: list[str] = field(default_factory=list)
     error: str = ""
+    aborted: bool = False
+    """The recovery policy gave up on it (its summary ends "abort"): a clear, chosen end."""
 
 
 async def generate(stub, index: int, args: argparse.Namespace, clock_origin_s: float) -> Outcome:
@@ -119,6 +127,7 @@ async def generate(stub, index: int, args: argparse.Namespace, clock_origin_s: f
                     outcome.ttft_s = time.monotonic() - started_s
                 streamed.append(message.token_id)
             if message.HasField("summary"):
+                outcome.aborted = message.summary.finish_reason == "abort"
                 outcome.recovered = bool(message.summary.recoveries)
                 outcome.actions = [
                     router_pb2.RecoveryReport.DESCRIPTOR.fields_by_name["action"]
@@ -293,6 +302,20 @@ async def run_load(state: ClusterState, supervisor: Supervisor, args) -> dict:
         tasks: list[asyncio.Task] = []
         faults: list[dict] = []
 
+        async def inject_chaos() -> None:
+            chaos = Chaos(supervisor, random.Random(args.seed + 1), args.restart_after_s)
+            turn = 0
+            while True:
+                next_s = origin_s + args.first_fault_s + turn * args.fault_every_s
+                if next_s >= end_s:
+                    return
+                await asyncio.sleep(max(0.0, next_s - time.monotonic()))
+                turn += 1
+                at_s = time.monotonic() - origin_s
+                record = {"at_s": round(at_s, 1), **await chaos.inject_one()}
+                faults.append(record)
+                print(f"  t={at_s:5.0f}s {json.dumps(record)}", flush=True)
+
         async def inject() -> None:
             turn = 0
             while True:
@@ -319,7 +342,7 @@ async def run_load(state: ClusterState, supervisor: Supervisor, args) -> dict:
                     flush=True,
                 )
 
-        injector = asyncio.create_task(inject())
+        injector = asyncio.create_task(inject_chaos() if args.chaos else inject())
         index = 0
         next_arrival_s = origin_s
         while next_arrival_s < end_s:
@@ -379,6 +402,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def summarise(outcomes: list[Outcome]) -> dict:
     ok = [o for o in outcomes if not o.error]
+    aborted = [o for o in outcomes if o.error and o.aborted]
     recovered = [o for o in ok if o.recovered]
     actions: dict[str, int] = {}
     for outcome in recovered:
@@ -402,6 +426,8 @@ def summarise(outcomes: list[Outcome]) -> dict:
     return {
         "sent": len(outcomes),
         "completed_exact": sum(o.exact for o in outcomes),
+        "aborted_by_policy": len(aborted),
+        "unexpected_errors": sum(1 for o in outcomes if o.error and not o.aborted),
         "errors": errors,
         "all": latency(ok),
         "undisturbed": latency([o for o in ok if not o.recovered]),
@@ -414,7 +440,8 @@ def print_report(report: dict) -> None:
     requests = report["requests"]
     print(
         f"\nrequests: {requests['sent']} sent, {requests['completed_exact']} completed "
-        f"token-exact, errors {requests['errors'] or 'none'}"
+        f"token-exact, {requests['aborted_by_policy']} aborted by the recovery policy, "
+        f"{requests['unexpected_errors']} other errors; errors {requests['errors'] or 'none'}"
     )
     for group in ("all", "undisturbed", "recovered"):
         figures = requests[group]
@@ -443,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--load", type=float, default=0.8, help="share of measured capacity")
+    parser.add_argument(
+        "--chaos", action="store_true", help="random faults of bench.chaos, not only decode kills"
+    )
     parser.add_argument("--fault-every-s", type=float, default=60.0)
     parser.add_argument("--first-fault-s", type=float, default=30.0)
     parser.add_argument("--restart-after-s", type=float, default=5.0)
