@@ -97,7 +97,10 @@ def _with_env(spec: ServiceSpec, extra: dict[str, str]) -> ServiceSpec:
 def recovery_services(profile_file: Path) -> tuple[ServiceSpec, ...]:
     by_name = {spec.name: spec for spec in SERVICES}
     extra = {
-        "scheduler-1": {"KVRS_PROFILE_FILE": str(profile_file)},
+        # The base model alone prices these recoveries: the topology and profile are built
+        # so that each policy yields a known action, and corrections learned from the
+        # module's earlier recoveries would move that choice (learning has its own tests).
+        "scheduler-1": {"KVRS_PROFILE_FILE": str(profile_file), "SCHEDULER_LEARNING": "0"},
         "router": {"KVRS_PROFILE_FILE": str(profile_file), "ROUTER_BATCH_WINDOW_S": "0.2"},
     }
     for worker in WORKERS:
