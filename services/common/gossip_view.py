@@ -126,6 +126,10 @@ class ViewCache:
         self.clock = clock
         self._state: DecisionState | None = None
         self._wake = asyncio.Event()
+        self._refreshing = asyncio.Lock()
+        """One fetch at a time: two overlapping refreshes (the background loop and a caller
+        that wants the latest) could install the older snapshot last, and the change feed's
+        cursor must advance in order."""
         self.refresh_failures = 0
         self._failing_since_s: float | None = None
         self._alive: dict[str, NodeRecord] = {}
@@ -174,21 +178,28 @@ class ViewCache:
             return None
 
     async def refresh(self) -> bool:
-        """Fetches gossip once; False (and the old view kept) when gossip cannot answer."""
-        try:
-            snapshot = await self._source.fetch()
-        except (Unavailable, DeadlineExceeded) as exc:
-            self.refresh_failures += 1
-            # Once per outage, not ten times a second.
-            if self._failing_since_s is None:
-                self._failing_since_s = self.clock()
-                log.warning("gossip unreachable, deciding from the cached view: %s", exc)
-            return False
-        self._state = self._build(snapshot)
-        if self._failing_since_s is not None:
-            log.warning("gossip reachable again after %.1f s", self.clock() - self._failing_since_s)
-            self._failing_since_s = None
-        return True
+        """Fetches gossip once; False (and the old view kept) when gossip cannot answer.
+
+        A refresh asked for while another is in flight waits for it, then fetches anew, so
+        what it installs was fetched after it was asked for.
+        """
+        async with self._refreshing:
+            try:
+                snapshot = await self._source.fetch()
+            except (Unavailable, DeadlineExceeded) as exc:
+                self.refresh_failures += 1
+                # Once per outage, not ten times a second.
+                if self._failing_since_s is None:
+                    self._failing_since_s = self.clock()
+                    log.warning("gossip unreachable, deciding from the cached view: %s", exc)
+                return False
+            self._state = self._build(snapshot)
+            if self._failing_since_s is not None:
+                log.warning(
+                    "gossip reachable again after %.1f s", self.clock() - self._failing_since_s
+                )
+                self._failing_since_s = None
+            return True
 
     def mark_down(self, instance_id: str) -> None:
         """A failure event: the instance stops being a candidate now, not at the next refresh."""
