@@ -64,9 +64,16 @@ async def test_worker_registers_and_heartbeats_its_load(redis_url, redis_prefix)
             pb.PrefillRequest(request_id="r-gossip", prompt_token_ids=prompt)
         )
         expected_hash = prefix_block_hashes(prompt, 512)[0]
+        expected_free = registration.kv_capacity_blocks - 2
+        # A change of free KV under the heartbeat's threshold rides along with the next
+        # full beat (every tenth), so it may arrive a few beats after the prefix hash.
         for _ in range(100):
             (node,) = await client.list_nodes("decode")
-            if expected_hash in node.load.resident_prefix_hashes:
+            load = node.load
+            if (
+                expected_hash in load.resident_prefix_hashes
+                and load.free_kv_blocks == expected_free
+            ):
                 break
             await asyncio.sleep(0.05)
         assert expected_hash in node.load.resident_prefix_hashes
