@@ -212,10 +212,10 @@ class Router:
             finally:
                 self.metrics.requests.labels(outcome=outcome).inc()
                 span.set_attribute("kvrs.outcome", outcome)
-                await _settle(tasks)
-                self._detach(run)
-                # Shielded: a second cancellation must not leave KV on a worker.
-                await asyncio.shield(self._release_all(run))
+                # Shielded as a whole: a second cancellation (a client hanging up while the
+                # stream closes) must not stop between settling the placement and the
+                # release, or KV stays on a worker.
+                await asyncio.shield(self._close(run, tasks))
 
     def _first_token(self, run: Run, started: float) -> None:
         summary = run.summary
@@ -737,6 +737,12 @@ class Router:
             self._detach(run)
         record.decision = decision
         return decision
+
+    async def _close(self, run: Run, tasks: list[asyncio.Task]) -> None:
+        """Ends the request's background work, then releases every KV it created."""
+        await _settle(tasks)
+        self._detach(run)
+        await self._release_all(run)
 
     async def _release_all(self, run: Run) -> None:
         """ReleaseKv of every KV the request created, except where nothing answers."""
