@@ -94,9 +94,15 @@ async def test_a_completion_through_envoy_is_decoded_where_the_picker_sent_it(en
             if s.name.startswith("openai_http.") and s.attributes.get("kvrs.request_id") in served
         }
 
+    def decided(spans) -> set[str]:
+        """The traces holding a scheduler's placement (exported by another process, so it
+        may arrive after the router's span)."""
+        return {s.trace_id for s in spans if s.name == "kvrs.select_decode"}
+
     spans = await receiver.wait_for(
         lambda spans: (
             len(picked(spans)) == len(generated(spans)) == len(adapters(spans)) == COMPLETIONS
+            and set(generated(spans).values()) <= decided(spans)
         ),
         timeout_s=20,
     )
