@@ -34,6 +34,9 @@ from services.worker.checkpoint import (
 
 __all__ = ["DTYPES", "KvCache", "Transformer", "resolve_dtype"]
 
+DEFAULT_CACHE_BLOCK_TOKENS = 16
+"""Allocation block of a cache made outside a worker (a worker uses its store's block)."""
+
 
 def resolve_dtype(name: str) -> torch.dtype:
     """The torch dtype called `name` (float64, float32, bfloat16, float16)."""
@@ -46,10 +49,13 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 class KvCache:
-    """The KV of one sequence: per layer, key and value buffers with spare capacity.
+    """The KV of one sequence: per layer, contiguous key and value buffers.
 
-    Buffers grow by doubling, so appending one decode token is amortised O(1); `views`
-    hands out slices of the buffers that a transfer can receive into directly.
+    Buffers are allocated in whole blocks of `block_tokens` positions (the unit the KV
+    store budgets in) and grow a block at a time, so the memory a request holds is the
+    blocks it is charged for. They stay contiguous per layer because attention (SDPA on
+    CPU) reads a sequence's keys as one tensor and a transfer receives straight into
+    `views`; paging them would cost a gather per step on CPU.
     """
 
     def __init__(
@@ -60,7 +66,12 @@ class KvCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         capacity_tokens: int = 0,
+        block_tokens: int = DEFAULT_CACHE_BLOCK_TOKENS,
     ) -> None:
+        if block_tokens <= 0:
+            raise InvalidArgument("block_tokens", f"must be > 0, got {block_tokens}")
+        self.block_tokens = block_tokens
+        capacity_tokens = self._whole_blocks(capacity_tokens)
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
@@ -87,7 +98,7 @@ class KvCache:
         """Make room for `tokens` positions in total (existing views become stale)."""
         if tokens <= self.capacity_tokens:
             return
-        capacity = max(tokens, 2 * self.capacity_tokens, 16)
+        capacity = self._whole_blocks(tokens)
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
                 new = torch.empty(
@@ -95,6 +106,9 @@ class KvCache:
                 )
                 new[: self.length] = old[: self.length]
                 buffers[i] = new
+
+    def _whole_blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens) * self.block_tokens
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value of layer `index` over the resident positions `[0, length)`."""
@@ -357,7 +371,9 @@ class Transformer:
 
     # -- requests ---------------------------------------------------------------------
 
-    def new_cache(self, capacity_tokens: int = 0) -> KvCache:
+    def new_cache(
+        self, capacity_tokens: int = 0, block_tokens: int = DEFAULT_CACHE_BLOCK_TOKENS
+    ) -> KvCache:
         config = self.config
         return KvCache(
             config.layers,
@@ -366,6 +382,7 @@ class Transformer:
             self.dtype,
             self.device,
             capacity_tokens,
+            block_tokens,
         )
 
     @torch.inference_mode()
@@ -418,21 +435,65 @@ class Transformer:
         return out
 
     def _extend(self, cache: KvCache, token_ids: Sequence[int]) -> torch.Tensor:
+        return self.forward_batch([(cache, token_ids)])[0]
+
+    def check_extend(self, cached_tokens: int, token_ids: Sequence[int]) -> None:
+        """Refuse `token_ids` appended after `cached_tokens` positions: empty, out of the
+        vocabulary or past the model's positions (InvalidArgument("token_ids"))."""
         if len(token_ids) == 0:
             raise InvalidArgument("token_ids", "must not be empty")
         validate_token_ids(token_ids, "token_ids", self.config.vocab_size)
-        end = cache.length + len(token_ids)
+        end = cached_tokens + len(token_ids)
         if end > self.config.max_positions:
             raise InvalidArgument(
                 "token_ids",
                 f"sequence of {end} tokens exceeds the model's "
                 f"{self.config.max_positions} positions",
             )
-        cache.reserve(end)
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)
-        return self._forward(cache, ids)
+
+    @torch.inference_mode()
+    def forward_batch(self, work: Sequence[tuple[KvCache, Sequence[int]]]) -> list[torch.Tensor]:
+        """One forward pass over several sequences: each `(cache, token_ids)` appends the
+        KV of its new tokens to its cache; the logits of each one's last new position.
+
+        Every sequence's new tokens are packed into one `[tokens, hidden]` tensor, so each
+        projection, MLP and norm runs once for the whole batch; attention runs per
+        sequence (SDPA over that sequence's cached KV). A prefill, an extend and a decode
+        step are all the same thing here: new tokens on top of a cache.
+        """
+        if not work:
+            return []
+        if len({id(cache) for cache, _ in work}) != len(work):
+            raise InvalidArgument("work", "a sequence appears twice in one batch")
+        for cache, token_ids in work:
+            self.check_extend(cache.length, token_ids)
+        spans = []
+        for cache, token_ids in work:
+            end = cache.length + len(token_ids)
+            cache.reserve(end)
+            spans.append(_Span(cache, cache.length, end))
+        ids = torch.as_tensor(
+            [token for _, token_ids in work for token in token_ids],
+            dtype=torch.long,
+            device=self.device,
+        )
+        if self.config.family == "opt":
+            last = self._forward_opt(spans, ids)
+        else:
+            last = self._forward_llama(spans, ids)
+        for span in spans:
+            span.cache.commit(span.end)
+        return list(F.linear(last, self.head))
 
     # -- forward ----------------------------------------------------------------------
+
+    def _positions(self, spans: list[_Span]) -> torch.Tensor:
+        return torch.cat([torch.arange(span.start, span.end, device=self.device) for span in spans])
+
+    def _last_rows(self, spans: list[_Span]) -> torch.Tensor:
+        """Row of each sequence's last new token in the packed batch."""
+        ends = torch.tensor([span.end - span.start for span in spans], device=self.device)
+        return torch.cumsum(ends, 0) - 1
 
     def _mask(self, start: int, end: int, window: int | None) -> torch.Tensor | None:
         """Which cached positions each new one attends to (None: all, one new position)."""
@@ -446,53 +507,57 @@ class Transformer:
         return mask
 
     def _attend(
-        self, cache: KvCache, index: int, q, k, v, mask, start: int, end: int, scale=None
+        self,
+        spans: list[_Span],
+        index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        masks: list[torch.Tensor | None],
+        scale: float | None = None,
     ) -> torch.Tensor:
-        cache.keys[index][start:end] = k
-        cache.values[index][start:end] = v
-        keys = cache.keys[index][:end].transpose(0, 1)
-        values = cache.values[index][:end].transpose(0, 1)
-        attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            keys,
-            values,
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=self.config.kv_heads != self.config.heads,
-        )
-        return attended.transpose(0, 1).reshape(end - start, -1)
+        """Store each sequence's new K/V in its cache and attend over its whole cache."""
+        outs = []
+        row = 0
+        gqa = self.config.kv_heads != self.config.heads
+        for span, mask in zip(spans, masks, strict=True):
+            count = span.end - span.start
+            cache, rows = span.cache, slice(row, row + count)
+            cache.keys[index][span.start : span.end] = k[rows]
+            cache.values[index][span.start : span.end] = v[rows]
+            attended = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1),
+                cache.keys[index][: span.end].transpose(0, 1),
+                cache.values[index][: span.end].transpose(0, 1),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            outs.append(attended.transpose(0, 1).reshape(count, -1))
+            row += count
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _forward(self, cache: KvCache, ids: torch.Tensor) -> torch.Tensor:
-        """One batched pass over new positions `[cache.length, cache.length + len(ids))`."""
-        if self.config.family == "opt":
-            hidden = self._forward_opt(cache, ids)
-        else:
-            hidden = self._forward_llama(cache, ids)
-        cache.commit(cache.length + len(ids))
-        return F.linear(hidden, self.head)
-
-    def _forward_llama(self, cache: KvCache, ids: torch.Tensor) -> torch.Tensor:
+    def _forward_llama(self, spans: list[_Span], ids: torch.Tensor) -> torch.Tensor:
         a = self.config
-        start, count = cache.length, len(ids)
-        end = start + count
-        positions = torch.arange(start, end, device=self.device, dtype=torch.float32)
+        count = len(ids)
+        positions = self._positions(spans).to(torch.float32)
         angles = positions[:, None] * self._inv_freq.to(self.device)[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         cos = angles.cos().to(self.dtype)[:, None, :]
         sin = angles.sin().to(self.dtype)[:, None, :]
-        masks: dict[int | None, torch.Tensor | None] = {}
+        masks: dict[int | None, list[torch.Tensor | None]] = {}
         hidden = self.embed[ids]
         for index, block in enumerate(self.blocks):
             window = a.sliding_windows[index] if a.sliding_windows else None
             if window not in masks:
-                masks[window] = self._mask(start, end, window)
+                masks[window] = [self._mask(s.start, s.end, window) for s in spans]
             normed = _rms_norm(hidden, block.norm1, a.norm_eps)
             q = F.linear(normed, block.q, block.q_bias).view(count, a.heads, a.head_dim)
             k = F.linear(normed, block.k, block.k_bias).view(count, a.kv_heads, a.head_dim)
             v = F.linear(normed, block.v, block.v_bias).view(count, a.kv_heads, a.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            attended = self._attend(cache, index, q, k, v, masks[window], start, end)
+            attended = self._attend(spans, index, q, k, v, masks[window])
             hidden = hidden + F.linear(attended, block.o, block.o_bias)
             normed = _rms_norm(hidden, block.norm2, a.norm_eps)
             assert block.gate is not None, "a gated MLP loads its gate"
@@ -500,19 +565,18 @@ class Transformer:
             up = F.linear(normed, block.up, block.up_bias)
             hidden = hidden + F.linear(gate * up, block.down, block.down_bias)
         assert self.final_norm is not None, "a Llama checkpoint loads its final norm"
-        return _rms_norm(hidden[-1], self.final_norm, a.norm_eps)
+        return _rms_norm(hidden[self._last_rows(spans)], self.final_norm, a.norm_eps)
 
-    def _forward_opt(self, cache: KvCache, ids: torch.Tensor) -> torch.Tensor:
+    def _forward_opt(self, spans: list[_Span], ids: torch.Tensor) -> torch.Tensor:
         a = self.config
-        start, count = cache.length, len(ids)
-        end = start + count
+        count = len(ids)
         width = (a.hidden,)
         hidden = self.embed[ids]
         if self.project_in is not None:
             hidden = F.linear(hidden, self.project_in)
         # OPT's learned positions are offset by two rows.
-        hidden = hidden + self.positions[start + 2 : end + 2]
-        mask = self._mask(start, end, None)
+        hidden = hidden + self.positions[self._positions(spans) + 2]
+        masks = [self._mask(s.start, s.end, None) for s in spans]
         for index, block in enumerate(self.blocks):
             residual = hidden
             if a.pre_norm:
@@ -522,7 +586,7 @@ class Transformer:
             q = q.view(count, a.heads, a.head_dim)
             k = F.linear(hidden, block.k, block.k_bias).view(count, a.heads, a.head_dim)
             v = F.linear(hidden, block.v, block.v_bias).view(count, a.heads, a.head_dim)
-            attended = self._attend(cache, index, q, k, v, mask, start, end, scale=1.0)
+            attended = self._attend(spans, index, q, k, v, masks, scale=1.0)
             hidden = residual + F.linear(attended, block.o, block.o_bias)
             if not a.pre_norm:
                 hidden = F.layer_norm(hidden, width, block.norm1, block.norm1_bias)
@@ -533,9 +597,18 @@ class Transformer:
             hidden = residual + F.linear(mlp, block.down, block.down_bias)
             if not a.pre_norm:
                 hidden = F.layer_norm(hidden, width, block.norm2, block.norm2_bias)
-        last = hidden[-1]
+        last = hidden[self._last_rows(spans)]
         if self.final_norm is not None:
             last = F.layer_norm(last, width, self.final_norm, self.final_norm_bias)
         if self.project_out is not None:
             last = F.linear(last, self.project_out)
         return last
+
+
+@dataclass(frozen=True)
+class _Span:
+    """One sequence's new positions `[start, end)` in a batched pass."""
+
+    cache: KvCache
+    start: int
+    end: int
