@@ -1,4 +1,5 @@
-"""Compute-time model of a worker: prefill T_pf(L), extend T_ext(L0, g) and one decode step.
+"""Compute-time model of a worker: prefill T_pf(L), extend T_ext(L0, g), one decode step,
+and one batched forward pass over several sequences.
 
 A profile is a table measured on the real worker (tokens → prefill seconds) plus a
 least-squares fit `a + b·L + c·L²` (a, b, c ≥ 0). Inside the table the time is
@@ -6,6 +7,20 @@ interpolated piecewise-linearly over a monotone envelope of the measurements, so
 can never make a longer prompt look cheaper; beyond it the fitted quadratic continues
 from the last measured point. Never a flat clamp: prompts in real traces reach 100k+
 tokens, where attention's quadratic term dominates.
+
+Workers batch (continuous batching): each forward pass computes the new tokens of
+several sequences at once — prefills, extends and one decode token per running stream.
+`ComputeProfile.batch_s` prices such a pass, `BatchCost`:
+
+    T(batch) = a + b · Σ new_i + c · Σ new_i · (cached_i + new_i) + d · sequences
+
+a fixed cost per pass (weights read once), a cost per new token (projections, MLP), a
+cost per (new token × attended token) pair (attention) and a cost per sequence in the
+batch (its own attention call, bookkeeping). Eight recomputes of L tokens each sent to
+one prefill worker cost `batch_s([(0, L)] * 8)` when they fit one pass (the worker's
+token budget), against `8 · prefill_s(L)` one at a time. `kvrs calibrate` measures the
+four terms; a profile without them (older files, presets) prices a batch with its
+single-pass fit and no per-sequence term, which for one sequence equals `fit_s`.
 """
 
 from __future__ import annotations
@@ -13,7 +28,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +37,7 @@ from kvrs.errors import InvalidArgument
 from kvrs.model import ModelSpec, checkpoint_dir, model_spec
 
 __all__ = [
+    "BatchCost",
     "DECODE_PRESETS",
     "PROFILE_PRESETS",
     "ComputeProfile",
@@ -31,9 +47,118 @@ __all__ = [
 ]
 
 
+_BATCH_FIELDS = ("a_s", "b_s_per_token", "c_s_per_token2", "d_s_per_sequence")
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """Seconds of one batched forward pass (see the module docstring for the terms)."""
+
+    a_s: float = 0.0
+    """Fixed cost of a pass."""
+    b_s_per_token: float = 0.0
+    """Per new token in the batch."""
+    c_s_per_token2: float = 0.0
+    """Per (new token × attended token): a prefill of L from scratch has L·L."""
+    d_s_per_sequence: float = 0.0
+    """Per sequence in the batch."""
+
+    def __post_init__(self) -> None:
+        for field in _BATCH_FIELDS:
+            if not getattr(self, field) >= 0.0:
+                raise InvalidArgument(
+                    f"batch.{field}", f"must be >= 0, got {getattr(self, field)!r}"
+                )
+
+    def batch_s(self, segments: Iterable[tuple[int, int]]) -> float:
+        """Seconds of one pass computing, per sequence, `new` tokens on top of `cached`
+        resident ones (`segments` of (cached_tokens, new_tokens)); 0 for an empty batch."""
+        tokens = pairs = sequences = 0
+        for cached, new in segments:
+            if cached < 0:
+                raise InvalidArgument("cached_tokens", f"must be >= 0, got {cached}")
+            if new <= 0:
+                raise InvalidArgument("new_tokens", f"must be > 0, got {new}")
+            tokens += new
+            pairs += new * (cached + new)
+            sequences += 1
+        if not sequences:
+            return 0.0
+        return (
+            self.a_s
+            + self.b_s_per_token * tokens
+            + self.c_s_per_token2 * pairs
+            + self.d_s_per_sequence * sequences
+        )
+
+    def to_json(self) -> dict[str, float]:
+        return {field: getattr(self, field) for field in _BATCH_FIELDS}
+
+    @classmethod
+    def from_json(cls, d: Any) -> BatchCost:
+        if not isinstance(d, Mapping):
+            raise InvalidArgument("batch", "must be a JSON object")
+        values: dict[str, float] = {}
+        for field in _BATCH_FIELDS:
+            try:
+                values[field] = float(d.get(field, 0.0))
+            except (TypeError, ValueError):
+                raise InvalidArgument(f"batch.{field}", "must be a number") from None
+        return cls(**values)
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[Sequence[tuple[int, int]], float]]) -> BatchCost:
+        """Non-negative least squares over measured passes: (segments, seconds) each,
+        minimising the relative error like `ComputeProfile.fit`."""
+        import numpy as np
+
+        rows, seconds = [], []
+        for segments, measured in samples:
+            if not measured > 0:
+                raise InvalidArgument("samples", "needs seconds > 0 in every sample")
+            segments = list(segments)
+            rows.append(
+                [
+                    1.0,
+                    sum(new for _, new in segments),
+                    sum(new * (cached + new) for cached, new in segments),
+                    len(segments),
+                ]
+            )
+            seconds.append(measured)
+        if not rows:
+            raise InvalidArgument("samples", "needs at least one measured pass")
+        design, y = np.array(rows, dtype=float), np.array(seconds, dtype=float)
+        return cls(*_nonnegative_fit(design, y))
+
+
+def _nonnegative_fit(design: Any, seconds: Any) -> list[float]:
+    """Coefficients >= 0 minimising Σ ((design · x − s) / s)²: every subset of the
+    columns is solved by least squares, the best non-negative one kept (exact for the
+    three or four terms a profile has)."""
+    import numpy as np
+
+    scale = np.maximum(np.abs(design).max(axis=0), 1e-300)
+    weight = 1.0 / seconds
+    wd, wy = design / scale * weight[:, None], seconds * weight
+    columns = design.shape[1]
+    best, best_residual = np.zeros(columns), float(np.sum(wy**2))
+    for size in range(1, columns + 1):
+        for cols in itertools.combinations(range(columns), size):
+            coef, *_ = np.linalg.lstsq(wd[:, cols], wy, rcond=None)
+            if np.any(coef < 0):
+                continue
+            residual = float(np.sum((wd[:, cols] @ coef - wy) ** 2))
+            if residual < best_residual:
+                best = np.zeros(columns)
+                best[list(cols)] = coef
+                best_residual = residual
+    return [float(v) for v in best / scale]
+
+
 @dataclass(frozen=True)
 class ComputeProfile:
-    """Prefill and extend time of one model on one kind of hardware."""
+    """Prefill, extend and batched-pass time of one model on one kind of hardware."""
 
     model: str
     table: tuple[tuple[int, float], ...] = ()
@@ -44,6 +169,8 @@ class ComputeProfile:
     """Per-token cost (MLP and projections)."""
     c_s_per_token2: float = 0.0
     """Per-token-pair cost (attention)."""
+    batch: BatchCost | None = None
+    """Measured cost of a batched pass; None: priced by the single-pass fit."""
 
     def __post_init__(self) -> None:
         table = tuple((int(tokens), float(seconds)) for tokens, seconds in self.table)
@@ -104,6 +231,17 @@ class ComputeProfile:
             return self.prefill_s(new_tokens)
         return self.prefill_s(cached_tokens + new_tokens) - self.prefill_s(cached_tokens) + self.a_s
 
+    def batch_cost(self) -> BatchCost:
+        """The cost of a batched pass: measured, else the single-pass fit (no d term)."""
+        if self.batch is not None:
+            return self.batch
+        return BatchCost(self.a_s, self.b_s_per_token, self.c_s_per_token2, 0.0)
+
+    def batch_s(self, segments: Iterable[tuple[int, int]]) -> float:
+        """Seconds of one batched forward pass over `segments` of (cached_tokens,
+        new_tokens), one per sequence: what a worker running them together spends."""
+        return self.batch_cost().batch_s(segments)
+
     @classmethod
     def fit(cls, model: str, table: Iterable[tuple[int, float]]) -> ComputeProfile:
         """Fit a, b, c ≥ 0 to a measured table, minimising the *relative* squared error.
@@ -121,37 +259,28 @@ class ComputeProfile:
         seconds = np.array([r[1] for r in rows], dtype=float)
         if np.any(tokens <= 0) or np.any(seconds <= 0):
             raise InvalidArgument("table", "needs tokens > 0 and seconds > 0 in every row")
-        scale = np.array([1.0, tokens.max(), tokens.max() ** 2])
-        design = np.stack([np.ones_like(tokens), tokens, tokens**2], axis=1) / scale
-        weight = 1.0 / seconds
-        wd, wy = design * weight[:, None], seconds * weight
-        best, best_residual = np.zeros(3), float(np.sum(wy**2))
-        for size in (1, 2, 3):
-            for cols in itertools.combinations(range(3), size):
-                coef, *_ = np.linalg.lstsq(wd[:, cols], wy, rcond=None)
-                if np.any(coef < 0):
-                    continue
-                residual = float(np.sum((wd[:, cols] @ coef - wy) ** 2))
-                if residual < best_residual:
-                    best = np.zeros(3)
-                    best[list(cols)] = coef
-                    best_residual = residual
-        a_s, b_s, c_s = (float(v) for v in best / scale)
+        design = np.stack([np.ones_like(tokens), tokens, tokens**2], axis=1)
+        a_s, b_s, c_s = _nonnegative_fit(design, seconds)
         return cls(model=model, table=rows, a_s=a_s, b_s_per_token=b_s, c_s_per_token2=c_s)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict; `from_json(to_json())` gives an equal profile."""
-        return {
+        data: dict[str, Any] = {
             "model": self.model,
             "table": [[tokens, seconds] for tokens, seconds in self.table],
             "a_s": self.a_s,
             "b_s_per_token": self.b_s_per_token,
             "c_s_per_token2": self.c_s_per_token2,
         }
+        if self.batch is not None:
+            data["batch"] = self.batch.to_json()
+        return data
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ComputeProfile:
-        """Parse `to_json`'s dict; missing or mistyped keys raise InvalidArgument naming them."""
+        """Parse `to_json`'s dict; missing or mistyped keys raise InvalidArgument naming them.
+        A profile written before batches were measured (no "batch") loads as one priced
+        by its single-pass fit."""
         if not isinstance(d, Mapping):
             raise InvalidArgument("profile", "must be a JSON object")
         try:
@@ -171,7 +300,8 @@ class ComputeProfile:
             rows = tuple((int(tokens), float(seconds)) for tokens, seconds in table)
         except (TypeError, ValueError):
             raise InvalidArgument("table", "must be a list of [tokens, seconds] pairs") from None
-        return cls(model=model, table=rows, **values)
+        batch = BatchCost.from_json(d["batch"]) if d.get("batch") is not None else None
+        return cls(model=model, table=rows, batch=batch, **values)
 
     @classmethod
     def load(cls, path: str | Path) -> ComputeProfile:

@@ -120,6 +120,18 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.worker_batch_sequences = Histogram(
+            "kvrs_worker_batch_sequences",
+            "Sequences computed together in one forward pass of a worker.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
+        self.worker_batch_tokens = Histogram(
+            "kvrs_worker_batch_tokens",
+            "New tokens computed in one forward pass of a worker.",
+            buckets=(1, 4, 16, 64, 256, 1024, 2048, 4096, 8192),
+            registry=r,
+        )
         self.instances_alive = Gauge(
             "kvrs_instances_alive",
             "Alive instances by role, as gossip last listed them.",

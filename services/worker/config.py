@@ -12,6 +12,7 @@ from services.common import ConfigError, GrpcSettings, env_bool, env_float, env_
 
 ROLES = ("prefill", "decode")
 DEFAULT_KV_CAPACITY_BYTES = 1 << 30
+DEFAULT_MAX_BATCH_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class Config:
     """WORKER_KV_LEASE_S: default lease of resident KV after its last use."""
     torch_threads: int = 1
     """WORKER_TORCH_THREADS: intra-op threads of the forward passes."""
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    """WORKER_MAX_BATCH_TOKENS: most new tokens one batched forward pass computes (decode
+    steps of the running streams plus queued prefills; a longer prompt is chunked)."""
     profile_path: str = ""
     """WORKER_PROFILE_PATH: a `kvrs calibrate` profile for queued-work estimates; empty:
     the model's preset profile."""
@@ -107,6 +111,7 @@ class Config:
             kv_capacity_bytes=env_int("WORKER_KV_CAPACITY_BYTES", DEFAULT_KV_CAPACITY_BYTES, env),
             kv_lease_s=env_float("WORKER_KV_LEASE_S", 120.0, env),
             torch_threads=env_int("WORKER_TORCH_THREADS", 1, env),
+            max_batch_tokens=env_int("WORKER_MAX_BATCH_TOKENS", DEFAULT_MAX_BATCH_TOKENS, env),
             profile_path=env_str("WORKER_PROFILE_PATH", "", env),
             canary_interval_s=env_float("WORKER_CANARY_INTERVAL_S", 10.0, env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
@@ -118,6 +123,7 @@ class Config:
             ("WORKER_KV_CAPACITY_BYTES", config.kv_capacity_bytes),
             ("WORKER_KV_LEASE_S", config.kv_lease_s),
             ("WORKER_TORCH_THREADS", config.torch_threads),
+            ("WORKER_MAX_BATCH_TOKENS", config.max_batch_tokens),
             ("WORKER_CANARY_INTERVAL_S", config.canary_interval_s),
         ):
             if value <= 0:

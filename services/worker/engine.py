@@ -30,7 +30,7 @@ from libkvxfer import (
     TransferRejected,
     TransferTicket,
 )
-from services.worker.compute import ComputeQueue, Estimates
+from services.worker.compute import ComputeQueue, Job
 from services.worker.kvstore import KvStore, PrefixReuse, Resident
 from services.worker.model import Transformer
 from services.worker.sampling import choose
@@ -139,7 +139,6 @@ class WorkerEngine:
         model: Transformer,
         store: KvStore,
         compute: ComputeQueue,
-        estimates: Estimates,
         agent: TransferAgent,
         send_kv: SendKvCall,
         lease_s: float,
@@ -151,7 +150,6 @@ class WorkerEngine:
         self.model = model
         self.store = store
         self.compute = compute
-        self.estimates = estimates
         self.agent = agent
         self._send_kv = send_kv
         self._lease_s = lease_s
@@ -200,10 +198,12 @@ class WorkerEngine:
         cached = entry.resident_tokens
         self._check_positions(cached + len(token_ids), "token_ids")
         self.store.grow(entry, cached + len(token_ids))
-        timed = await self.compute.run(
-            lambda: self.model.extend(entry.cache, token_ids)[1],
-            self.estimates.extend_s(cached, len(token_ids)),
-        )
+        try:
+            timed = await self.compute.forward(entry.cache, token_ids)
+        except BaseException:
+            # Cancelled after the pass ran: forget its KV, as if it had not run.
+            entry.cache.truncate(min(entry.cache.length, cached))
+            raise
         entry.token_ids.extend(token_ids)
         entry.next_token_id = _choose(entry, timed.value)
         return entry.next_token_id, timed.compute_s
@@ -248,7 +248,7 @@ class WorkerEngine:
                 return self._prefill_result(existing, 0.0, 0.0)
         entry = self.store.add(
             request_id,
-            self.model.new_cache(len(prompt)),
+            self.model.new_cache(len(prompt), self.store.block_tokens),
             len(prompt),
             lease,
             prompt_tokens=prompt_tokens,
@@ -261,12 +261,7 @@ class WorkerEngine:
         hit = len(reuse.blocks) * block
         try:
             async with entry.lock:
-                timed = await self.compute.run(
-                    self._fill(entry.cache, prompt, reuse),
-                    self.estimates.extend_s(hit, len(prompt) - hit)
-                    if hit
-                    else self.estimates.prefill_s(len(prompt)),
-                )
+                timed = await self._fill(entry.cache, prompt, reuse)
                 entry.token_ids = prompt
                 entry.first_token_id = entry.next_token_id = _choose(entry, timed.value)
                 entry.prefix_hit_tokens = hit
@@ -285,15 +280,15 @@ class WorkerEngine:
         )
         return self._prefill_result(entry, timed.compute_s, timed.queued_s)
 
-    def _fill(self, cache, tokens: list[int], reuse: PrefixReuse):
-        """Work for the compute thread: the resident blocks of `reuse` copied into `cache`,
-        the rest of `tokens` computed on top; the last position's logits (None when the
-        blocks covered every token)."""
+    async def _fill(self, cache, tokens: list[int], reuse: PrefixReuse):
+        """The resident blocks of `reuse` copied into `cache` (on the compute thread, just
+        before the pass) and the rest of `tokens` computed on top, batched with other
+        work; the last position's logits (None when the blocks covered every token)."""
         blocks = reuse.blocks
         block = self.store.block_tokens
         hit = len(blocks) * block
 
-        def work():
+        def copy() -> None:
             cache.reserve(len(tokens))
             for index, layers in enumerate(blocks):
                 views = cache.views(index * block, (index + 1) * block)
@@ -301,11 +296,12 @@ class WorkerEngine:
                     key.copy_(cached_key)
                     value.copy_(cached_value)
             cache.commit(hit)
-            if hit == len(tokens):
-                return None
-            return self.model.extend(cache, tokens[hit:])[1]
 
-        return work
+        if hit == len(tokens):
+            return await self.compute.run(copy)
+        if not hit:
+            return await self.compute.forward(cache, tokens)
+        return await self.compute.forward(cache, tokens[hit:], before=copy)
 
     def _prefill_result(self, entry: Resident, prefill_s: float, queued_s: float) -> PrefillResult:
         expires_unix_ms = int((time.time() + entry.lease_s) * 1000)
@@ -345,12 +341,21 @@ class WorkerEngine:
                 index = len(generated)
                 for produced in range(max_new_tokens):
                     last = produced == max_new_tokens - 1 or token == stop_token_id
-                    yield DecodedToken(
-                        token_id=token, index=index + produced, step_s=step_s, last=last
-                    )
-                    if last:
+                    # The next step is queued before this token is handed out, so the
+                    # stream is in the compute loop's next pass, batched with the others,
+                    # whatever its reader does meanwhile.
+                    step = None if last else self._start_step(entry, token)
+                    try:
+                        yield DecodedToken(
+                            token_id=token, index=index + produced, step_s=step_s, last=last
+                        )
+                    except BaseException:
+                        if isinstance(step, Job):
+                            await self._abandon_step(entry, step)
+                        raise
+                    if step is None:
                         break
-                    token, step_s = await self._step(entry, token)
+                    token, step_s = await self._finish_step(entry, token, step)
                 finished = True
         finally:
             self._running_decodes -= 1
@@ -391,17 +396,39 @@ class WorkerEngine:
             )
         return entry.next_token_id, 0.0
 
-    async def _step(self, entry: Resident, token: int) -> tuple[int, float]:
+    def _start_step(self, entry: Resident, token: int) -> Job | KvrsError:
+        """Queue feeding `token` (its KV appended); the job, or why it cannot run (raised
+        once the token before it was handed out)."""
         context = entry.resident_tokens
-        self._check_positions(context + 1, "max_new_tokens")
-        self.store.grow(entry, context + 1)
-        timed = await self.compute.run(
-            lambda: self.model.decode_step(entry.cache, token), self.estimates.step_s(context)
-        )
+        try:
+            self._check_positions(context + 1, "max_new_tokens")
+            self.store.grow(entry, context + 1)
+            return self.compute.submit(entry.cache, [token])
+        except KvrsError as exc:
+            return exc
+
+    async def _finish_step(
+        self, entry: Resident, token: int, step: Job | KvrsError
+    ) -> tuple[int, float]:
+        if isinstance(step, KvrsError):
+            raise step
+        context = entry.resident_tokens
+        try:
+            timed = await self.compute.wait(step)
+        except BaseException:
+            entry.cache.truncate(min(entry.cache.length, context))
+            raise
         entry.token_ids.append(token)
         entry.next_token_id = _choose(entry, timed.value)
         self.store.touch(entry)
         return entry.next_token_id, timed.compute_s
+
+    async def _abandon_step(self, entry: Resident, step: Job) -> None:
+        """The reader left: the queued step never happened (its KV is forgotten if the
+        pass already ran), so the resident KV ends at the last token handed out."""
+        await asyncio.shield(self.compute.withdraw(step))
+        if step.finished:
+            entry.cache.truncate(entry.cache.length - 1)
 
     async def extend(
         self, request_id: str, token_ids: Sequence[int], sampling: Sampling | None = None
@@ -511,7 +538,9 @@ class WorkerEngine:
                 "give prefix_token_ids to recompute [0, token_start)",
                 field="token_start",
             )
-        entry = self.store.add(request_id, self.model.new_cache(token_end), token_end, lease)
+        entry = self.store.add(
+            request_id, self.model.new_cache(token_end, self.store.block_tokens), token_end, lease
+        )
         try:
             async with entry.lock:
                 return await self._pull_into(
@@ -555,12 +584,7 @@ class WorkerEngine:
             # The prefix [0, start) is filled here — from resident prefix blocks where this
             # worker holds them, computed otherwise (HYBRID) — while the rest is received
             # into [start, token_end) of the same buffers.
-            recompute = asyncio.ensure_future(
-                self.compute.run(
-                    self._fill(entry.cache, prefix, reuse),
-                    self.estimates.extend_s(reused, len(prefix) - reused),
-                )
-            )
+            recompute = asyncio.ensure_future(self._fill(entry.cache, prefix, reuse))
         try:
             sent, stats = await self._receive(
                 entry,
@@ -766,7 +790,7 @@ class WorkerEngine:
 
     async def canary(self) -> None:
         """A one-token forward pass: health means the model really runs."""
-        await self.compute.run(lambda: self.model.prefill([0]), self.estimates.prefill_s(1))
+        await self.compute.forward(self.model.new_cache(1), [0])
 
     async def expire_forever(self, interval_s: float) -> None:
         """Drop expired leases every `interval_s` (freeing memory before it is needed)."""

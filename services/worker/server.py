@@ -35,7 +35,7 @@ from services.common import (
 )
 from services.common.gossip_records import NodeLoad, Registration
 from services.common.metrics import Metrics, serve_metrics
-from services.worker.compute import ComputeQueue, Estimates
+from services.worker.compute import ComputeQueue, load_profile
 from services.worker.config import Config
 from services.worker.engine import SendResult, WorkerEngine
 from services.worker.heartbeat import HeartbeatThread
@@ -143,8 +143,11 @@ async def build_server(
         # Refused at start-up, naming the file, tensor or setting it cannot run.
         raise ConfigError(f"WORKER_MODEL {config.model}: {exc}") from None
     dtype_name = str(model.dtype).removeprefix("torch.")
-    compute = ComputeQueue()
-    estimates = Estimates(config.model, config.profile_path)
+    try:
+        profile = load_profile(config.model, config.profile_path)
+    except KvrsError as exc:
+        raise ConfigError(f"WORKER_PROFILE_PATH {config.profile_path}: {exc}") from None
+    compute = ComputeQueue(model, profile, config.max_batch_tokens, metrics)
     store = KvStore(config.kv_capacity_bytes, model.new_cache().bytes_per_token, spec.block_tokens)
     host = config.transfer_host or _advertise(config, 0).rpartition(":")[0]
     agent = TransferAgent(
@@ -166,7 +169,6 @@ async def build_server(
         model,
         store,
         compute,
-        estimates,
         agent,
         peers.send_kv,
         config.kv_lease_s,

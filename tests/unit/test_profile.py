@@ -1,4 +1,5 @@
-"""Compute profiles: the presets, monotone interpolation, quadratic extrapolation."""
+"""Compute profiles: the presets, monotone interpolation, quadratic extrapolation, and the
+cost of a batched pass."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 from kvrs.errors import InvalidArgument
 from kvrs.profile import (
     DECODE_PRESETS,
+    BatchCost,
     ComputeProfile,
     compute_profile,
     decode_profile,
@@ -127,3 +129,40 @@ def test_bad_inputs_name_the_field() -> None:
     with pytest.raises(InvalidArgument) as info:
         ComputeProfile.from_json({"model": "x", "a_s": "fast"})
     assert info.value.field == "a_s"
+
+
+BATCH = BatchCost(a_s=2e-3, b_s_per_token=5e-5, c_s_per_token2=1e-8, d_s_per_sequence=3e-4)
+
+
+def test_a_batch_is_priced_by_its_tokens_pairs_and_sequences() -> None:
+    eight = [(0, 256)] * 8
+    expected = 2e-3 + 5e-5 * 2048 + 1e-8 * 8 * 256 * 256 + 3e-4 * 8
+    assert BATCH.batch_s(eight) == pytest.approx(expected)
+    # One pass for eight prompts costs less than eight passes: the fixed cost is paid once.
+    assert BATCH.batch_s(eight) < 8 * BATCH.batch_s([(0, 256)])
+    # A decode step attends over its cached context.
+    assert BATCH.batch_s([(1000, 1)]) > BATCH.batch_s([(10, 1)])
+    assert BATCH.batch_s([]) == 0.0
+    with pytest.raises(InvalidArgument) as info:
+        BATCH.batch_s([(0, 0)])
+    assert info.value.field == "new_tokens"
+
+
+def test_the_batch_fit_recovers_the_terms_it_was_measured_with() -> None:
+    shapes = [[(0, n)] * k for n in (16, 64, 256, 1024) for k in (1, 2, 8)]
+    shapes += [[(c, 1)] * k for c in (64, 1024, 4096) for k in (1, 4, 16)]
+    fitted = BatchCost.fit([(shape, BATCH.batch_s(shape)) for shape in shapes])
+    for shape in shapes:
+        assert fitted.batch_s(shape) == pytest.approx(BATCH.batch_s(shape), rel=1e-6)
+
+
+def test_a_profile_without_batch_terms_prices_a_batch_with_its_single_pass_fit() -> None:
+    old = ComputeProfile.from_json({"model": "opt-13b", "a_s": 1e-2, "b_s_per_token": 1e-4})
+    assert old.batch is None
+    assert old.batch_s([(0, 100)]) == pytest.approx(old.fit_s(100))
+    measured = ComputeProfile("m", a_s=1e-2, batch=BATCH)
+    assert ComputeProfile.from_json(measured.to_json()) == measured
+    assert measured.batch_s([(0, 64)] * 2) == BATCH.batch_s([(0, 64)] * 2)
+    with pytest.raises(InvalidArgument) as info:
+        ComputeProfile.from_json({"model": "m", "batch": {"a_s": -1}})
+    assert info.value.field == "batch.a_s"
