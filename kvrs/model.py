@@ -10,6 +10,7 @@ also what its preset is derived from.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -19,11 +20,14 @@ from typing import Any
 from kvrs.errors import InvalidArgument
 
 __all__ = [
+    "BLOCK_TOKENS_VARIABLE",
+    "DEFAULT_BLOCK_TOKENS",
     "DEFAULT_MODEL",
     "EMBEDDED_CHECKPOINTS",
     "MODEL_PRESETS",
     "SUPPORTED_ARCHITECTURES",
     "ModelSpec",
+    "block_tokens_setting",
     "checkpoint_dir",
     "model_spec",
     "read_checkpoint_config",
@@ -70,6 +74,14 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 """Checkpoint architectures the workers run, by the family of model code that runs them."""
 
+DEFAULT_BLOCK_TOKENS = 512
+"""Prefix-block size when `KVRS_BLOCK_TOKENS` is unset."""
+
+BLOCK_TOKENS_VARIABLE = "KVRS_BLOCK_TOKENS"
+"""The cluster's prefix-block size, in tokens: workers allocate and budget KV in blocks
+of it and hash resident prompts by it, routers and schedulers hash prompts by it. Every
+process of a cluster must see the same value, or prefix hashes would never match."""
+
 DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of each dtype a checkpoint may name."""
 
@@ -83,8 +95,9 @@ class ModelSpec:
     kv_heads: int
     head_dim: int
     dtype_bytes: int
-    block_tokens: int = 512
-    """Prefix-block granularity: prompts are hashed in blocks of this many tokens."""
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    """Prefix-block granularity: prompts are hashed in blocks of this many tokens
+    (`model_spec` sets it from KVRS_BLOCK_TOKENS)."""
     params: int = 0
     """Parameter count (0 = unknown): what a profile estimated without calibration scales by."""
 
@@ -205,9 +218,35 @@ def served_model_name(model: str) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(model)))
 
 
+def block_tokens_setting(env: Mapping[str, str] | None = None) -> int:
+    """KVRS_BLOCK_TOKENS of `env` (default: this process's environment), else 512;
+    InvalidArgument naming the variable unless it is a positive integer."""
+    text = (os.environ if env is None else env).get(BLOCK_TOKENS_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_BLOCK_TOKENS
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise InvalidArgument(
+            BLOCK_TOKENS_VARIABLE, f"must be a positive integer (tokens), got {text!r}"
+        )
+    return value
+
+
 def model_spec(name: str) -> ModelSpec:
-    """The preset called `name`, or the spec of the checkpoint directory `name` names;
-    InvalidArgument("model") lists the known presets otherwise."""
+    """The preset called `name`, or the spec of the checkpoint directory `name` names,
+    with the cluster's block size (`block_tokens_setting`); InvalidArgument("model")
+    lists the known presets otherwise."""
+    spec = _model_spec(name)
+    block_tokens = block_tokens_setting()
+    if block_tokens != spec.block_tokens:
+        spec = dataclasses.replace(spec, block_tokens=block_tokens)
+    return spec
+
+
+def _model_spec(name: str) -> ModelSpec:
     if name in MODEL_PRESETS:
         return MODEL_PRESETS[name]
     path = checkpoint_dir(name)

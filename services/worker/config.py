@@ -6,7 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvrs.errors import KvrsError
-from kvrs.model import DEFAULT_MODEL
+from kvrs.model import (
+    DEFAULT_BLOCK_TOKENS,
+    DEFAULT_MODEL,
+    block_tokens_setting,
+)
 from kvrs.topology import Location, Topology
 from services.common import ConfigError, GrpcSettings, env_bool, env_float, env_int, env_str
 
@@ -65,6 +69,9 @@ class Config:
     PullKv's own deadline); progress is watched by the transfer timeout meanwhile."""
     kv_capacity_bytes: int = DEFAULT_KV_CAPACITY_BYTES
     """WORKER_KV_CAPACITY_BYTES: memory budget for resident KV, counted in whole blocks."""
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    """KVRS_BLOCK_TOKENS: the cluster's prefix-block size; KV is allocated, budgeted and
+    hashed (the prefix hashes heartbeats advertise) in blocks of this many tokens."""
     kv_lease_s: float = 120.0
     """WORKER_KV_LEASE_S: default lease of resident KV after its last use."""
     torch_threads: int = 1
@@ -90,6 +97,10 @@ class Config:
             raise ConfigError(f"WORKER_ROLE (or --role) must be one of {ROLES}, got {role!r}")
         model = env_str("WORKER_MODEL", env_str("KVRS_MODEL", DEFAULT_MODEL, env), env)
         location = _location(instance_id, env)
+        try:
+            block_tokens = block_tokens_setting(env)
+        except KvrsError as exc:
+            raise ConfigError(str(exc)) from None
         config = cls(
             instance_id=instance_id,
             role=role,
@@ -109,6 +120,7 @@ class Config:
             transfer_checksums=env_bool("WORKER_TRANSFER_CHECKSUMS", True, env),
             send_kv_deadline_s=env_float("WORKER_SEND_KV_DEADLINE_S", 600.0, env),
             kv_capacity_bytes=env_int("WORKER_KV_CAPACITY_BYTES", DEFAULT_KV_CAPACITY_BYTES, env),
+            block_tokens=block_tokens,
             kv_lease_s=env_float("WORKER_KV_LEASE_S", 120.0, env),
             torch_threads=env_int("WORKER_TORCH_THREADS", 1, env),
             max_batch_tokens=env_int("WORKER_MAX_BATCH_TOKENS", DEFAULT_MAX_BATCH_TOKENS, env),

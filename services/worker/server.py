@@ -138,7 +138,7 @@ async def build_server(
     dtype = resolve_dtype(config.dtype) if config.dtype else None
     try:
         model = await asyncio.to_thread(Transformer.load, config.model, dtype)
-        spec = model_spec(config.model)
+        model_spec(config.model)  # what the cost model prices must read the same files
     except KvrsError as exc:
         # Refused at start-up, naming the file, tensor or setting it cannot run.
         raise ConfigError(f"WORKER_MODEL {config.model}: {exc}") from None
@@ -148,7 +148,9 @@ async def build_server(
     except KvrsError as exc:
         raise ConfigError(f"WORKER_PROFILE_PATH {config.profile_path}: {exc}") from None
     compute = ComputeQueue(model, profile, config.max_batch_tokens, metrics)
-    store = KvStore(config.kv_capacity_bytes, model.new_cache().bytes_per_token, spec.block_tokens)
+    store = KvStore(
+        config.kv_capacity_bytes, model.new_cache().bytes_per_token, config.block_tokens
+    )
     host = config.transfer_host or _advertise(config, 0).rpartition(":")[0]
     agent = TransferAgent(
         AgentConfig(

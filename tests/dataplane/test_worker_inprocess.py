@@ -141,6 +141,31 @@ async def test_one_trace_runs_from_the_caller_through_pull_send_and_transfer():
     assert "/kvrs.v1.WorkerService/SendKv" in ancestors(by_name["kvxfer.send"][0])
 
 
+async def test_a_worker_allocates_budgets_and_hashes_kv_in_its_configured_blocks():
+    provider = setup_tracing("test", exporter=InMemorySpanExporter())
+    worker = await build_server(worker_config("decode-b", "decode", block_tokens=16), provider)
+    channel = open_channel(f"127.0.0.1:{worker.port}", GrpcSettings())
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    prompt = list(range(1, 41))
+    try:
+        before = await stub.GetWorkerStats(pb.GetWorkerStatsRequest())
+        await stub.Prefill(pb.PrefillRequest(request_id="r-a", prompt_token_ids=prompt))
+        stats = await stub.GetWorkerStats(pb.GetWorkerStatsRequest())
+        cache = worker.engine.store.get("r-a").cache
+        again = await stub.Prefill(
+            pb.PrefillRequest(request_id="r-b", prompt_token_ids=[*prompt[:32], 99, 98])
+        )
+    finally:
+        await channel.close()
+        await worker.stop(0)
+    assert stats.block_tokens == 16
+    # 40 tokens: three 16-token blocks charged, and three allocated.
+    assert stats.free_kv_blocks == before.free_kv_blocks - 3
+    assert cache.capacity_tokens == 48
+    assert set(prefix_block_hashes(prompt, 16)) <= set(stats.resident_prefix_hashes)
+    assert again.prefix_hit_tokens == 32
+
+
 def test_kv_store_evicts_expired_first_then_least_recently_used():
     now = [0.0]
     bytes_per_token = 1024
