@@ -516,26 +516,64 @@ class Transformer:
         masks: list[torch.Tensor | None],
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Store each sequence's new K/V in its cache and attend over its whole cache."""
-        outs = []
-        row = 0
+        """Store each sequence's new K/V in its cache and attend over its whole cache.
+
+        Sequences with several new positions attend one by one; those with one new
+        position and nothing masked (decode steps) attend together, in one SDPA call
+        over their caches padded to the longest, since on CPU the fixed cost of an SDPA
+        call outweighs copying a step's keys."""
         gqa = self.config.kv_heads != self.config.heads
+        out = q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+        steps: list[tuple[int, _Span]] = []
+        row = 0
         for span, mask in zip(spans, masks, strict=True):
             count = span.end - span.start
             cache, rows = span.cache, slice(row, row + count)
             cache.keys[index][span.start : span.end] = k[rows]
             cache.values[index][span.start : span.end] = v[rows]
+            if count == 1 and mask is None:
+                steps.append((row, span))
+            else:
+                attended = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1),
+                    cache.keys[index][: span.end].transpose(0, 1),
+                    cache.values[index][: span.end].transpose(0, 1),
+                    attn_mask=mask,
+                    scale=scale,
+                    enable_gqa=gqa,
+                )
+                out[rows] = attended.transpose(0, 1).reshape(count, -1)
+            row += count
+        if len(steps) == 1:
+            (row, span), cache = steps[0], steps[0][1].cache
             attended = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1),
+                q[row : row + 1].transpose(0, 1),
                 cache.keys[index][: span.end].transpose(0, 1),
                 cache.values[index][: span.end].transpose(0, 1),
-                attn_mask=mask,
                 scale=scale,
                 enable_gqa=gqa,
             )
-            outs.append(attended.transpose(0, 1).reshape(count, -1))
-            row += count
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            out[row] = attended.reshape(-1)
+        elif steps:
+            longest = max(span.end for _, span in steps)
+            shape = (len(steps), longest, *k.shape[1:])
+            keys, values = k.new_zeros(shape), v.new_zeros(shape)
+            for i, (_, span) in enumerate(steps):
+                keys[i, : span.end] = span.cache.keys[index][: span.end]
+                values[i, : span.end] = span.cache.values[index][: span.end]
+            lengths = torch.tensor([span.end for _, span in steps], device=self.device)
+            mask = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]
+            rows_index = torch.tensor([row for row, _ in steps], device=self.device)
+            attended = F.scaled_dot_product_attention(
+                q[rows_index][:, :, None, :],  # [steps, heads, 1, head_dim]
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=mask[:, None, None, :],
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[rows_index] = attended.reshape(len(steps), -1)
+        return out
 
     def _forward_llama(self, spans: list[_Span], ids: torch.Tensor) -> torch.Tensor:
         a = self.config

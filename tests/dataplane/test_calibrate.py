@@ -21,6 +21,8 @@ def test_calibrate_writes_a_loadable_fitted_profile(tmp_path, capsys):
             "1",
             "--extend-new-tokens",
             "4",
+            "--batch-sizes",
+            "1,4",
             "--output",
             str(output),
         ]
@@ -37,6 +39,12 @@ def test_calibrate_writes_a_loadable_fitted_profile(tmp_path, capsys):
     assert report["profile"] == profile.to_json()
     assert [row["cached_tokens"] for row in report["extend_check"]] == [8, 32]
     assert all(row["measured_s"] > 0 and row["predicted_s"] > 0 for row in report["extend_check"])
+    # Batched passes, as the workers run them: prompts together, decode steps together.
+    assert profile.batch is not None
+    measured = {(row["pass"], row["sequences"]) for row in report["batch_fit_vs_measured"]}
+    assert measured == {("prefill", 1), ("prefill", 4), ("decode", 1), ("decode", 4)}
+    assert all(row["measured_s"] > 0 for row in report["batch_fit_vs_measured"])
+    assert profile.batch_s([(0, 32)] * 4) > profile.batch_s([(0, 32)]) > 0
 
 
 def test_calibrate_names_the_bad_flag(tmp_path, capsys):
@@ -56,3 +64,6 @@ def test_calibrate_names_the_bad_flag(tmp_path, capsys):
     status = main(["calibrate", "--model", "gpt-9", "--output", str(tmp_path / "x.json")])
     assert status == 2
     assert "--model" in capsys.readouterr().err
+    status = main(["calibrate", "--batch-sizes", "0,4", "--output", str(tmp_path / "x.json")])
+    assert status == 2
+    assert "--batch-sizes" in capsys.readouterr().err
