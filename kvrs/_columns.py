@@ -24,7 +24,11 @@ _HOLDERS_CACHE_MAX = 4096
 
 
 class Fan:
-    """Path terms from one source instance to every instance of a list."""
+    """Path terms from one source instance to every instance of a list.
+
+    What depends on the waits (`rtt_wait`) is summed on first use, so a view refresh that
+    changed some waits costs the next decision one vector addition, not a Python pass.
+    """
 
     __slots__ = (
         "table",
@@ -32,47 +36,60 @@ class Fan:
         "rtt",
         "inv_bps",
         "wait",
-        "rtt_wait",
         "min_rtt",
         "min_inv_bps",
-        "_arrays",
+        "_wait_array",
+        "_rtt_wait",
+        "_paths",
+        "_rtt_wait_array",
     )
 
-    def __init__(self, table: PathTable, wait: list[float]) -> None:
+    def __init__(
+        self, table: PathTable, wait: list[float], wait_array: np.ndarray | None = None
+    ) -> None:
         self.table = table
         self.bps = table.bandwidth_bps
         self.rtt = table.rtt_s
         self.inv_bps = [1.0 / bps for bps in table.bandwidth_bps]
         self.wait = wait
-        """The waits `rtt_wait` was summed with (a list identity: see `rewaited`)."""
-        self.rtt_wait = list(map(operator.add, self.rtt, wait))
+        """The waits `rtt_wait` is summed with (a list identity: see `rewaited`)."""
         # Bounds for pruning: no transfer from this source beats min_rtt + bits · min_inv_bps.
         self.min_rtt = min(self.rtt, default=0.0)
         self.min_inv_bps = min(self.inv_bps, default=0.0)
-        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._wait_array = wait_array
+        self._rtt_wait: list[float] | None = None
+        self._paths: tuple[np.ndarray, np.ndarray] | None = None
+        self._rtt_wait_array: np.ndarray | None = None
 
-    def rewaited(self, wait: list[float]) -> Fan:
-        """The same paths with new waits: the path terms (the costly part) are shared."""
+    def rewaited(self, wait: list[float], wait_array: np.ndarray | None = None) -> Fan:
+        """The same paths with new waits (`wait_array`: the same as an array, when the
+        columns have one): the path terms, the costly part, are shared."""
         fan = Fan.__new__(Fan)
         fan.table, fan.bps, fan.rtt, fan.inv_bps = self.table, self.bps, self.rtt, self.inv_bps
         fan.min_rtt, fan.min_inv_bps = self.min_rtt, self.min_inv_bps
-        fan.wait = wait
-        fan.rtt_wait = list(map(operator.add, self.rtt, wait))
-        fan._arrays = None
-        if self._arrays is not None:
-            import numpy as np
-
-            rtt, inv_bps, _ = self._arrays
-            fan._arrays = (rtt, inv_bps, np.array(fan.rtt_wait))
+        fan.wait, fan._wait_array = wait, wait_array
+        fan._rtt_wait, fan._rtt_wait_array = None, None
+        fan._paths = self._paths
         return fan
+
+    @property
+    def rtt_wait(self) -> list[float]:
+        """rtt + wait of every instance."""
+        if self._rtt_wait is None:
+            self._rtt_wait = list(map(operator.add, self.rtt, self.wait))
+        return self._rtt_wait
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rtt, 1 / bandwidth, rtt + wait) as numpy arrays."""
-        if self._arrays is None:
-            import numpy as np  # only large candidate sets need it; imported on first use
+        import numpy as np  # only large candidate sets need it; imported on first use
 
-            self._arrays = (np.array(self.rtt), np.array(self.inv_bps), np.array(self.rtt_wait))
-        return self._arrays
+        if self._paths is None:
+            self._paths = (np.array(self.rtt), np.array(self.inv_bps))
+        if self._rtt_wait_array is None:
+            # Element by element the same float additions as `rtt_wait`.
+            wait = self._wait_array if self._wait_array is not None else np.array(self.wait)
+            self._rtt_wait_array = self._paths[0] + wait
+        return self._paths[0], self._paths[1], self._rtt_wait_array
 
 
 class Columns:
@@ -137,10 +154,11 @@ class Columns:
         """Path terms from `src_id` to every instance, rebuilt when the network changed
         (and only their waits summed again when the columns were patched)."""
         fan = self._fans.get(src_id)
+        wait_array = None if self._arrays is None else self._arrays[0]
         if fan is None or not fan.table.valid(network, now_s):
-            fan = Fan(network.fan_out(src_id, self.ids, now_s), self.wait)
+            fan = Fan(network.fan_out(src_id, self.ids, now_s), self.wait, wait_array)
         elif fan.wait is not self.wait:
-            fan = fan.rewaited(self.wait)
+            fan = fan.rewaited(self.wait, wait_array)
         else:
             return fan
         self._fans[src_id] = fan
@@ -189,6 +207,24 @@ class Columns:
         new._index = self._index
         new._matrix = None
         return new
+
+    def prepare(self, previous: Columns | None = None) -> None:
+        """Build now what the first decision on these columns would otherwise build (a
+        view refresh calls it, off the decision path): the arrays; and from `previous`,
+        the columns these replace, when it lists the same instances in the same order,
+        its path terms (they depend on paths alone, and are checked against the network
+        before use, as always) and, when every instance holds the same prefix blocks as
+        there, what was found from the blocks."""
+        if previous is not None and previous is not self and previous.ids == self.ids:
+            for src_id, fan in previous._fans.items():
+                self._fans.setdefault(src_id, fan)
+            if all(
+                a.resident_blocks == b.resident_blocks
+                for a, b in zip(previous.states, self.states, strict=True)
+            ):
+                self._holders, self._narrowed = previous._holders, previous._narrowed
+                self._masks = previous._masks
+        self.arrays()
 
     def matrix(self, network: NetworkModel, sources: Columns, now_s: float) -> PathMatrix:
         """Paths from every instance of `sources` to every instance here (one cached)."""

@@ -29,7 +29,7 @@ import numpy as np
 from kvrs._columns import Columns as _Columns
 from kvrs._columns import Fan as _Fan
 from kvrs._frozen import build
-from kvrs.cluster import InstanceState
+from kvrs.cluster import ClusterView, InstanceState
 from kvrs.costmodel import CostModel, prefix_hit_tokens
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvrs.network import TransferEstimate
@@ -48,6 +48,7 @@ __all__ = [
     "PlacementRequest",
     "RoundRobin",
     "make_placement_policy",
+    "prepare_candidates",
     "score_candidates",
 ]
 
@@ -629,6 +630,18 @@ _POLICIES: dict[str, Callable[..., PlacementPolicy]] = {
     "netkv": NetKv,
     "kvrs": Kvrs,
 }
+
+
+def prepare_candidates(view: ClusterView, previous: ClusterView | None = None) -> None:
+    """Build now what decisions will read from `view`'s decode candidates (their columns,
+    arrays and prefix-block index), so that the first decision on a new view does not;
+    path terms already computed on `previous`, the view it replaces, are carried over.
+
+    Whoever installs a new view calls it (a refresh, off the decision path); decisions
+    are the same with or without it.
+    """
+    before = None if previous is None else _Columns.of(previous.decode_instances())
+    _Columns.of(view.decode_instances()).prepare(before)
 
 
 def make_placement_policy(name: str, **params: Any) -> PlacementPolicy:

@@ -35,6 +35,7 @@ from kvrs.errors import DeadlineExceeded, NotFound, Unavailable
 from kvrs.estimator import LinkEstimate
 from kvrs.learning import AssignedWork, Corrections
 from kvrs.network import NetworkModel
+from kvrs.placement import prepare_candidates
 from kvrs.topology import InstanceSpec, LinkId, Location, Role
 from services.common.decision_inputs import DecisionInputs
 from services.common.gossip_records import ALIVE, LinkRecord, NodeRecord, Registration
@@ -212,6 +213,7 @@ class ViewCache:
             return
         instances[instance_id] = dataclasses.replace(known, alive=False)
         cluster = ClusterView(instances=instances, now_s=state.cluster.now_s)
+        prepare_candidates(cluster, state.cluster)
         self._state = dataclasses.replace(state, cluster=cluster)
         self.request_refresh()
 
@@ -368,6 +370,7 @@ class ViewCache:
                 self._network(snapshot, links, corrections),
                 margins=corrections.margins(),
             )
+        prepare_candidates(cluster, None if previous is None else previous.cluster)
         return DecisionState(
             cost=cost,
             cluster=cluster,

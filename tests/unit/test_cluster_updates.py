@@ -11,7 +11,7 @@ from kvrs.costmodel import CostModel
 from kvrs.estimator import LinkEstimate
 from kvrs.model import model_spec
 from kvrs.network import NetworkModel
-from kvrs.placement import NetKv, PlacementRequest
+from kvrs.placement import HIT_ARRAY_MIN_CANDIDATES, NetKv, PlacementRequest, prepare_candidates
 from kvrs.profile import compute_profile
 from kvrs.recovery import Kvrs, RecoveryRequest
 from kvrs.topology import Role, Topology
@@ -19,8 +19,8 @@ from kvrs.topology import Role, Topology
 PREFIX = (11, 12, 13, 14)
 
 
-def cluster(rng: random.Random) -> tuple[CostModel, ClusterView]:
-    topology = Topology.fat_tree(nodes=16, gpus_per_node=8, nodes_per_rack=4, racks_per_pod=2)
+def cluster(rng: random.Random, nodes: int = 16) -> tuple[CostModel, ClusterView]:
+    topology = Topology.fat_tree(nodes=nodes, gpus_per_node=8, nodes_per_rack=4, racks_per_pod=2)
     network = NetworkModel(topology)
     cost = CostModel(model_spec("opt-13b"), compute_profile("opt-13b"), network)
     states = {
@@ -122,3 +122,43 @@ def test_a_membership_change_rebuilds_the_list():
     shrunk = grown.updated({}, removed=["decode-new"])
     assert "decode-new" not in shrunk.instances
     assert "decode-new" not in {s.instance_id for s in shrunk.decode_instances()}
+
+
+def test_prepared_views_decide_as_unprepared_ones():
+    # 64 decode candidates find prefix hits with sets, 640 with boolean arrays.
+    for nodes in (16, 160):
+        rng = random.Random(11)
+        cost, view = cluster(rng, nodes)
+        assert (len(view.decode_instances()) >= HIT_ARRAY_MIN_CANDIDATES) == (nodes == 160)
+        prepare_candidates(view)
+        warm(view, cost)
+        for _ in range(4):
+            changed = changes(view, rng, nodes // 2)
+            updated = view.updated(changed, now_s=1.0)
+            prepare_candidates(updated, view)
+            # A full listing of the same instances, replacing the updated view.
+            relisted = ClusterView({**view.instances, **changed}, now_s=1.0)
+            prepare_candidates(relisted, updated)
+            expected = decisions(ClusterView({**view.instances, **changed}, now_s=1.0), cost)
+            assert decisions(updated, cost) == expected
+            assert decisions(relisted, cost) == expected
+            view = updated
+
+
+def test_a_relisted_view_keeps_what_was_found_from_blocks_only_when_they_are_the_same():
+    rng = random.Random(13)
+    _, view = cluster(rng)
+    old = Columns.of(view.decode_instances())
+    old.holder_mask(PREFIX[0])
+    same = ClusterView(dict(view.instances), now_s=1.0)
+    prepare_candidates(same, view)
+    assert Columns.of(same.decode_instances())._masks is old._masks
+    changed = changes(view, rng, 40)
+    moved = ClusterView({**view.instances, **changed}, now_s=1.0)
+    prepare_candidates(moved, view)
+    columns = Columns.of(moved.decode_instances())
+    assert columns._masks is not old._masks
+    fresh = Columns(moved.decode_instances())
+    for block_hash in (*PREFIX, 99):
+        assert columns.holders(block_hash) == fresh.holders(block_hash)
+        assert (columns.holder_mask(block_hash) == fresh.holder_mask(block_hash)).all()
