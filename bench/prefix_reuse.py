@@ -59,7 +59,8 @@ async def _run(args: argparse.Namespace) -> dict[str, float]:
             assert reused == 0
             cold.append(seconds)
             seconds, reused = await prefill(f"hit-{i}", prompt(0, i))
-            assert reused == args.prefix_tokens // 512 * 512, reused
+            block = handle.engine.store.block_tokens
+            assert reused == args.prefix_tokens // block * block, reused
             hit.append(seconds)
     finally:
         await channel.close()
