@@ -371,13 +371,21 @@ class WorkerEngine:
                 "prompt tokens are resident",
                 field="request_id",
             )
-        if resident_generated > len(generated):
-            raise FailedPrecondition(
-                f"{resident_generated} generated tokens are resident but "
-                f"only {len(generated)} were given",
-                field="generated_token_ids",
-            )
         known = entry.token_ids[entry.prompt_tokens : entry.resident_tokens]
+        if resident_generated > len(generated):
+            if not generated or known[: len(generated)] != generated:
+                raise FailedPrecondition(
+                    f"{resident_generated} generated tokens are resident but "
+                    f"only {len(generated)} were given",
+                    field="generated_token_ids",
+                )
+            # The KV ran ahead of this reader (a stream computes a step before its token
+            # is read): drop back behind its last token, which is fed again below.
+            end = entry.prompt_tokens + len(generated) - 1
+            entry.cache.truncate(end)
+            del entry.token_ids[end:]
+            resident_generated = len(generated) - 1
+            known = known[:resident_generated]
         if len(known) == resident_generated and known != generated[:resident_generated]:
             first = next(
                 i for i, (a, b) in enumerate(zip(known, generated, strict=False)) if a != b

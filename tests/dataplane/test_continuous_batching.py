@@ -78,3 +78,44 @@ async def test_concurrent_streams_get_their_single_request_tokens(alone):
     single = metrics.registry.get_sample_value("kvrs_worker_batch_sequences_bucket", {"le": "1.0"})
     assert passes == counts.passes
     assert single < passes, "some passes computed several sequences"
+
+
+async def test_a_stream_left_mid_way_resumes_exactly_where_its_reader_stopped(alone):
+    """Each stream queues its next step before handing out a token, so its KV may run
+    ahead of what its reader got: a new Decode with fewer generated tokens than are
+    resident (here 3 of the 5 read, at least 4 fed) continues exactly from them."""
+    worker = await build_server(
+        Config(
+            instance_id="decode-resume",
+            role="decode",
+            listen_addr="127.0.0.1:0",
+            transfer_host="127.0.0.1",
+            canary_interval_s=30.0,
+        ),
+        setup_tracing("test", exporter=InMemorySpanExporter()),
+    )
+    channel = open_channel(f"127.0.0.1:{worker.port}", GrpcSettings())
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    try:
+        await stub.Prefill(pb.PrefillRequest(request_id="r-resume", prompt_token_ids=PROMPTS[0]))
+        stream = stub.Decode(pb.DecodeRequest(request_id="r-resume", max_new_tokens=NEW_TOKENS))
+        received = []
+        async for reply in stream:
+            received.append(reply.token_id)
+            if len(received) == 5:
+                break
+        stream.cancel()
+        rest = [
+            reply.token_id
+            async for reply in stub.Decode(
+                pb.DecodeRequest(
+                    request_id="r-resume",
+                    generated_token_ids=received[:3],
+                    max_new_tokens=NEW_TOKENS - 3,
+                )
+            )
+        ]
+    finally:
+        await channel.close()
+        await worker.stop(0)
+    assert received[:3] + rest == alone[0]
