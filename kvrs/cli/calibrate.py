@@ -28,8 +28,9 @@ from kvrs.profile import BatchCost, ComputeProfile
 
 DEFAULT_LENGTHS = "16,32,64,128,256,512,1024"
 DEFAULT_BATCH_SIZES = "1,2,4,8,16"
-MAX_PREFILL_BATCH_TOKENS = 4096
-"""Largest batch of prompts measured (batch size × length), to keep calibration short."""
+MAX_PREFILL_BATCH_TOKENS = 2048
+"""Largest batch of prompts measured (batch size × length): a worker's default token
+budget per pass (WORKER_MAX_BATCH_TOKENS), which also keeps calibration short."""
 
 
 def register(parser: argparse.ArgumentParser) -> None:
