@@ -338,6 +338,10 @@ class Router:
         self, request: GenerateInput, prefill: Endpoint, hashes: Sequence[int]
     ) -> tuple[Placement, float]:
         """The placement, and when it was asked for (unix s: its outcome's time)."""
+        # One turn of the loop first: the prefill call, issued right after this task was
+        # created, goes on the wire before this request is built and sent (the placement
+        # is needed only when the prefill ends, the prefill's first byte is needed now).
+        await asyncio.sleep(0)
         decided_unix_s = time.time()
         with self.tracer.start_as_current_span("router.select_decode"):
             placement = await self.control.select_decode(
@@ -465,9 +469,13 @@ class Router:
                             f"{len(run.generated)} was next"
                         )
                     run.generated.append(token_id)
-                    if run.awaiting is not None:
-                        self._outcome(run, run.awaiting, step_s)
+                    awaiting, arrived_s = run.awaiting, time.monotonic()
+                    run.awaiting = None
                     yield Token(index, token_id)
+                    if awaiting is not None:
+                        # Measured at the token's arrival, booked once it is on its way
+                        # to the client: metrics and the report stay off token 1's path.
+                        self._outcome(run, awaiting, step_s, arrived_s)
                 elif isinstance(item, _End):
                     if run.remaining_tokens > 0:
                         run.pending_loss = Lost(
@@ -637,10 +645,9 @@ class Router:
             )
             return None
 
-    def _outcome(self, run: Run, awaiting: Awaiting, step_s: float) -> None:
-        """Completes an executed decision's measurement at its first token and reports it."""
-        run.awaiting = None
-        now_s = time.monotonic()
+    def _outcome(self, run: Run, awaiting: Awaiting, step_s: float, now_s: float) -> None:
+        """Completes an executed decision's measurement at its first token (which arrived
+        at `now_s`, monotonic) and reports it."""
         first_token_s = now_s - awaiting.started_s
         predicted = awaiting.predicted
         if awaiting.kind == "placement":
