@@ -163,6 +163,17 @@ class NetworkModel:
         self._shares: tuple[tuple[int, int, int], np.ndarray] | None = None
         self._trends: dict[LinkId, LinkTrend] = {}
 
+    def carry_paths(self, previous: NetworkModel) -> None:
+        """Take over the fan-out paths `previous` found on the same topology: they depend
+        on the topology alone, so a model rebuilt for new measurements or flows need not
+        walk them again. Call it on a model that has priced nothing yet."""
+        if previous.topology is not self.topology or self._link_ids:
+            return
+        self._fan_paths = dict(previous._fan_paths)
+        self._link_index = dict(previous._link_index)
+        self._link_ids = list(previous._link_ids)
+        self._caps = previous._caps
+
     @property
     def version(self) -> tuple[int, int]:
         """Changes whenever estimates, flows or the topology change (for derived caches)."""

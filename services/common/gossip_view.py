@@ -392,6 +392,8 @@ class ViewCache:
         load the cluster really carries) — unless its probe says it is down.
         """
         network = NetworkModel(self.inputs.topology, self.inputs.staleness)
+        if self._state is not None:
+            network.carry_paths(self._state.cost.network)
         fitted = dict(corrections.links)
         for link in links:
             sample = link.sample

@@ -166,3 +166,26 @@ def test_two_models_never_share_a_version_so_cached_paths_never_mix():
         for network in (slow, fast)
     ]
     assert picks[0].transfer.transfer_s > 50 * picks[1].transfer.transfer_s
+
+
+def test_a_model_that_carries_paths_prices_fan_outs_as_a_fresh_one() -> None:
+    topology = Topology.fat_tree(nodes=4, gpus_per_node=8, nodes_per_rack=2, racks_per_pod=2)
+    sources = [i for i, s in topology.instances.items() if s.role is Role.PREFILL]
+    sinks = tuple(i for i, s in topology.instances.items() if s.role is Role.DECODE)
+    before = NetworkModel(topology)
+    for src in sources:
+        before.fan_out(src, sinks, 1.0)
+    links = {link for dst in sinks for link in topology.path_links(sources[0], dst)}
+
+    def priced(network: NetworkModel) -> list:
+        network.set_link_estimate(
+            sources[0], sinks[-1], LinkEstimate(5e9, 1e-4, measured_at_s=0.0, samples=3)
+        )
+        network.set_flows({link: 2 for link in sorted(links)[:3]})
+        tables = [network.fan_out(src, sinks, 1.0) for src in sources]
+        return [(t.bandwidth_bps, t.rtt_s, t.tiers) for t in tables]
+
+    carrying = NetworkModel(topology)
+    carrying.carry_paths(before)
+    assert carrying._fan_paths.keys() == before._fan_paths.keys()
+    assert priced(carrying) == priced(NetworkModel(topology))
