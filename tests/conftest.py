@@ -28,16 +28,18 @@ def redis_url() -> str:
 
 
 def _isolated_prefix(redis_url: str):
-    """A fresh hash-tagged key prefix; every key under it is deleted afterwards.
+    """A fresh hash-tagged key prefix; every key under it, or under a shard of it
+    (`{kvrs-test-....3}:`), is deleted afterwards.
 
     Tests share one Redis database, so they isolate by prefix rather than FLUSHDB, which
     would wipe a concurrently running test's keys.
     """
-    prefix = f"{{kvrs-test-{uuid.uuid4().hex[:12]}}}:"
+    tag = f"kvrs-test-{uuid.uuid4().hex[:12]}"
+    prefix = f"{{{tag}}}:"
     yield prefix
     client = redis.Redis.from_url(redis_url)
     try:
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        keys = list(client.scan_iter(match=f"{{{tag}*", count=1000))
         if keys:
             client.delete(*keys)
     finally:

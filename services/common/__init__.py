@@ -19,8 +19,10 @@ from services.common.redis_store import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_REDIS_URL,
     Keys,
+    RedisClient,
     RedisTls,
     connect_redis,
+    is_cluster_url,
     redis_from_env,
 )
 from services.common.server import (
@@ -46,6 +48,7 @@ __all__ = [
     "GrpcSettings",
     "Keys",
     "Metrics",
+    "RedisClient",
     "RedisTls",
     "ServerHandle",
     "TlsConfig",
@@ -57,6 +60,7 @@ __all__ = [
     "env_float",
     "env_int",
     "env_str",
+    "is_cluster_url",
     "open_channel",
     "redis_from_env",
     "require_positive",

@@ -8,10 +8,18 @@ Keys (under one hash-tagged prefix, so each script touches a single slot):
     slots:links            hash    json([src, dst]) -> leases held on that link
     slots:totals           hash    granted / denied / expired / superseded counters
     slots:policy           hash    cluster_cap, link_cap, default_ttl_ms, max_ttl_ms
+    slots:attempt:<id>     string  the denial one reserve call got, kept a minute
 
 Every operation is one Lua script that first drops expired leases, then acts, all on
 the Redis clock: the caps hold whatever the number of broker replicas and callers, and
 a crashed holder's slot returns once its TTL passes (on the next call, or the sweeper's).
+On Redis Cluster all of these keys are one slot (one hash tag): the cap is one sorted
+set on one primary, checked and taken in one atomic step.
+
+A reserve call that the Redis client sends twice (it retries after a timeout, or after
+a failover) has the same attempt id both times, and its second run answers what the
+first did: a grant comes back as the request's existing lease, a denial as the same
+denial, counted once.
 
 The caps live in Redis too (`slots:policy`, written by the slot broker when it starts),
 and the reserve script reads them there: every caller of this module — the broker's
@@ -29,12 +37,9 @@ import math
 import uuid
 from dataclasses import dataclass
 
-import redis.asyncio as redis_async
-import redis.exceptions
-
 from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.metrics import Metrics
-from services.common.redis_store import Keys
+from services.common.redis_store import Keys, RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +86,7 @@ end
 """
 
 # ARGV: prefix, request_id, holder_id, src, dst, link, ttl_ms (0: the policy's), lease_id
+# (fresh for each call: also the attempt's id)
 # Returns {granted|existing, lease fields..., in_use, cluster_cap},
 # {denied, cap name, in use, cap}, {badttl, max_ttl_ms} or {nopolicy}.
 _RESERVE = (
@@ -102,6 +108,17 @@ if ttl_ms > tonumber(policy[4]) then
 end
 local now = now_ms()
 purge(now)
+local attempt = ARGV[1] .. 'attempt:' .. ARGV[8]
+local denial = redis.call('GET', attempt)
+if denial then
+  local cap_name, in_use, cap = string.match(denial, '^(%S+) (%d+) (%d+)$')
+  return {'denied', cap_name, tonumber(in_use), tonumber(cap)}
+end
+local function deny(cap_name, in_use, cap)
+  redis.call('SET', attempt, cap_name .. ' ' .. in_use .. ' ' .. cap, 'PX', 60000)
+  redis.call('HINCRBY', KEYS[3], 'denied', 1)
+  return {'denied', cap_name, in_use, cap}
+end
 local request = ARGV[1] .. 'request:' .. request_id
 local existing = redis.call('GET', request)
 if existing then
@@ -118,14 +135,12 @@ if existing then
 end
 local in_use = redis.call('ZCARD', KEYS[1])
 if in_use >= cluster_cap then
-  redis.call('HINCRBY', KEYS[3], 'denied', 1)
-  return {'denied', 'cluster_cap', in_use, cluster_cap}
+  return deny('cluster_cap', in_use, cluster_cap)
 end
 if link_cap > 0 then
   local on_link = tonumber(redis.call('HGET', KEYS[2], link) or '0')
   if on_link >= link_cap then
-    redis.call('HINCRBY', KEYS[3], 'denied', 1)
-    return {'denied', 'link_cap', on_link, link_cap}
+    return deny('link_cap', on_link, link_cap)
   end
 end
 local lease_id = ARGV[8]
@@ -286,7 +301,7 @@ class SlotStore:
 
     def __init__(
         self,
-        client: redis_async.Redis,
+        client: RedisClient,
         prefix: str,
         policy: SlotPolicy | None = None,
         metrics: Metrics | None = None,
@@ -458,7 +473,9 @@ async def purge_forever(store: SlotStore, interval_s: float, stop: asyncio.Event
             purged = await store.purge()
             if purged:
                 log.info("%d expired migration slot leases returned", purged)
-        except redis.exceptions.RedisError as exc:
-            log.warning("lease purge skipped: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - the purger must outlive any one purge
+            # Redis unreachable, or the Redis Cluster client caught mid-way through a
+            # topology change (a failover): the next purge tries again.
+            log.warning("lease purge skipped: %r", exc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)

@@ -14,9 +14,14 @@ from services.common import (
     env_float,
     env_int,
     env_str,
+    is_cluster_url,
     redis_from_env,
     require_positive,
 )
+
+CLUSTER_SHARDS = 16
+"""Registry shards on a Redis Cluster unless set: enough hash tags to spread evenly over
+a few primaries, few enough that a listing's per-shard reads stay cheap."""
 
 
 @dataclass(frozen=True)
@@ -26,11 +31,17 @@ class Config:
     listen_addr: str = "0.0.0.0:50051"
     """GOSSIP_LISTEN_ADDR: host:port the gRPC server binds ("127.0.0.1:0" in tests)."""
     redis_url: str = DEFAULT_REDIS_URL
-    """REDIS_URL: the Redis holding the registry (redis://, rediss://, with AUTH)."""
+    """REDIS_URL: the Redis holding the registry (redis://, rediss://, with AUTH), or a
+    Redis Cluster (redis+cluster://host:port,host:port, rediss+cluster://)."""
     redis_prefix: str = DEFAULT_KEY_PREFIX
     """KVRS_REDIS_PREFIX: hash-tagged prefix of every key; replicas share it."""
     redis_tls: RedisTls = RedisTls()
     """KVRS_REDIS_TLS_CA_FILE / _CERT_FILE / _KEY_FILE: TLS material for a rediss:// Redis."""
+    registry_shards: int = 1
+    """GOSSIP_REGISTRY_SHARDS: hash tags the registry is spread over (instance `id` in shard
+    crc32(id) % N, keys under `{<tag>.<shard>}:`), so a Redis Cluster spreads it over its
+    primaries; every replica must use the same number. Default: 16 with a
+    redis+cluster:// REDIS_URL, else 1."""
     heartbeat_ttl_s: float = 2.0
     """GOSSIP_HEARTBEAT_TTL_S: silence after which an instance becomes suspect (no new
     placements), unless it registered with its own TTL."""
@@ -62,6 +73,9 @@ class Config:
             redis_url=redis_url,
             redis_prefix=redis_prefix,
             redis_tls=redis_tls,
+            registry_shards=env_int(
+                "GOSSIP_REGISTRY_SHARDS", CLUSTER_SHARDS if is_cluster_url(redis_url) else 1, env
+            ),
             heartbeat_ttl_s=env_float("GOSSIP_HEARTBEAT_TTL_S", 2.0, env),
             confirm_ttls=env_float("GOSSIP_CONFIRM_TTLS", 2.0, env),
             sweep_interval_s=env_float("GOSSIP_SWEEP_INTERVAL_S", 0.1, env),
@@ -74,6 +88,7 @@ class Config:
         if not 0 <= config.confirm_ttls <= 100:
             raise ConfigError(f"GOSSIP_CONFIRM_TTLS must be in [0, 100], got {config.confirm_ttls}")
         require_positive(
+            ("GOSSIP_REGISTRY_SHARDS", config.registry_shards),
             ("GOSSIP_HEARTBEAT_TTL_S", config.heartbeat_ttl_s),
             ("GOSSIP_SWEEP_INTERVAL_S", config.sweep_interval_s),
             ("GOSSIP_EVENTS_MAXLEN", config.events_maxlen),

@@ -6,11 +6,16 @@ import asyncio
 from dataclasses import dataclass, fields
 
 import grpc
-import redis.asyncio as redis_async
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
-from services.common import ServerHandle, connect_redis, run_until_signal, start_server
+from services.common import (
+    RedisClient,
+    ServerHandle,
+    connect_redis,
+    run_until_signal,
+    start_server,
+)
 from services.common.metrics import Metrics, serve_metrics
 from services.gossip.config import Config
 from services.gossip.servicer import GossipServicer
@@ -35,7 +40,7 @@ class GossipServerHandle(ServerHandle):
 async def build_server(
     config: Config,
     provider: TracerProvider,
-    redis_client: redis_async.Redis | None = None,
+    redis_client: RedisClient | None = None,
     metrics: Metrics | None = None,
 ) -> GossipServerHandle:
     """Starts a gossip server on `config.listen_addr` (a Redis client is opened from
@@ -55,6 +60,7 @@ async def build_server(
         down_retention_s=config.down_retention_s,
         changes_maxlen=config.changes_maxlen,
         confirm_ttls=config.confirm_ttls,
+        shards=config.registry_shards,
     )
     tls = config.grpc.tls
     servicer = GossipServicer(

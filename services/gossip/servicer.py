@@ -46,7 +46,8 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         self._check_identity = check_identity
         self._closing = asyncio.Event()
         self.active_watchers = 0
-        """WatchEvents streams open now (each holds a Redis connection while it waits)."""
+        """WatchEvents streams open now (each holds a Redis connection per registry shard
+        while it waits)."""
 
     def close(self) -> None:
         """Ends every open WatchEvents stream with OK within `WATCH_BLOCK_S`."""
@@ -172,12 +173,11 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
     async def WatchEvents(
         self, request, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gossip_pb2.NodeEvent]:
-        after = await self._store.resolve_after(request.after_event_id)
+        reader = self._store.event_reader(await self._store.resolve_after(request.after_event_id))
         self.active_watchers += 1
         try:
             while not self._closing.is_set():
-                for event in await self._store.read_events(after, WATCH_BLOCK_S):
+                for event in await reader.read(WATCH_BLOCK_S):
                     yield convert.event_to_pb(event)
-                    after = event.event_id
         finally:
             self.active_watchers -= 1

@@ -1,24 +1,36 @@
 """The gossip registry in Redis: node hashes, a liveness sorted set, links, an event stream.
 
-Keys (all under one hash-tagged prefix, so every script touches a single slot):
+Keys of one shard (all under one hash tag, so every script touches a single slot):
 
     gossip:node:<id>   hash    registration, load, state, last_seen_unix_ms, ttl_ms
-    gossip:nodes       set     every remembered instance id
+    gossip:nodes       set     every remembered instance id of the shard
     gossip:live        zset    alive or suspect instance id -> its next deadline (unix ms,
                                Redis clock): suspicion for an alive one, failure for a suspect
-    gossip:links       hash    json([src, dst]) -> "<measured_unix_ms> <json sample>"
+    gossip:links       hash    json([src, dst]) -> "<measured_unix_ms> <json sample>", for
+                               links whose source is in the shard
     gossip:events      stream  joined / suspect / refuted / failed / left, trimmed to about
                                `events_maxlen`
     gossip:changes     stream  `id` of every instance whose registration, state or load
                                changed, trimmed to about `changes_maxlen`
+
+Shards (`GOSSIP_REGISTRY_SHARDS`, default 1; 16 on a Redis Cluster). With one shard the
+keys sit under the prefix itself (`{kvrs}:gossip:...`). With N, instance `id` belongs
+to shard `crc32(id) % N`, whose keys sit under the prefix's tag with `.<shard>` appended
+(`{kvrs.3}:gossip:...`, `services.common.redis_store.Keys.shard`): each shard is one
+Redis Cluster slot, so the shards spread over the primaries while every script — a
+registration, a batch of heartbeats, a sweep — stays within one shard and stays atomic.
+The shard follows from the id alone, so a heartbeat needs no lookup. Listings read every
+shard at once; change and event ids then hold one stream id per shard, comma-separated
+(opaque to callers, who pass back what they were given).
 
 The change stream is what lets views follow the registry instead of re-reading it
 (`list_changes`): a heartbeat appends to it only when a value it writes differs from the
 stored one, so a cluster whose load is steady costs its views almost nothing.
 
 Every state change runs as one Lua script reading the Redis clock (`TIME`), so several
-gossip replicas share one clock and one truth: the script that removes an instance from
-the live set is the only one that reports it failed, and it does so exactly once.
+gossip replicas share one clock (a shard's: that of the node holding it) and one truth:
+the script that removes an instance from the live set is the only one that reports it
+failed, and it does so exactly once.
 
 Failure is declared in two steps (see `gossip_records`): an instance silent for its TTL
 turns *suspect* ("suspect" event; its live-set score becomes its confirmation deadline,
@@ -40,11 +52,11 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-import redis.asyncio as redis_async
 import redis.exceptions
 
 from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -65,7 +77,7 @@ from services.common.gossip_records import (
     validate_registration,
 )
 from services.common.metrics import Metrics
-from services.common.redis_store import Keys
+from services.common.redis_store import Keys, RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -363,6 +375,25 @@ end
 return reply
 """
 
+# KEYS: nodes. Returns {now_ms, member...}: the Redis time and the shard's instance ids,
+# read together in one round trip (a pipelined TIME has no key, so Redis Cluster could
+# not route it).
+_MEMBERS = """
+local t = redis.call('TIME')
+local reply = {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  reply[#reply + 1] = id
+end
+return reply
+"""
+
+# KEYS: links. Returns {now_ms, flat hash of the shard's link samples}.
+_LINKS_NOW = """
+local t = redis.call('TIME')
+return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000),
+  redis.call('HGETALL', KEYS[1])}
+"""
+
 _LOAD_FIELDS = ("queue_depth", "queued_work_s", "running_requests", "free_kv_blocks")
 SWEEP_BATCH = 500
 PROBE_TIMEOUT_S = 0.5
@@ -462,39 +493,95 @@ async def _shielded(command: Awaitable[T]) -> T:
     return await asyncio.shield(read)
 
 
+@dataclass(frozen=True)
+class _Shard:
+    """The keys of one registry shard (one hash tag: one Redis Cluster slot)."""
+
+    node_prefix: str
+    nodes: str
+    live: str
+    links: str
+    events: str
+    changes: str
+    common: list[str]
+    """ARGV[1..4] of every state-changing script (see `_LUA_COMMON`)."""
+
+    @property
+    def script_keys(self) -> list[str]:
+        return [self.live, self.events, self.changes]
+
+
+def shard_of(instance_id: str, shards: int) -> int:
+    """The registry shard holding `instance_id`'s keys: CRC-32 of the id modulo the shard
+    count, so every operation finds an instance's shard from its id alone."""
+    return zlib.crc32(instance_id.encode()) % shards if shards > 1 else 0
+
+
+def _stream_order(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _started(commands: Iterable[Awaitable[T]]) -> list[asyncio.Future[T]]:
+    """Redis reads started now, each of whose errors is retrieved even if abandoned."""
+    reads: list[asyncio.Future[T]] = [asyncio.ensure_future(command) for command in commands]
+    for read in reads:
+        read.add_done_callback(_retrieve_exception)
+    return reads
+
+
+async def _shielded_all(commands: Iterable[Awaitable[T]]) -> list[T]:
+    """`_shielded` for several reads at once, all started before the first wait."""
+    together = asyncio.gather(*_started(commands))
+    together.add_done_callback(_retrieve_exception)
+    return await asyncio.shield(together)
+
+
 class GossipStore:
     """Registry operations; each raises `kvrs.errors` exceptions the servers map to codes."""
 
     def __init__(
         self,
-        client: redis_async.Redis,
+        client: RedisClient,
         prefix: str,
         default_ttl_s: float,
         events_maxlen: int = 10_000,
         down_retention_s: float = 600.0,
         changes_maxlen: int = 100_000,
         confirm_ttls: float = 0.0,
+        shards: int = 1,
     ) -> None:
         """`confirm_ttls`: how many of its TTLs a suspect instance has to heartbeat again
-        before it is declared failed; 0 = failed at the first missed deadline."""
+        before it is declared failed; 0 = failed at the first missed deadline. `shards`:
+        how many hash tags the registry is spread over (see the module docstring); every
+        process sharing a registry must use the same number."""
+        if shards < 1:
+            raise ValueError(f"shards must be >= 1, got {shards}")
         keys = Keys(prefix)
         self._redis = client
         self._default_ttl_s = default_ttl_s
         self._confirm_ttls = confirm_ttls
-        self._node_prefix = keys("gossip", "node", "")
-        self._nodes = keys("gossip", "nodes")
-        self._live = keys("gossip", "live")
-        self._links = keys("gossip", "links")
-        self._events = keys("gossip", "events")
-        self._changes = keys("gossip", "changes")
-        self._script_keys = [self._live, self._events, self._changes]
         self._down_retention_s = down_retention_s
-        self._common = [
-            self._node_prefix,
-            str(events_maxlen),
-            str(int(down_retention_s * 1000)),
-            str(changes_maxlen),
-        ]
+        self._shards: list[_Shard] = []
+        for index in range(shards):
+            shard = keys.shard(index, shards)
+            node_prefix = shard("gossip", "node", "")
+            self._shards.append(
+                _Shard(
+                    node_prefix=node_prefix,
+                    nodes=shard("gossip", "nodes"),
+                    live=shard("gossip", "live"),
+                    links=shard("gossip", "links"),
+                    events=shard("gossip", "events"),
+                    changes=shard("gossip", "changes"),
+                    common=[
+                        node_prefix,
+                        str(events_maxlen),
+                        str(int(down_retention_s * 1000)),
+                        str(changes_maxlen),
+                    ],
+                )
+            )
         self._register = client.register_script(_REGISTER)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)
@@ -503,11 +590,21 @@ class GossipStore:
         self._report_link = client.register_script(_REPORT_LINK)
         self._resume = client.register_script(_RESUME)
         self._changes_since = client.register_script(_CHANGES_SINCE)
+        self._members = client.register_script(_MEMBERS)
+        self._links_now = client.register_script(_LINKS_NOW)
         self._resume_pending = True
         """Whether expiries need a fresh TTL before they are trusted (see module doc)."""
-        self._beats: list[tuple[list, asyncio.Future]] = []
-        """Heartbeats waiting for the next script call (see `_flush_beats`)."""
-        self._flushing: asyncio.Task | None = None
+        self._resuming = asyncio.Lock()
+        self._beats: list[list[tuple[list, asyncio.Future]]] = [[] for _ in self._shards]
+        """Per shard, heartbeats waiting for the next script call (see `_flush_beats`)."""
+        self._flushing: list[asyncio.Task | None] = [None for _ in self._shards]
+
+    @property
+    def shards(self) -> int:
+        return len(self._shards)
+
+    def _shard(self, instance_id: str) -> _Shard:
+        return self._shards[shard_of(instance_id, len(self._shards))]
 
     @contextlib.asynccontextmanager
     async def _redis_call(self, trusts_expiries: bool) -> AsyncIterator[None]:
@@ -515,18 +612,35 @@ class GossipStore:
         expiries before an operation that may declare a failure."""
         try:
             if trusts_expiries and self._resume_pending:
-                overdue = int(await self._resume(keys=[self._live], args=[self._node_prefix]))
-                self._resume_pending = False
-                if overdue:
-                    log.warning(
-                        "registry reachable again: %d instances past their TTL get "
-                        "one TTL to heartbeat before they are declared failed",
-                        overdue,
-                    )
+                await self._resume_expiries()
             yield
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             self._resume_pending = True
             raise
+
+    async def _resume_expiries(self) -> None:
+        """Gives every live instance of every shard at least one TTL from now, once: the
+        operations waiting meanwhile (a shard's heartbeats, a sweep of every shard) wait
+        for that one resume instead of each running its own."""
+        async with self._resuming:
+            if not self._resume_pending:
+                return
+            overdue = sum(
+                int(count)
+                for count in await asyncio.gather(
+                    *(
+                        self._resume(keys=[shard.live], args=[shard.node_prefix])
+                        for shard in self._shards
+                    )
+                )
+            )
+            self._resume_pending = False
+        if overdue:
+            log.warning(
+                "registry reachable again: %d instances past their TTL get "
+                "one TTL to heartbeat before they are declared failed",
+                overdue,
+            )
 
     async def register(self, registration: Registration) -> NodeRecord:
         """Adds or refreshes an instance; "joined" only when it was not alive before."""
@@ -536,10 +650,11 @@ class GossipStore:
         del fields["heartbeat_ttl_s"]
         fields["confirm_ms"] = round(ttl_ms * self._confirm_ttls)
         pairs = [str(part) for item in fields.items() for part in item]
+        shard = self._shard(registration.instance_id)
         async with self._redis_call(trusts_expiries=True):
             flat = await self._register(
-                keys=[*self._script_keys, self._nodes],
-                args=[*self._common, registration.instance_id, ttl_ms, *pairs],
+                keys=[*shard.script_keys, shard.nodes],
+                args=[*shard.common, registration.instance_id, ttl_ms, *pairs],
             )
         stored = {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
         return _node_record(stored, int(stored["last_seen_unix_ms"]))
@@ -568,9 +683,10 @@ class GossipStore:
         if not prefix_hashes_unchanged:
             pairs += ["resident_prefix_hashes", json.dumps(list(load.resident_prefix_hashes))]
         beat: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._beats.append(([instance_id, str(len(pairs)), *pairs], beat))
-        if self._flushing is None:
-            self._flushing = asyncio.create_task(self._flush_beats())
+        index = shard_of(instance_id, len(self._shards))
+        self._beats[index].append(([instance_id, str(len(pairs)), *pairs], beat))
+        if self._flushing[index] is None:
+            self._flushing[index] = asyncio.create_task(self._flush_beats(index))
         reply = await beat
         code = int(reply[0])
         if code == -1:
@@ -581,22 +697,24 @@ class GossipStore:
             )
         return code
 
-    async def _flush_beats(self) -> None:
-        """Sends every heartbeat waiting, as one script call, until none is left.
+    async def _flush_beats(self, index: int) -> None:
+        """Sends every heartbeat waiting for shard `index`, as one script call, until none
+        is left.
 
         Heartbeats that arrive while a call is in flight wait for the next one: under
         load many beats share one round trip (and one connection), and an idle registry
-        answers a lone beat at once.
+        answers a lone beat at once. Shards flush independently, each to its own node.
         """
+        shard = self._shards[index]
         try:
-            while self._beats:
-                batch = self._beats[:HEARTBEAT_BATCH_MAX]
-                self._beats = self._beats[HEARTBEAT_BATCH_MAX:]
+            while self._beats[index]:
+                batch = self._beats[index][:HEARTBEAT_BATCH_MAX]
+                self._beats[index] = self._beats[index][HEARTBEAT_BATCH_MAX:]
                 try:
                     async with self._redis_call(trusts_expiries=True):
                         replies = await self._heartbeat(
-                            keys=self._script_keys,
-                            args=[*self._common, *(arg for args, _ in batch for arg in args)],
+                            keys=shard.script_keys,
+                            args=[*shard.common, *(arg for args, _ in batch for arg in args)],
                         )
                 except Exception as exc:  # noqa: BLE001 - every waiting beat gets the error
                     for _, beat in batch:
@@ -607,16 +725,17 @@ class GossipStore:
                     if not beat.done():
                         beat.set_result(reply)
         finally:
-            self._flushing = None
+            self._flushing[index] = None
 
     async def deregister(self, instance_id: str, reason: str) -> None:
         """Marks an instance as left; repeating it is harmless, an unknown id is NotFound."""
         require_id("instance_id", instance_id)
         require_at_most_bytes("reason", reason, MAX_REASON_BYTES)
+        shard = self._shard(instance_id)
         async with self._redis_call(trusts_expiries=False):
             found = await self._deregister(
-                keys=self._script_keys,
-                args=[*self._common, instance_id, reason or "deregistered"],
+                keys=shard.script_keys,
+                args=[*shard.common, instance_id, reason or "deregistered"],
             )
         if not int(found):
             raise NotFound(f"instance {instance_id!r} is not registered")
@@ -625,10 +744,17 @@ class GossipStore:
         """Acts on every deadline that passed: an alive instance turns suspect (failed when
         there is no confirmation window), a suspect one failed. Returns what this call did."""
         swept = Swept()
+        for done in await asyncio.gather(*(self._sweep_shard(shard) for shard in self._shards)):
+            swept.failed += done.failed
+            swept.suspected += done.suspected
+        return swept
+
+    async def _sweep_shard(self, shard: _Shard) -> Swept:
+        swept = Swept()
         while True:
             async with self._redis_call(trusts_expiries=True):
                 failed, suspected, examined = await self._sweep(
-                    keys=self._script_keys, args=[*self._common, SWEEP_BATCH]
+                    keys=shard.script_keys, args=[*shard.common, SWEEP_BATCH]
                 )
             swept.failed += [_text(item) for item in failed]
             swept.suspected += [_text(item) for item in suspected]
@@ -638,16 +764,18 @@ class GossipStore:
     async def confirm_failure(self, instance_id: str, reason: str) -> bool:
         """Declares a suspect instance failed now (its death was confirmed); False when it
         is no longer suspect."""
+        shard = self._shard(instance_id)
         async with self._redis_call(trusts_expiries=False):
             confirmed = await self._confirm(
-                keys=self._script_keys, args=[*self._common, instance_id, reason]
+                keys=shard.script_keys, args=[*shard.common, instance_id, reason]
             )
         return bool(int(confirmed))
 
     async def address_of(self, instance_id: str) -> str:
         """The registered address of an instance ("" when unknown)."""
+        shard = self._shard(instance_id)
         async with self._redis_call(trusts_expiries=False):
-            return _text(await self._redis.hget(self._node_prefix + instance_id, "address"))
+            return _text(await self._redis.hget(shard.node_prefix + instance_id, "address"))
 
     async def list_nodes(
         self, role: str | None = None, include_down: bool = False
@@ -655,12 +783,7 @@ class GossipStore:
         """Instances (alive or suspect only unless `include_down`) and the Redis time of
         the listing."""
         async with self._redis_call(trusts_expiries=False):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.time()
-                pipe.smembers(self._nodes)
-                (seconds, micros), members = await pipe.execute()
-            now_ms = int(seconds) * 1000 + int(micros) // 1000
-            records = await self._read_nodes(sorted(_text(m) for m in members), now_ms, True)
+            records, now_ms = await self._read_all()
         return [
             record
             for record in records
@@ -668,38 +791,75 @@ class GossipStore:
             and (record.state in LIVE_STATES or include_down)
         ], now_ms
 
+    async def _read_all(self) -> tuple[list[NodeRecord], int]:
+        """Every stored instance of every shard, and the latest Redis time read."""
+        listings = await asyncio.gather(*(self._read_shard(shard) for shard in self._shards))
+        records = [record for shard_records, _ in listings for record in shard_records]
+        records.sort(key=lambda record: record.registration.instance_id)
+        return records, max(now_ms for _, now_ms in listings)
+
+    async def _read_shard(self, shard: _Shard) -> tuple[list[NodeRecord], int]:
+        now_ms, *members = await self._members(keys=[shard.nodes])
+        ids = sorted(_text(m) for m in members)
+        return await self._read_nodes(shard, ids, int(now_ms)), int(now_ms)
+
     async def list_changes(self, after_change_id: str) -> NodeChanges:
         """The instances that changed after `after_change_id`, or all of them (`full`)
         when it is "" or the change stream no longer reaches back to it.
 
         The change id is read before the hashes, so a change that lands during the
         listing is listed again next time rather than lost; re-applying it is harmless,
-        since every reply carries instances as they are now.
+        since every reply carries instances as they are now. With several shards the
+        change id holds one stream id per shard, and a gap in any shard makes the reply
+        a full listing.
         """
-        if after_change_id and not _EVENT_ID.match(after_change_id):
-            raise InvalidArgument(
-                "after_change_id",
-                f"must be '' or an id from an earlier reply, got {after_change_id!r}",
-            )
+        afters = self._cursor("after_change_id", after_change_id, "an id from an earlier reply")
+        if afters is None:
+            afters = [""] * len(self._shards)
         async with self._redis_call(trusts_expiries=False):
-            reply = await self._changes_since(
-                keys=[self._changes],
-                args=[self._node_prefix, after_change_id, CHANGES_READ_MAX],
+            replies = await asyncio.gather(
+                *(
+                    self._changes_since(
+                        keys=[shard.changes], args=[shard.node_prefix, after, CHANGES_READ_MAX]
+                    )
+                    for shard, after in zip(self._shards, afters, strict=True)
+                )
             )
-            now_ms, last_id, full = int(reply[0]), _text(reply[1]), int(reply[2])
-            if not full:
-                records = [_node_record(_decode_flat(flat), now_ms) for flat in reply[3:]]
-                return NodeChanges(tuple(records), last_id, full=False, now_ms=now_ms)
-            members = await self._redis.smembers(self._nodes)
-            records = await self._read_nodes(sorted(_text(m) for m in members), now_ms, True)
-        return NodeChanges(tuple(records), last_id, full=True, now_ms=now_ms)
+            now_ms = max(int(reply[0]) for reply in replies)
+            change_id = ",".join(_text(reply[1]) for reply in replies)
+            if not any(int(reply[2]) for reply in replies):
+                records = [
+                    _node_record(_decode_flat(flat), now_ms)
+                    for reply in replies
+                    for flat in reply[3:]
+                ]
+                return NodeChanges(tuple(records), change_id, full=False, now_ms=now_ms)
+            all_records, _ = await self._read_all()
+        return NodeChanges(tuple(all_records), change_id, full=True, now_ms=now_ms)
 
-    async def _read_nodes(self, ids: list[str], now_ms: int, forget: bool) -> list[NodeRecord]:
-        """The stored instances among `ids`; with `forget`, ids whose hash expired are
-        dropped from the member set."""
+    def _cursor(self, name: str, cursor: str, what: str) -> list[str] | None:
+        """The per-shard stream ids of a change or event id ("" -> None).
+
+        A single stream id stands for that position in every shard (stream ids are
+        Redis-clock times, so `<unix_ms>-0` means "after that time" in each). An id with
+        another number of parts was issued under another shard count: None (start
+        afresh) rather than an error.
+        """
+        if not cursor:
+            return None
+        parts = cursor.split(",")
+        if not all(_EVENT_ID.match(part) for part in parts):
+            raise InvalidArgument(name, f"must be '' or {what}, got {cursor!r}")
+        if len(parts) == 1:
+            return parts * len(self._shards)
+        return parts if len(parts) == len(self._shards) else None
+
+    async def _read_nodes(self, shard: _Shard, ids: list[str], now_ms: int) -> list[NodeRecord]:
+        """The stored instances among `ids` (all of `shard`); ids whose hash expired are
+        dropped from its member set."""
         async with self._redis.pipeline(transaction=False) as pipe:
             for instance_id in ids:
-                pipe.hgetall(self._node_prefix + instance_id)
+                pipe.hgetall(shard.node_prefix + instance_id)
             hashes = await pipe.execute()
         records: list[NodeRecord] = []
         forgotten: list[str] = []
@@ -708,64 +868,111 @@ class GossipStore:
                 records.append(_node_record(_decode_hash(raw), now_ms))
             else:
                 forgotten.append(instance_id)
-        if forget and forgotten:
-            await self._redis.srem(self._nodes, *forgotten)
+        if forgotten:
+            await self._redis.srem(shard.nodes, *forgotten)
         return records
 
     async def report_link(self, sample: LinkSample) -> int:
-        """Stores the newest sample of a link; returns its time (unix ms, Redis clock)."""
+        """Stores the newest sample of a link (in its source's shard); returns its time
+        (unix ms, Redis clock)."""
         validate_link_sample(sample)
         link = json.dumps([sample.src_instance_id, sample.dst_instance_id])
+        shard = self._shard(sample.src_instance_id)
         async with self._redis_call(trusts_expiries=False):
             return int(
-                await self._report_link(keys=[self._links], args=[link, json.dumps(asdict(sample))])
+                await self._report_link(keys=[shard.links], args=[link, json.dumps(asdict(sample))])
             )
 
     async def list_links(self) -> tuple[list[LinkRecord], int]:
         """Every link sample younger than the down retention, with its age."""
         async with self._redis_call(trusts_expiries=False):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.time()
-                pipe.hgetall(self._links)
-                (seconds, micros), raw = await pipe.execute()
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
+            replies = await asyncio.gather(
+                *(self._links_now(keys=[shard.links]) for shard in self._shards)
+            )
+        now_ms = max(int(reply[0]) for reply in replies)
         records: list[LinkRecord] = []
-        outdated: list[str] = []
-        for link, value in sorted(_decode_hash(raw).items()):
-            measured, _, body = value.partition(" ")
-            age_s = max(0.0, (now_ms - int(measured)) / 1000)
-            if age_s > self._down_retention_s:
-                outdated.append(link)
-                continue
-            records.append(LinkRecord(LinkSample(**json.loads(body)), int(measured), age_s))
-        if outdated:
-            await self._redis.hdel(self._links, *outdated)
+        for shard, reply in zip(self._shards, replies, strict=True):
+            outdated: list[str] = []
+            for link, value in _decode_flat(reply[1]).items():
+                measured, _, body = value.partition(" ")
+                age_s = max(0.0, (now_ms - int(measured)) / 1000)
+                if age_s > self._down_retention_s:
+                    outdated.append(link)
+                    continue
+                records.append(LinkRecord(LinkSample(**json.loads(body)), int(measured), age_s))
+            if outdated:
+                await self._redis.hdel(shard.links, *outdated)
+        records.sort(key=lambda r: (r.sample.src_instance_id, r.sample.dst_instance_id))
         return records, now_ms
 
     async def resolve_after(self, after_event_id: str) -> str:
-        """The concrete stream id to read after: "" = the newest event now, "0" = the start."""
+        """The concrete stream id to read after: "" = the newest event now, "0" = the start.
+
+        With several shards the id holds one stream id per shard."""
         if after_event_id == "":
-            newest = await _shielded(self._redis.xrevrange(self._events, count=1))
-            return _text(newest[0][0]) if newest else "0-0"
-        if not _EVENT_ID.match(after_event_id):
+            newest = await _shielded_all(
+                self._redis.xrevrange(shard.events, count=1) for shard in self._shards
+            )
+            return ",".join(_text(last[0][0]) if last else "0-0" for last in newest)
+        parts = self._cursor(
+            "after_event_id", after_event_id, "'0' or a stream id like '1700000000000-0'"
+        )
+        if parts is None:
             raise InvalidArgument(
                 "after_event_id",
-                f"must be '', '0' or a stream id like '1700000000000-0', got {after_event_id!r}",
+                f"names {after_event_id.count(',') + 1} registry shards, not "
+                f"{len(self._shards)}; watch from '' or '0'",
             )
-        return after_event_id
+        return ",".join(parts)
 
-    async def read_events(
-        self, after_event_id: str, block_s: float, count: int = 100
-    ) -> list[NodeEvent]:
-        """Events after `after_event_id`, waiting up to `block_s` for the first one."""
-        reply: Any = await _shielded(
-            self._redis.xread(
-                {self._events: after_event_id}, count=count, block=max(1, int(block_s * 1000))
-            )
+    def event_reader(self, after_event_id: str) -> EventReader:
+        """Reads events after `after_event_id` (from `resolve_after`), call after call."""
+        return EventReader(self._redis, [shard.events for shard in self._shards], after_event_id)
+
+
+class EventReader:
+    """One watcher's reads of the event streams, one stream per shard.
+
+    Each shard has at most one read outstanding, blocking on its stream from that
+    shard's position; `read` returns what every finished read brought, merged by stream
+    time (events of one instance keep their order: they are all in one shard). A read
+    still blocking when `read` returns stays outstanding for the next call, so a
+    watcher holds one connection per shard however often events arrive. Each event's
+    id is the position just past it: one stream id per shard, comma-separated.
+    """
+
+    def __init__(self, client: RedisClient, streams: list[str], after_event_id: str) -> None:
+        self._redis = client
+        self._streams = streams
+        self._afters = after_event_id.split(",")
+        self._pending: dict[int, asyncio.Future] = {}
+
+    async def read(self, block_s: float, count: int = 100) -> list[NodeEvent]:
+        """The events after the last one returned, waiting up to `block_s` for one."""
+        block_ms = max(1, int(block_s * 1000))
+        for index, stream in enumerate(self._streams):
+            if index not in self._pending:
+                (self._pending[index],) = _started(
+                    [self._redis.xread({stream: self._afters[index]}, count=count, block=block_ms)]
+                )
+        # A cancelled watcher leaves its reads to finish within the block time (a Redis
+        # command cannot be cancelled safely, see `_shielded`).
+        await asyncio.shield(
+            asyncio.wait(list(self._pending.values()), return_when=asyncio.FIRST_COMPLETED)
         )
-        if not reply:
-            return []
-        return [_event(event_id, raw) for event_id, raw in reply[0][1]]
+        tagged = []
+        for index, read in list(self._pending.items()):
+            if not read.done():
+                continue
+            del self._pending[index]
+            reply: Any = read.result()
+            for event_id, raw in reply[0][1] if reply else ():
+                tagged.append((_stream_order(_text(event_id)), index, _text(event_id), raw))
+        events = []
+        for _, index, event_id, raw in sorted(tagged, key=lambda item: item[:2]):
+            self._afters[index] = event_id
+            events.append(_event(",".join(self._afters), raw))
+        return events
 
 
 async def nothing_listens_at(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -829,8 +1036,11 @@ async def sweep_forever(
                 probe = asyncio.create_task(_probe_suspect(store, instance_id, metrics))
                 probes.add(probe)
                 probe.add_done_callback(probes.discard)
-        except redis.exceptions.RedisError as exc:
-            log.warning("failure sweep skipped: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - the sweeper must outlive any one sweep
+            # Redis unreachable, or the Redis Cluster client caught mid-way through a
+            # topology change (a failover can surface as an AttributeError from inside
+            # redis-py): the next sweep tries again.
+            log.warning("failure sweep skipped: %r", exc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
     for probe in list(probes):

@@ -19,12 +19,11 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-import redis.asyncio as redis_async
 from redis.exceptions import RedisError
 
 from kvrs.learning import Corrections, LearningConfig, Outcome, fit
 from kvrs.profile import ComputeProfile
-from services.common.redis_store import Keys
+from services.common.redis_store import Keys, RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,7 @@ log = logging.getLogger(__name__)
 class OutcomeLog:
     """The shared outcome store (see the module docstring)."""
 
-    def __init__(self, client: redis_async.Redis, keys: Keys, capacity: int) -> None:
+    def __init__(self, client: RedisClient, keys: Keys, capacity: int) -> None:
         self.client = client
         self.key = keys("outcomes")
         self.capacity = capacity
@@ -141,7 +140,7 @@ CLOSE_TIMEOUT_S = 2.0
 cancelled mid-reply may never answer)."""
 
 
-async def close_quietly(client: redis_async.Redis) -> None:
+async def close_quietly(client: RedisClient) -> None:
     with contextlib.suppress(RedisError, OSError, TimeoutError):
         async with asyncio.timeout(CLOSE_TIMEOUT_S):
             await client.aclose()

@@ -5,11 +5,16 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import redis.asyncio as redis_async
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.v1 import slots_pb2, slots_pb2_grpc
-from services.common import ServerHandle, connect_redis, run_until_signal, start_server
+from services.common import (
+    RedisClient,
+    ServerHandle,
+    connect_redis,
+    run_until_signal,
+    start_server,
+)
 from services.common.metrics import Metrics, serve_metrics
 from services.common.slot_leases import SlotPolicy, SlotStore, purge_forever
 from services.slot_broker.config import Config
@@ -21,7 +26,7 @@ SERVICE_NAME = slots_pb2.DESCRIPTOR.services_by_name["SlotBrokerService"].full_n
 async def build_server(
     config: Config,
     provider: TracerProvider,
-    redis_client: redis_async.Redis | None = None,
+    redis_client: RedisClient | None = None,
     metrics: Metrics | None = None,
 ) -> ServerHandle:
     """Starts a slot broker on `config.listen_addr` (a Redis client is opened from

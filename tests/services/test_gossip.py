@@ -22,7 +22,11 @@ TTL_S = 0.4
 
 
 def gossip_config(
-    redis_url: str, redis_prefix: str, listen_addr: str = "127.0.0.1:0", confirm_ttls: float = 0.0
+    redis_url: str,
+    redis_prefix: str,
+    listen_addr: str = "127.0.0.1:0",
+    confirm_ttls: float = 0.0,
+    shards: int = 1,
 ) -> Config:
     """Most tests here check the deadline itself: no confirmation window, a missed
     deadline fails the instance (the suspect tests below give it one)."""
@@ -33,21 +37,28 @@ def gossip_config(
         heartbeat_ttl_s=TTL_S,
         sweep_interval_s=0.05,
         confirm_ttls=confirm_ttls,
+        registry_shards=shards,
     )
 
 
 async def start_gossip(
-    redis_url: str, redis_prefix: str, listen_addr: str = "127.0.0.1:0", confirm_ttls: float = 0.0
+    redis_url: str,
+    redis_prefix: str,
+    listen_addr: str = "127.0.0.1:0",
+    confirm_ttls: float = 0.0,
+    shards: int = 1,
 ):
     provider = setup_tracing("test-gossip", exporter=InMemorySpanExporter())
     return await build_server(
-        gossip_config(redis_url, redis_prefix, listen_addr, confirm_ttls), provider
+        gossip_config(redis_url, redis_prefix, listen_addr, confirm_ttls, shards), provider
     )
 
 
-@pytest.fixture
-async def server(redis_url, redis_prefix):
-    handle = await start_gossip(redis_url, redis_prefix)
+@pytest.fixture(params=[1, 4], ids=["one-shard", "four-shards"])
+async def server(request, redis_url, redis_prefix):
+    """The registry in one hash tag, and spread over four (as on Redis Cluster): every
+    test that uses it holds for both."""
+    handle = await start_gossip(redis_url, redis_prefix, shards=request.param)
     yield handle
     await handle.stop(0)
 

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
 import redis.asyncio as redis_async
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from kvrs.errors import ResourceExhausted
 from kvrs.v1 import slots_pb2, slots_pb2_grpc
-from services.common import ConfigError, GrpcSettings, ServerHandle, open_channel, setup_tracing
+from services.common import (
+    ConfigError,
+    GrpcSettings,
+    ServerHandle,
+    open_channel,
+    setup_tracing,
+    slot_leases,
+)
+from services.common.slot_leases import SlotStore
 from services.slot_broker.config import Config
 from services.slot_broker.server import build_server
 
@@ -297,3 +307,26 @@ def test_config_from_env_names_the_bad_variable():
         Config.from_env({"SLOT_BROKER_LINK_CAP": "-1"})
     with pytest.raises(ConfigError, match="SLOT_BROKER_LEASE_TTL_S"):
         Config.from_env({"SLOT_BROKER_LEASE_TTL_S": "ten"})
+
+
+async def test_a_reserve_call_run_twice_is_one_denial(broker, redis_url, redis_prefix, monkeypatch):
+    """The Redis client re-sends a script after a timeout (or a failover) with the same
+    arguments, the attempt id among them: the second run answers what the first did and
+    the denial is counted once; a new call is a new attempt."""
+    for i in range(3):
+        await broker.reserve(f"m{i}", dst=f"d{i}")
+    client = redis_async.Redis.from_url(redis_url)
+    store = SlotStore(client, redis_prefix)
+    attempt = SimpleNamespace(hex="attempt-1")
+    monkeypatch.setattr(slot_leases, "uuid", SimpleNamespace(uuid4=lambda: attempt))
+    try:
+        for _ in range(2):
+            with pytest.raises(ResourceExhausted, match="3 of 3"):
+                await store.reserve("late", "sched-0", "p0", "d9")
+        assert (await broker.stats()).denied_total == 1
+        attempt = SimpleNamespace(hex="attempt-2")
+        with pytest.raises(ResourceExhausted):
+            await store.reserve("late", "sched-0", "p0", "d9")
+        assert (await broker.stats()).denied_total == 2
+    finally:
+        await client.aclose()

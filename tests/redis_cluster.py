@@ -1,0 +1,232 @@
+"""A real Redis Cluster on loopback for tests: three primaries, one replica each.
+
+`LocalRedisCluster` starts six `redis-server` processes in cluster mode in a temporary
+directory, joins them with `redis-cli --cluster create`, and stops every one of them on
+`stop()` (the fixture that owns it calls that in its finalizer). Ports are free ports
+whose cluster-bus port (port + 10000) is free too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+PRIMARIES = 3
+NODE_TIMEOUT_MS = 1000
+"""How long a silent primary goes before its replica is promoted (cluster-node-timeout)."""
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_ports(count: int) -> list[int]:
+    """`count` free loopback ports below 55536 whose bus ports (+10000) are free too."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port < 55536 and port not in ports and _port_free(port + 10000):
+            ports.append(port)
+    return ports
+
+
+@dataclass
+class LocalRedisCluster:
+    """Six cluster-mode `redis-server`s under `workdir` (see the module docstring)."""
+
+    workdir: Path
+    ports: list[int] = field(default_factory=list)
+    processes: dict[int, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        """The `redis+cluster://` URL naming every node as a start-up node."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports)
+
+    def start(self) -> LocalRedisCluster:
+        for tool in ("redis-server", "redis-cli"):
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"{tool} is required for the Redis Cluster tests")
+        self.ports = free_cluster_ports(PRIMARIES * 2)
+        try:
+            for port in self.ports:
+                self._start_node(port)
+            for port in self.ports:
+                self._wait_ping(port)
+            subprocess.run(
+                [
+                    "redis-cli",
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{port}" for port in self.ports),
+                    "--cluster-replicas",
+                    "1",
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_node(self, port: int) -> None:
+        node_dir = self.workdir / str(port)
+        node_dir.mkdir(parents=True, exist_ok=True)
+        self.processes[port] = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(node_dir),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                str(NODE_TIMEOUT_MS),
+                "--appendonly",
+                "no",
+                "--save",
+                "",
+                "--logfile",
+                str(node_dir / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def _wait_ping(self, port: int, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with contextlib.closing(redis.Redis(port=port, socket_timeout=1)) as client:
+                    client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def node(self, port: int) -> redis.Redis:
+        """A plain client of one node (close it after use)."""
+        return redis.Redis(port=port, socket_timeout=5, decode_responses=True)
+
+    def _nodes(self, port: int) -> list[dict[str, str]]:
+        with contextlib.closing(self.node(port)) as client:
+            raw = client.execute_command("CLUSTER", "NODES")
+        text = raw if isinstance(raw, str) else "\n".join(raw)
+        nodes = []
+        for line in text.strip().splitlines():
+            parts = line.split()
+            nodes.append(
+                {
+                    "id": parts[0],
+                    "port": parts[1].split("@")[0].rsplit(":", 1)[1],
+                    "flags": parts[2],
+                    "primary": parts[3],
+                    "link": parts[7],
+                }
+            )
+        return nodes
+
+    def primaries(self) -> list[int]:
+        """Ports of the primaries now, as a live node sees them."""
+        for port in self.ports:
+            if self.processes[port].poll() is None:
+                return sorted(
+                    int(n["port"])
+                    for n in self._nodes(port)
+                    if "master" in n["flags"] and "fail" not in n["flags"]
+                )
+        raise RuntimeError("no Redis Cluster node is running")
+
+    def replica_of(self, primary_port: int) -> int:
+        """The port of a replica of the primary at `primary_port`."""
+        nodes = self._nodes(primary_port)
+        primary_id = next(n["id"] for n in nodes if int(n["port"]) == primary_port)
+        return next(int(n["port"]) for n in nodes if n["primary"] == primary_id)
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+        """Until every running node reports the cluster `ok` with three primaries, and
+        every running replica has synced with its primary (a replica that never synced
+        cannot take over)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                running = [port for port, proc in self.processes.items() if proc.poll() is None]
+                healthy = all(self._state_ok(port) for port in running)
+                healthy = healthy and len(self.primaries()) == PRIMARIES
+            except redis.RedisError:
+                healthy = False
+            if healthy:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError("the Redis Cluster did not become healthy")
+            time.sleep(0.1)
+
+    def _state_ok(self, port: int) -> bool:
+        with contextlib.closing(self.node(port)) as client:
+            info = client.execute_command("CLUSTER", "INFO")
+            replication = client.info("replication")
+        synced = replication["role"] == "master" or replication["master_link_status"] == "up"
+        return "cluster_state:ok" in info and synced
+
+    def fail_over(self, primary_port: int, timeout_s: float = 30.0) -> int:
+        """Promotes a replica of `primary_port` with CLUSTER FAILOVER (it first catches up
+        with every write the primary acknowledged); returns the new primary's port."""
+        replica = self.replica_of(primary_port)
+        with contextlib.closing(self.node(replica)) as client:
+            client.execute_command("CLUSTER", "FAILOVER")
+        deadline = time.monotonic() + timeout_s
+        while replica not in self.primaries():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {replica} was not promoted")
+            time.sleep(0.05)
+        self.wait_healthy(timeout_s)
+        return replica
+
+    def kill(self, primary_port: int, timeout_s: float = 60.0) -> None:
+        """SIGKILLs the primary at `primary_port` and waits until the cluster has
+        promoted its replica (after cluster-node-timeout) and is healthy again."""
+        process = self.processes[primary_port]
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + timeout_s
+        while primary_port in self.primaries():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no replica took over from {primary_port}")
+            time.sleep(0.05)
+        self.wait_healthy(timeout_s)
+
+    def stop(self) -> None:
+        """Stops every node this cluster started (and waits for each)."""
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
