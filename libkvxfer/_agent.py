@@ -7,10 +7,6 @@ receiver has posted its buffer, so the receiver posts many chunks ahead, straigh
 the destination views. Neither side hashes on the wire's critical path: the sender posts
 a chunk, then hashes it while gloo sends it; the receiver hashes a chunk once it has
 landed, while the next ones arrive; the checksums travel last, in the signed trailer.
-
-The hashing runs on the agent's own checksum threads, never on the transfer's thread: the
-receiver's thread only waits for chunks and the sender's only posts them, so neither is
-late for the wire because it was hashing, and a sender's key and value hash in parallel.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,8 +101,6 @@ class AgentConfig:
     signature still proves the peer, but the payload itself is not authenticated."""
     max_concurrent_transfers: int = 16
     """Threads for the async API: transfers running at once in this process."""
-    checksum_threads: int = 2
-    """Threads that hash chunks, shared by every transfer of this process."""
 
 
 class _Pacer:
@@ -142,10 +136,6 @@ class TransferAgent(KvSender, KvReceiver):
     ) -> None:
         if not config.instance_id:
             raise InvalidArgument("instance_id", "must not be empty")
-        if config.checksum_threads < 1:
-            raise InvalidArgument(
-                "checksum_threads", f"must be >= 1, got {config.checksum_threads}"
-            )
         self.config = config
         self.incarnation = uuid.uuid4().hex
         self._tracer = trace.get_tracer("libkvxfer", tracer_provider=tracer_provider)
@@ -160,7 +150,6 @@ class TransferAgent(KvSender, KvReceiver):
         self._executor = ThreadPoolExecutor(
             config.max_concurrent_transfers, thread_name_prefix="kvxfer"
         )
-        self._hashing = ThreadPoolExecutor(config.checksum_threads, thread_name_prefix="kvxfer-sum")
         self._closed = False
 
     @property
@@ -176,7 +165,6 @@ class TransferAgent(KvSender, KvReceiver):
         self._inbound.close()
         self._outbound.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._hashing.shutdown(wait=False, cancel_futures=True)
 
     # -- receiver ---------------------------------------------------------------------
 
@@ -348,19 +336,18 @@ class TransferAgent(KvSender, KvReceiver):
 
         for _ in range(min(max(1, self.config.window_chunks), len(chunks)) + 1):
             post_next()
-        hashing: list[Future[int]] = []
+        sums: list[int] = []
         while posted:
             index, key_bytes, value_bytes, key_work, value_work = posted.popleft()
             post_next()
             group.wait(key_work, f"chunk {index} key")
             if header.checksums:
-                hashing.append(self._hashing.submit(checksum, key_bytes))
+                sums.append(checksum(key_bytes))
             group.wait(value_work, f"chunk {index} value")
             if header.checksums:
-                hashing.append(self._hashing.submit(checksum, value_bytes))
+                sums.append(checksum(value_bytes))
         post_next()
         group.wait(trailer_work[0], "trailer")
-        sums = [future.result() for future in hashing]
         sent = decode_trailer(key, header_mac, trailer.numpy().tobytes(), len(chunks))
         if header.checksums and sent != sums:
             first = next(i for i, (a, b) in enumerate(zip(sent, sums, strict=True)) if a != b)
@@ -448,24 +435,17 @@ class TransferAgent(KvSender, KvReceiver):
         )
         chunks = plan_chunks(header)
         limit = 2 * max(1, self.config.window_chunks) + 2
-        hashing: list[Future[int]] = []
+        sums: list[int] = []
         for index, (layer, start, end) in enumerate(chunks):
             rows = slice(start - ticket.token_start, end - ticket.token_start)
             key = tensor_bytes(kv[layer][0][rows].contiguous())
             value = tensor_bytes(kv[layer][1][rows].contiguous())
             pacer.account(key.numel() + value.numel())
             self._post(group, ticket, in_flight, key, value)
-            if header.checksums:
-                # Hashed while gloo sends them (both only read the bytes).
-                hashing += (
-                    self._hashing.submit(checksum, key),
-                    self._hashing.submit(checksum, value),
-                )
+            # Hashed while gloo sends them (both only read the bytes).
+            sums += (checksum(key), checksum(value)) if header.checksums else (0, 0)
             while len(in_flight) > limit:
                 group.wait(in_flight.popleft()[0], f"chunk {index} send")
-        sums = (
-            [future.result() for future in hashing] if header.checksums else [0] * (2 * len(chunks))
-        )
         self._post(
             group, ticket, in_flight, encode_trailer(ticket.auth_key, signed[:MAC_BYTES], sums)
         )

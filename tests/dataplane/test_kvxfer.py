@@ -275,9 +275,3 @@ def test_a_ticket_missing_a_field_names_it():
     with pytest.raises(InvalidArgument) as info:
         TransferTicket.from_dict({"transfer_id": "x"})
     assert info.value.field.startswith("ticket.")
-
-
-def test_an_agent_without_checksum_threads_is_refused():
-    with pytest.raises(InvalidArgument) as info:
-        TransferAgent(AgentConfig("no-hashing", checksum_threads=0))
-    assert info.value.field == "checksum_threads"
