@@ -5,8 +5,15 @@ so all pick the same fastest link and the same least-loaded target, then share b
 planner decides the requests one by one, least slack first, each seeing what the plan
 has already committed: flows on links (a second migration on a link gets half of it),
 work queued on instances (W raised by the extend or prefill already assigned), and the
-migration slots left. When every request is placed, each transfer is re-costed with the
-final flow counts, so no two transfers are promised the same link at full speed.
+migration slots left. The work a recovery puts on its target is all of its time there:
+the pull (the target drives it) and the compute, not the compute alone.
+
+When every request is placed, each transfer is re-costed with the final flow counts, so
+no two transfers are promised the same link at full speed, and each recovery is priced
+with the queue the plan builds on its instances. The router starts them together, so an
+instance serves them side by side (processor sharing), not one after the other: of jobs
+with works w_j started at once, job i finishes after Σ_j min(w_j, w_i). RECOMPUTE shares
+its prefill instance that way first, then its target.
 """
 
 from __future__ import annotations
@@ -79,11 +86,11 @@ def plan_batch(
             continue
         chosen = _chosen_option(decision)
         if action is Action.RECOMPUTE:
-            worker = decision.source_id
+            extra_wait.add(decision.source_id, chosen.compute_s)
+            extra_wait.add(decision.target_id, chosen.transfer_s)
         else:
             slots_left -= 1
-            worker = decision.target_id
-        extra_wait.add(worker, chosen.compute_s)
+            extra_wait.add(decision.target_id, chosen.cost_s - chosen.wait_s)
         if chosen.transfer_s > 0.0:
             path = topology.path_links(decision.source_id, decision.target_id)
             transfers[index] = (chosen, path)
@@ -96,8 +103,76 @@ def plan_batch(
             for i in range(len(requests))
         ]
     )
+    final = _shared(final, requests, view, cost, now_s)
     makespan = max((d.cost_s for d in final if d.action is not Action.ABORT), default=0.0)
     return BatchPlan(final, makespan)
+
+
+def _shared(
+    decisions: tuple[RecoveryDecision, ...],
+    requests: Sequence[RecoveryRequest],
+    view: ClusterView,
+    cost: CostModel,
+    now_s: float,
+) -> tuple[RecoveryDecision, ...]:
+    """Every decision priced with its instances shared by the plan's other recoveries
+    (see the module docstring): W(x) as reported plus its share of the plan's work."""
+    # Per decision: (source work, target work) in seconds; source work is RECOMPUTE's.
+    work: dict[int, tuple[float, float]] = {}
+    on_target: dict[str, list[int]] = {}
+    on_source: dict[str, list[int]] = {}
+    for i, decision in enumerate(decisions):
+        if decision.action not in _MOVES_KV:
+            continue
+        chosen = _chosen_option(decision)
+        on_target.setdefault(decision.target_id, []).append(i)
+        if decision.action is Action.RECOMPUTE:
+            work[i] = (chosen.compute_s, chosen.transfer_s)
+            on_source.setdefault(decision.source_id, []).append(i)
+        else:
+            ext_s = cost.extend_s(requests[i].prompt_tokens, requests[i].generated_tokens)
+            moved_s = chosen.transfer_s
+            if decision.action is Action.HYBRID:
+                moved_s = max(cost.prefill_s(decision.split_tokens), moved_s)
+            work[i] = (0.0, moved_s + ext_s)
+
+    def share(i: int, side: int, jobs: list[int]) -> float:
+        own = work[i][side]
+        return sum(min(work[j][side], own) for j in jobs if j != i)
+
+    priced = list(decisions)
+    for target_id, jobs in on_target.items():
+        target = view.get(target_id)
+        target_wait = target.wait_s if target is not None else 0.0
+        for i in jobs:
+            decision = decisions[i]
+            chosen = _chosen_option(decision)
+            queue_s = target_wait + share(i, 1, jobs)
+            if decision.action is Action.RECOMPUTE:
+                source = view.get(decision.source_id)
+                source_wait = (source.wait_s if source is not None else 0.0) + share(
+                    i, 0, on_source[decision.source_id]
+                )
+                total = source_wait + chosen.compute_s + chosen.transfer_s + queue_s
+                fields = {"wait_s": source_wait, "target_wait_s": queue_s}
+            else:
+                total = queue_s + work[i][1]
+                fields = {"wait_s": queue_s, "target_wait_s": queue_s}
+            updated = _new(OptionCost)
+            updated.__dict__.update(chosen.__dict__, cost_s=total, **fields)
+            options = tuple([updated if o is chosen else o for o in decision.options])
+            deadline = requests[i].deadline_s
+            slack = math.inf if deadline is None else deadline - now_s - total
+            repriced = _new(RecoveryDecision)
+            repriced.__dict__.update(
+                decision.__dict__,
+                cost_s=total,
+                options=options,
+                slack_s=slack,
+                planned_jobs=len(jobs),
+            )
+            priced[i] = repriced
+    return tuple(priced)
 
 
 def _slack_bound(request: RecoveryRequest, cost: CostModel, now_s: float) -> tuple[float, str]:

@@ -5,9 +5,17 @@ A decision predicts a time as a sum of terms (queue wait, transfer set-up and st
 prefill, extend); the router measures the same terms while it carries the decision out
 and reports an `Outcome`. `fit` turns a window of outcomes into `Corrections`:
 
-    per link      fixed cost and rate, T = fixed + 8·bytes / rate (Theil–Sen: a median of
-                  pairwise slopes, so one stalled transfer moves nothing; probes alone
-                  cannot separate the two, decisions move KV of many sizes)
+    per link      fixed cost and rate, T = fixed + 8·bytes / rate. The rate is Theil–Sen
+                  over the measured streams (a median of pairwise slopes, so one stalled
+                  transfer moves nothing; probes alone cannot separate the two, decisions
+                  move KV of many sizes). The fixed cost is what each decision's total
+                  says it was: the one it was predicted with plus its total's error,
+                  spread over the set-ups its prediction counted (`target_jobs`: the work
+                  the scheduler had itself sent to the target, each piece with its own
+                  calls, ticket and pair). Under load the calls, not the wire, are what a
+                  transfer costs, and only the total sees all of it.
+    new pairs     a pair no decision has used yet takes the median fixed cost of those
+                  that have (its first transfer pays the same set-up, and more)
     compute       measured / predicted seconds of the forward passes (prefill and extend;
                   median ratio), which scales the compute profile
     worker wait   a worker's queue wait (and call overhead) beyond the W(x) it reported
@@ -110,7 +118,7 @@ def recovery_terms(
 
     MIGRATE  W(d) + [rtt + 8·S(L)/B] + T_ext(L, g)
     HYBRID   W(d) + max(T_pf(k), rtt + 8·S(L − k)/B) + T_ext(L, g)
-    RECOMPUTE W(p') + T_pf(L + g) + [rtt + 8·S(L + g)/B]
+    RECOMPUTE W(p') + T_pf(L + g) + [rtt + 8·S(L + g)/B] + W(d)
 
     The first token after it is predicted at KV ready: the extend already computed it.
     """
@@ -125,6 +133,7 @@ def recovery_terms(
     if option.action is Action.RECOMPUTE:
         return Terms(
             source_wait_s=option.wait_s,
+            target_wait_s=option.target_wait_s,
             setup_s=setup_s,
             stream_s=stream_s,
             prefill_s=option.compute_s,
@@ -182,8 +191,12 @@ class Outcome:
     """The extend: `extend_tokens` on top of `cached_tokens` already resident."""
     target_running: int = 0
     """Requests decoding on the target when the decision was made."""
+    target_jobs: int = 1
+    """Decisions the prediction counted on the target, this one included."""
 
     def __post_init__(self) -> None:
+        if self.target_jobs < 1:
+            raise InvalidArgument("target_jobs", f"must be >= 1, got {self.target_jobs}")
         if self.kind not in KINDS:
             raise InvalidArgument("kind", f"must be one of {', '.join(KINDS)}, got {self.kind!r}")
         for name in ("kv_bytes", "prefill_tokens", "cached_tokens", "extend_tokens"):
@@ -266,6 +279,8 @@ class Corrections:
     """What the outcomes say the base model gets wrong (neutral when there are none)."""
 
     links: Mapping[tuple[str, str], LinkFit] = field(default_factory=dict)
+    new_link_fixed_s: float = 0.0
+    """The fixed cost a pair no decision has measured yet is priced with (at least)."""
     compute_factor: float = 1.0
     """Measured / predicted seconds of a forward pass (prefill or extend)."""
     wait_per_decode_s: float = 0.0
@@ -279,6 +294,11 @@ class Corrections:
 
     def link(self, src_id: str, dst_id: str) -> LinkFit | None:
         return self.links.get((src_id, dst_id))
+
+    def unmeasured_rtt_s(self, probed_rtt_s: float) -> float:
+        """The fixed cost of a pair with no fit of its own: its probe's, or what the
+        measured pairs' set-ups say a transfer costs, whichever is more."""
+        return max(probed_rtt_s, self.new_link_fixed_s)
 
     def compute_profile(self, base: ComputeProfile) -> ComputeProfile:
         """`base` scaled by `compute_factor` (prefill and extend alike)."""
@@ -308,6 +328,7 @@ class Corrections:
         """Changes whenever the corrections do (for caches of what is priced with them)."""
         return (
             tuple(sorted((k, v.fixed_s, v.bandwidth_bps) for k, v in self.links.items())),
+            self.new_link_fixed_s,
             self.compute_factor,
             self.wait_per_decode_s,
             tuple(sorted(self.worker_wait_s.items())),
@@ -363,7 +384,7 @@ def _fit_link(samples: list[Outcome], config: LearningConfig) -> LinkFit | None:
     prior_bps = _median(priors)
     lo_bps, hi_bps = prior_bps / config.max_rate_factor, prior_bps * config.max_rate_factor
     xs = [x for x, _ in points]
-    slopes = []
+    slopes: list[float] = []
     spread = 0.25 * (max(xs) - min(xs))
     if spread > 0.0 and max(xs) >= 1.5 * min(xs):
         for i, (x0, y0) in enumerate(points):
@@ -377,8 +398,20 @@ def _fit_link(samples: list[Outcome], config: LearningConfig) -> LinkFit | None:
     else:
         # Sizes too alike to separate the two: keep the predicted rate, fit the fixed cost.
         bps = prior_bps
-    fixed_s = _clip(_median([y - x / bps for x, y in points]), 0.0, config.max_fixed_s)
+    fixed_s = _clip(
+        _median([_fixed_sample(o, x / bps) for o, (x, _) in zip(samples, points, strict=True)]),
+        0.0,
+        config.max_fixed_s,
+    )
     return LinkFit(fixed_s=fixed_s, bandwidth_bps=bps, samples=len(points))
+
+
+def _fixed_sample(o: Outcome, stream_s: float) -> float:
+    """The per-transfer fixed cost that would have made `o`'s total right with its stream
+    at the fitted rate (`stream_s`): the one it was predicted with, plus the total's error
+    shared by the set-ups the total counted, less what the new rate adds to its stream."""
+    error_s = o.measured.total_s - o.predicted.total_s
+    return o.predicted.setup_s + error_s / o.target_jobs - (stream_s - o.predicted.stream_s)
 
 
 def _ratio(pairs: list[tuple[float, float]], config: LearningConfig) -> float:
@@ -410,6 +443,7 @@ def fit(
         fitted = _fit_link(samples, config)
         if fitted is not None:
             links[key] = fitted
+    new_link_fixed_s = _median([f.fixed_s for f in links.values()]) if links else 0.0
     # Compute: every forward pass measured, prefills and extends alike, against the base.
     passes = [
         (o.measured.prefill_s, base.prefill_s(o.prefill_tokens)) for o in recent if o.prefill_tokens
@@ -427,7 +461,7 @@ def fit(
             excess_by_worker.setdefault(o.source_id, []).append(
                 o.measured.source_wait_s - o.predicted.source_wait_s
             )
-        if o.target_running == 0 and o.target_id and o.extend_tokens:
+        if o.target_running == 0 and o.target_jobs == 1 and o.target_id and o.extend_tokens:
             excess_by_worker.setdefault(o.target_id, []).append(
                 o.measured.target_wait_s - o.predicted.target_wait_s
             )
@@ -437,8 +471,9 @@ def fit(
         if len(values) >= config.min_samples
     }
     # Interference: a placement's wait for its first decode step beyond W(d) and the
-    # worker's own excess, per request decoding there (recoveries also queue behind each
-    # other, which is not interference).
+    # worker's own excess, per request decoding there. Only where its prediction counted
+    # no other work sent there: recoveries and a burst of placements also queue behind
+    # each other, which is not interference (their queue is priced, set-ups and all).
     per_decode = [
         max(
             0.0,
@@ -448,7 +483,7 @@ def fit(
         )
         / o.target_running
         for o in recent
-        if o.target_running > 0 and o.kind == "placement"
+        if o.target_running > 0 and o.kind == "placement" and o.target_jobs == 1
     ]
     wait_per_decode_s = (
         _clip(_median(per_decode), 0.0, config.max_fixed_s)
@@ -457,6 +492,7 @@ def fit(
     )
     return Corrections(
         links=links,
+        new_link_fixed_s=new_link_fixed_s,
         compute_factor=compute_factor,
         wait_per_decode_s=wait_per_decode_s,
         worker_wait_s=worker_wait_s,
@@ -509,6 +545,16 @@ class AssignedWork:
         changed in gossip re-reads these too)."""
         return [instance_id for instance_id, items in self._items.items() if items]
 
+    def pending_jobs(self, instance_id: str, now_s: float) -> int:
+        """Assignments to `instance_id` still counted in its W(x) (as of the last
+        `pending_s`) and not predicted done by `now_s`: the set-ups its queue holds."""
+        items = self._items.get(instance_id)
+        if not items:
+            return 0
+        start = items[0][0]
+        done_s = start + sum(work for _, work in items)
+        return len(items) if done_s > now_s else 0
+
     def pending_s(self, instance_id: str, now_s: float, reported_at_s: float) -> float:
         """Seconds assigned after `reported_at_s` (the heartbeat's time) and not yet done."""
         items = self._items.get(instance_id)
@@ -519,5 +565,6 @@ class AssignedWork:
         # The assignments run one after another: what is left of their sum.
         if not items:
             return 0.0
-        start = items[0][0]
-        return max(0.0, start + sum(work for _, work in items) - now_s)
+        # A snapshot fetched before an assignment was made reads it whole, never more.
+        total_s = sum(work for _, work in items)
+        return min(total_s, max(0.0, items[0][0] + total_s - now_s))

@@ -3,16 +3,18 @@
 For a request with prompt L, g tokens generated, prompt KV still on prefill p:
 
     MIGRATE to d          W(d) + T_x(p, d, S(L)) + T_ext(L, g)
-    RECOMPUTE via p' to d W(p') + T_pf(L + g) + T_x(p', d, S(L + g))
+    RECOMPUTE via p' to d W(p') + T_pf(L + g) + T_x(p', d, S(L + g)) + W(d)
     HYBRID to d           W(d) + max(T_pf(k), T_x(p, d, S(L − k))) + T_ext(L, g)
 
 HYBRID recomputes blocks [0, k) on d while [k, L) streams from p; the KV of position i
 depends only on tokens ≤ i, so the joined cache is exact. k = 0 is MIGRATE, so the best
-split is never worse than migrating to the same target. `Kvrs` takes the cheapest option
-over every action and target (ties go to MIGRATE), and ABORTs early when even the
-cheapest misses the deadline. MIGRATE and HYBRID need the source's KV and a migration
-slot; without either they are infeasible and the next option wins. `Rom` reproduces the
-RecomputeOrMigrate rule; `AlwaysMigrate` and `AlwaysRecompute` force one mode.
+split is never worse than migrating to the same target. RECOMPUTE's KV lands on d too,
+where the last generated token is fed as an extend behind d's queue: W(d) counts there.
+`Kvrs` takes the cheapest option over every action and target (ties go to MIGRATE), and
+ABORTs early when even the cheapest misses the deadline. MIGRATE and HYBRID need the
+source's KV and a migration slot; without either they are infeasible and the next option
+wins. `Rom` reproduces the RecomputeOrMigrate rule; `AlwaysMigrate` and `AlwaysRecompute`
+force one mode.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ class OptionCost:
     """HYBRID: tokens [0, k) recomputed on the target, [k, L) migrated."""
     feasible: bool = True
     infeasible_reason: str = ""
+    target_wait_s: float = 0.0
+    """RECOMPUTE: W(d), the target's queue before the final extend (`wait_s` is then the
+    prefill instance's); MIGRATE and HYBRID: equal to `wait_s`."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,8 @@ class RecoveryDecision:
     runner_up: OptionCost | None
     """The cheapest feasible option not chosen (for ABORT: the cheapest, which was late)."""
     policy: str
+    planned_jobs: int = 1
+    """Recoveries the price shares the target with, this one included (a batch plan's)."""
 
 
 class RecoveryPolicy(Protocol):
@@ -185,9 +192,8 @@ def _split(
                 lo = mid + 1
         for k in (hi - 1, hi):
             if k > 0:
-                moved_s = (
-                    rtt_s + bits_per_token * (prompt_tokens - k) / bps if k < prompt_tokens else 0.0
-                )
+                # The router pulls at least one token, so even k = L pays a set-up.
+                moved_s = rtt_s + bits_per_token * max(1, prompt_tokens - k) / bps
                 term = max(prefill_s(k), moved_s)
                 if term < best_s:
                     best_k, best_s = k, term
@@ -208,9 +214,7 @@ def _split(
         if 0 < k <= prompt_tokens:
             # The fit exactly as ComputeProfile.prefill_s evaluates it.
             fit_s = a + k * (b + k * c)
-            moved_s = (
-                rtt_s + bits_per_token * (prompt_tokens - k) / bps if k < prompt_tokens else 0.0
-            )
+            moved_s = rtt_s + bits_per_token * max(1, prompt_tokens - k) / bps
             term = fit_s if fit_s > moved_s else moved_s
             if term < best_s:
                 best_k, best_s = k, term
@@ -256,8 +260,9 @@ def _columns(view: ClusterView, exclude_ids: Collection[str]) -> tuple[Columns, 
     return found
 
 
-# A raw option: (cost_s, target_id, source_id, wait_s, transfer_s, compute_s, split_tokens)
-_Raw = tuple[float, str, str, float, float, float, int]
+# A raw option: (cost_s, target_id, source_id, wait_s, transfer_s, compute_s, split_tokens,
+# target_wait_s)
+_Raw = tuple[float, str, str, float, float, float, int, float]
 
 
 class _Options:
@@ -415,14 +420,10 @@ class _Options:
             if total < h_s or h_i < 0:
                 h_i, h_s, h_k = i, total, k
         ids = self.decode.ids
-        best_m = (m_s, ids[m_i], source, waits[m_i], m_transfer, ext_s, 0)
+        best_m = (m_s, ids[m_i], source, waits[m_i], m_transfer, ext_s, 0, waits[m_i])
         if h_i < 0:
             return best_m, None
-        moved = (
-            rtts[h_i] + bits_per_token * (prompt_tokens - h_k) / bandwidths[h_i]
-            if h_k < prompt_tokens
-            else 0.0
-        )
+        moved = rtts[h_i] + bits_per_token * max(1, prompt_tokens - h_k) / bandwidths[h_i]
         return best_m, (
             h_s,
             ids[h_i],
@@ -431,6 +432,7 @@ class _Options:
             moved,
             compute.prefill_s(h_k) + ext_s,
             h_k,
+            waits[h_i],
         )
 
     def recompute(
@@ -443,11 +445,15 @@ class _Options:
         if not targets or not columns.ids:
             return None
         waits = columns.wait if self.extra_wait is None else self.waits(columns)
+        target_waits = self.decode.wait if self.extra_wait is None else self.waits(self.decode)
         tokens = request.prompt_tokens + request.generated_tokens
         prefill_s = cost.compute.prefill_s(tokens)
         bits = cost.kv_bits_per_token * tokens
         if self.extra_flows is not None and tokens:
-            return self._recompute_priced(targets, only_prefill, waits, prefill_s, bits)
+            return self._recompute_priced(
+                targets, only_prefill, waits, target_waits, prefill_s, bits
+            )
+        least_target_wait = min(target_waits[i] for i in targets)
         order = columns.by_wait() if only_prefill is None else (only_prefill,)
         decode, network, now_s, reported = self.decode, cost.network, self.now_s, columns.wait
         # Best so far as plain locals: prefill index (-1 for none yet), target, cost, transfer.
@@ -455,21 +461,23 @@ class _Options:
         for p in order:
             # Prefill instances come in order of reported wait (a plan only adds to it):
             # once W(p') + T_pf alone loses, no later one can win.
-            if reported[p] + prefill_s >= best_s and best_p >= 0:
+            if reported[p] + prefill_s + least_target_wait >= best_s and best_p >= 0:
                 break
             base = waits[p] + prefill_s
             fan = decode.fan(network, columns.ids[p], now_s)
-            if base + fan.min_rtt + bits * fan.min_inv_bps >= best_s and best_p >= 0:
+            floor = base + least_target_wait
+            if floor + fan.min_rtt + bits * fan.min_inv_bps >= best_s and best_p >= 0:
                 continue
             if not tokens:
-                # Nothing to move: every target costs `base`, so the first one is the best.
-                if base < best_s or best_p < 0:
-                    best_p, best_i, best_s, best_transfer = p, targets[0], base, 0.0
+                # Nothing to move: the least-waiting target is the best.
+                i = min(targets, key=target_waits.__getitem__)
+                if floor < best_s or best_p < 0:
+                    best_p, best_i, best_s, best_transfer = p, i, floor, 0.0
                 continue
             rtt, bps = fan.rtt, fan.bps
             for i in targets:
                 transfer = rtt[i] + bits / bps[i]
-                total = base + transfer
+                total = base + transfer + target_waits[i]
                 if total < best_s or best_p < 0:
                     best_p, best_i, best_s, best_transfer = p, i, total, transfer
         return (
@@ -480,6 +488,7 @@ class _Options:
             best_transfer,
             prefill_s,
             0,
+            target_waits[best_i],
         )
 
     def _recompute_priced(
@@ -487,17 +496,20 @@ class _Options:
         targets: Sequence[int],
         only_prefill: int | None,
         waits: list[float],
+        target_waits: list[float],
         prefill_s: float,
         bits: float,
     ) -> _Raw:
         import numpy as np
 
         bps, rtt = self.priced()
-        # (rtt + bits / bps) + (W(p') + T_pf) built in one buffer; the winner's transfer is
-        # then recomputed from its two scalars, which gives the bits numpy computed.
+        # (rtt + bits / bps) + (W(p') + T_pf) + W(d) built in one buffer; the winner's
+        # transfer is then recomputed from its two scalars, which gives the bits numpy
+        # computed.
         total = bits / bps
         total += rtt
         total += np.add(waits, prefill_s)[:, None]
+        total += np.asarray(target_waits)[None, :]
         if not isinstance(targets, range):
             excluded = np.ones(total.shape[1], dtype=bool)
             excluded[list(targets)] = False
@@ -516,6 +528,7 @@ class _Options:
             transfer,
             prefill_s,
             0,
+            target_waits[i],
         )
 
     def option(self, action: Action, raw: _Raw | None, block: str) -> OptionCost:
@@ -538,9 +551,10 @@ class _Options:
                 split_tokens=0,
                 feasible=False,
                 infeasible_reason=reason,
+                target_wait_s=_INF,
             )
             return option
-        total, target, source, wait, transfer, compute, split = raw
+        total, target, source, wait, transfer, compute, split, target_wait = raw
         option.__dict__.update(
             action=action,
             target_id=target,
@@ -552,6 +566,7 @@ class _Options:
             split_tokens=split,
             feasible=not block,
             infeasible_reason=block,
+            target_wait_s=target_wait,
         )
         return option
 
@@ -622,6 +637,7 @@ class _Options:
             slack_s=slack,
             runner_up=runner_up,
             policy=policy,
+            planned_jobs=1,
         )
         return decision
 

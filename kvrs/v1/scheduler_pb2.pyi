@@ -43,7 +43,7 @@ class CandidateScore(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., score_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., tier: _Optional[int] = ...) -> None: ...
 
 class SelectDecodeResponse(_message.Message):
-    __slots__ = ("decode_instance_id", "decode_address", "predicted_ttft_s", "transfer_s", "wait_s", "prefix_hit_tokens", "kv_bytes", "transfer", "runner_up_instance_id", "runner_up_ttft_s", "policy", "view_stale", "view_age_s", "decode_transfer_address", "candidates_considered", "predicted_terms")
+    __slots__ = ("decode_instance_id", "decode_address", "predicted_ttft_s", "transfer_s", "wait_s", "prefix_hit_tokens", "kv_bytes", "transfer", "runner_up_instance_id", "runner_up_ttft_s", "policy", "view_stale", "view_age_s", "decode_transfer_address", "candidates_considered", "predicted_terms", "planned_jobs")
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class SelectDecodeResponse(_message.Message):
     DECODE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_CONSIDERED_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TERMS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_JOBS_FIELD_NUMBER: _ClassVar[int]
     decode_instance_id: str
     decode_address: str
     predicted_ttft_s: float
@@ -76,7 +77,8 @@ class SelectDecodeResponse(_message.Message):
     decode_transfer_address: str
     candidates_considered: int
     predicted_terms: _common_pb2.DecisionTerms
-    def __init__(self, decode_instance_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferEstimate, _Mapping]] = ..., runner_up_instance_id: _Optional[str] = ..., runner_up_ttft_s: _Optional[float] = ..., policy: _Optional[str] = ..., view_stale: _Optional[bool] = ..., view_age_s: _Optional[float] = ..., decode_transfer_address: _Optional[str] = ..., candidates_considered: _Optional[int] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ...) -> None: ...
+    planned_jobs: int
+    def __init__(self, decode_instance_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferEstimate, _Mapping]] = ..., runner_up_instance_id: _Optional[str] = ..., runner_up_ttft_s: _Optional[float] = ..., policy: _Optional[str] = ..., view_stale: _Optional[bool] = ..., view_age_s: _Optional[float] = ..., decode_transfer_address: _Optional[str] = ..., candidates_considered: _Optional[int] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., planned_jobs: _Optional[int] = ...) -> None: ...
 
 class OptionCost(_message.Message):
     __slots__ = ("action", "target_instance_id", "source_instance_id", "cost_s", "wait_s", "transfer_s", "compute_s", "split_tokens", "feasible", "infeasible_reason")
@@ -127,7 +129,7 @@ class RecoverRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., failed_instance_id: _Optional[str] = ..., source_prefill_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., policy: _Optional[str] = ..., source_kv_lost: _Optional[bool] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., skip_slot: _Optional[bool] = ...) -> None: ...
 
 class RecoverResponse(_message.Message):
-    __slots__ = ("request_id", "action", "target_instance_id", "target_address", "source_instance_id", "source_address", "predicted_cost_s", "options", "hybrid_split_tokens", "slot_lease", "reason", "slo_slack_s", "view_stale", "view_age_s", "runner_up", "target_transfer_address", "source_transfer_address", "predicted_terms")
+    __slots__ = ("request_id", "action", "target_instance_id", "target_address", "source_instance_id", "source_address", "predicted_cost_s", "options", "hybrid_split_tokens", "slot_lease", "reason", "slo_slack_s", "view_stale", "view_age_s", "runner_up", "target_transfer_address", "source_transfer_address", "predicted_terms", "planned_jobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     TARGET_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class RecoverResponse(_message.Message):
     TARGET_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TERMS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_JOBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     action: _common_pb2.RecoveryAction
     target_instance_id: str
@@ -164,7 +167,8 @@ class RecoverResponse(_message.Message):
     target_transfer_address: str
     source_transfer_address: str
     predicted_terms: _common_pb2.DecisionTerms
-    def __init__(self, request_id: _Optional[str] = ..., action: _Optional[_Union[_common_pb2.RecoveryAction, str]] = ..., target_instance_id: _Optional[str] = ..., target_address: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., source_address: _Optional[str] = ..., predicted_cost_s: _Optional[float] = ..., options: _Optional[_Iterable[_Union[OptionCost, _Mapping]]] = ..., hybrid_split_tokens: _Optional[int] = ..., slot_lease: _Optional[_Union[_slots_pb2.SlotLease, _Mapping]] = ..., reason: _Optional[str] = ..., slo_slack_s: _Optional[float] = ..., view_stale: _Optional[bool] = ..., view_age_s: _Optional[float] = ..., runner_up: _Optional[str] = ..., target_transfer_address: _Optional[str] = ..., source_transfer_address: _Optional[str] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ...) -> None: ...
+    planned_jobs: int
+    def __init__(self, request_id: _Optional[str] = ..., action: _Optional[_Union[_common_pb2.RecoveryAction, str]] = ..., target_instance_id: _Optional[str] = ..., target_address: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., source_address: _Optional[str] = ..., predicted_cost_s: _Optional[float] = ..., options: _Optional[_Iterable[_Union[OptionCost, _Mapping]]] = ..., hybrid_split_tokens: _Optional[int] = ..., slot_lease: _Optional[_Union[_slots_pb2.SlotLease, _Mapping]] = ..., reason: _Optional[str] = ..., slo_slack_s: _Optional[float] = ..., view_stale: _Optional[bool] = ..., view_age_s: _Optional[float] = ..., runner_up: _Optional[str] = ..., target_transfer_address: _Optional[str] = ..., source_transfer_address: _Optional[str] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., planned_jobs: _Optional[int] = ...) -> None: ...
 
 class RecoverItem(_message.Message):
     __slots__ = ("request_id", "source_prefill_instance_id", "prompt_tokens", "generated_tokens", "deadline_unix_ms", "source_kv_lost")
@@ -205,7 +209,7 @@ class RecoverBatchResponse(_message.Message):
     def __init__(self, decisions: _Optional[_Iterable[_Union[RecoverResponse, _Mapping]]] = ..., planned_makespan_s: _Optional[float] = ...) -> None: ...
 
 class DecisionOutcome(_message.Message):
-    __slots__ = ("kind", "request_id", "source_instance_id", "target_instance_id", "decided_unix_ms", "predicted", "measured", "kv_bytes", "prefill_tokens", "cached_tokens", "extend_tokens", "target_running_requests")
+    __slots__ = ("kind", "request_id", "source_instance_id", "target_instance_id", "decided_unix_ms", "predicted", "measured", "kv_bytes", "prefill_tokens", "cached_tokens", "extend_tokens", "target_running_requests", "target_jobs")
     KIND_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +222,7 @@ class DecisionOutcome(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_JOBS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     request_id: str
     source_instance_id: str
@@ -230,7 +235,8 @@ class DecisionOutcome(_message.Message):
     cached_tokens: int
     extend_tokens: int
     target_running_requests: int
-    def __init__(self, kind: _Optional[str] = ..., request_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., target_instance_id: _Optional[str] = ..., decided_unix_ms: _Optional[int] = ..., predicted: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., measured: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extend_tokens: _Optional[int] = ..., target_running_requests: _Optional[int] = ...) -> None: ...
+    target_jobs: int
+    def __init__(self, kind: _Optional[str] = ..., request_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., target_instance_id: _Optional[str] = ..., decided_unix_ms: _Optional[int] = ..., predicted: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., measured: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extend_tokens: _Optional[int] = ..., target_running_requests: _Optional[int] = ..., target_jobs: _Optional[int] = ...) -> None: ...
 
 class ReportOutcomeRequest(_message.Message):
     __slots__ = ("outcome",)

@@ -189,6 +189,7 @@ class ViewCache:
                 snapshot = await self._source.fetch()
             except (Unavailable, DeadlineExceeded) as exc:
                 self.refresh_failures += 1
+                self._expire_assigned()
                 # Once per outage, not ten times a second.
                 if self._failing_since_s is None:
                     self._failing_since_s = self.clock()
@@ -214,6 +215,40 @@ class ViewCache:
         instances[instance_id] = dataclasses.replace(known, alive=False)
         cluster = ClusterView(instances=instances, now_s=state.cluster.now_s)
         prepare_candidates(cluster, state.cluster)
+        self._state = dataclasses.replace(state, cluster=cluster)
+        self.request_refresh()
+
+    def _expire_assigned(self) -> None:
+        """Without a snapshot, W(x) of the instances holding assigned work is still read
+        again: work predicted done by now stops counting, as it would in a refresh."""
+        state = self._state
+        if state is None or self.assigned is None:
+            return
+        now_s = self.clock()
+        corrections = self.corrections()
+        changed = {}
+        for instance_id in set(self.assigned.instances()) | self._pending_ids:
+            record = self._records.get(instance_id)
+            known = state.cluster.instances.get(instance_id)
+            if record is not None and known is not None:
+                node, reported_at_s = record
+                reread = self._instance_state(node, corrections, now_s, reported_at_s)
+                # An instance marked down since the last snapshot stays down.
+                changed[instance_id] = dataclasses.replace(reread, alive=known.alive)
+        if changed:
+            cluster = state.cluster.updated(changed, now_s=state.cluster.now_s)
+            self._state = dataclasses.replace(state, cluster=cluster)
+
+    def assign(self, instance_id: str, work_s: float) -> None:
+        """Work just sent to `instance_id`: its W(x) in the current view rises now, so the
+        next decision (a burst's next placement, milliseconds later) sees it; the next
+        refresh reads it again from the assigned work, until a heartbeat reports it."""
+        state = self._state
+        known = None if state is None else state.cluster.instances.get(instance_id)
+        if state is None or known is None or work_s <= 0.0:
+            return
+        raised = dataclasses.replace(known, wait_s=known.wait_s + work_s)
+        cluster = state.cluster.updated({instance_id: raised}, now_s=state.cluster.now_s)
         self._state = dataclasses.replace(state, cluster=cluster)
         self.request_refresh()
 
@@ -389,31 +424,43 @@ class ViewCache:
         clock for every replica, so an unchanged measurement keeps its age across refreshes.
         A path decisions have measured takes their fixed cost and rate instead of the
         probe's (probes move one size class; decisions move KV of every size, under the
-        load the cluster really carries) — unless its probe says it is down.
+        load the cluster really carries) — unless its probe says it is down. A probed path
+        no decision has used yet is priced with at least the fixed cost the used ones show.
         """
         network = NetworkModel(self.inputs.topology, self.inputs.staleness)
         if self._state is not None:
             network.carry_paths(self._state.cost.network)
         fitted = dict(corrections.links)
+        fresh_pairs: set[tuple[str, str]] = set()
         for link in links:
             sample = link.sample
             pair = (sample.src_instance_id, sample.dst_instance_id)
             learned = fitted.pop(pair, None)
+            measured_at_s = link.measured_unix_ms / 1000.0
             if learned is not None and sample.bandwidth_bps > DOWN_LINK_BPS:
                 bandwidth_bps, rtt_s = learned.bandwidth_bps, learned.fixed_s
+                # The fit is as recent as the outcomes behind it (which age out on their
+                # own), however long ago the prober last got round to this pair.
+                measured_at_s = snapshot.fetched_at_s
             else:
-                bandwidth_bps, rtt_s = sample.bandwidth_bps, sample.rtt_s
+                # No decision has used this pair yet: its first transfer pays at least
+                # the set-up the others measured.
+                bandwidth_bps = sample.bandwidth_bps
+                rtt_s = corrections.unmeasured_rtt_s(sample.rtt_s)
+            if snapshot.fetched_at_s - measured_at_s <= self.inputs.staleness.stale_after_s:
+                fresh_pairs.add(pair)
             network.set_link_estimate(
                 *pair,
                 LinkEstimate(
                     bandwidth_bps=bandwidth_bps,
                     rtt_s=rtt_s,
-                    measured_at_s=link.measured_unix_ms / 1000.0,
+                    measured_at_s=measured_at_s,
                     samples=sample.samples,
                 ),
             )
         for (src_id, dst_id), learned in fitted.items():
             if self._in_topology(src_id) and self._in_topology(dst_id):
+                fresh_pairs.add((src_id, dst_id))
                 network.set_link_estimate(
                     src_id,
                     dst_id,
@@ -424,8 +471,39 @@ class ViewCache:
                         samples=learned.samples,
                     ),
                 )
+        if corrections.new_link_fixed_s > 0.0:
+            self._price_unmeasured(network, fresh_pairs, corrections, snapshot.fetched_at_s)
         network.set_flows(self._link_flows(snapshot.flows))
         return network
+
+    def _price_unmeasured(
+        self,
+        network: NetworkModel,
+        fresh_pairs: set[tuple[str, str]],
+        corrections: Corrections,
+        now_s: float,
+    ) -> None:
+        """Every prefill → decode pair with neither a fit nor a fresh probe: the topology's
+        capacity, and at least the fixed cost the measured pairs show (a first transfer
+        over a new pair pays the same calls and more)."""
+        topology = self.inputs.topology
+        prefills = [i for i, spec in topology.instances.items() if spec.role is Role.PREFILL]
+        decodes = [i for i, spec in topology.instances.items() if spec.role is Role.DECODE]
+        for src_id in prefills:
+            for dst_id in decodes:
+                path = topology.path_links(src_id, dst_id)
+                if (src_id, dst_id) in fresh_pairs or not path:
+                    continue
+                network.set_link_estimate(
+                    src_id,
+                    dst_id,
+                    LinkEstimate(
+                        bandwidth_bps=min(topology.link_capacity_bps(link) for link in path),
+                        rtt_s=corrections.unmeasured_rtt_s(topology.base_rtt_s(src_id, dst_id)),
+                        measured_at_s=now_s,
+                        samples=0,
+                    ),
+                )
 
     def _instance_state(
         self, node: NodeRecord, corrections: Corrections, now_s: float, reported_at_s: float

@@ -35,6 +35,7 @@ def outcome_to_pb(outcome: Outcome) -> scheduler_pb2.DecisionOutcome:
         cached_tokens=outcome.cached_tokens,
         extend_tokens=outcome.extend_tokens,
         target_running_requests=outcome.target_running,
+        target_jobs=outcome.target_jobs,
     )
 
 
@@ -60,4 +61,6 @@ def _outcome(message: scheduler_pb2.DecisionOutcome) -> Outcome:
         cached_tokens=message.cached_tokens,
         extend_tokens=message.extend_tokens,
         target_running=message.target_running_requests,
+        # 0: a reporter that predates the field, whose predictions counted one job.
+        target_jobs=message.target_jobs or 1,
     )

@@ -411,6 +411,7 @@ class Router:
             cached_tokens=prompt_tokens,
             extend_tokens=1,
             target_running=running,
+            target_jobs=placement.planned_jobs,
         )
         return None
 
@@ -641,6 +642,7 @@ class Router:
                 cached_tokens=cached,
                 extend_tokens=extended,
                 target_running=running,
+                target_jobs=decision.planned_jobs,
                 record=record,
             )
             return None
@@ -678,6 +680,7 @@ class Router:
             cached_tokens=awaiting.cached_tokens,
             extend_tokens=awaiting.extend_tokens,
             target_running=awaiting.target_running,
+            target_jobs=awaiting.target_jobs,
         )
         for term in TERMS:
             p, m = getattr(predicted, term), getattr(measured, term)

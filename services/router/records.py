@@ -80,6 +80,8 @@ class Placement:
     policy: str
     predicted: Terms = Terms()
     """The prediction term by term (with the first token's extend)."""
+    planned_jobs: int = 1
+    """Decisions the prediction counted on the decode instance, this one included."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ class Decision:
     batch_size: int = 1
     predicted: Terms = Terms()
     """predicted_cost_s term by term."""
+    planned_jobs: int = 1
+    """Recoveries the prediction counted on the target, this one included."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,7 @@ class Awaiting:
     cached_tokens: int = 0
     extend_tokens: int = 0
     target_running: int = 0
+    target_jobs: int = 1
     record: RecoveryRecord | None = None
 
 

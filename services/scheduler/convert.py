@@ -48,6 +48,7 @@ def selection_to_pb(selection: Selection) -> scheduler_pb2.SelectDecodeResponse:
         view_age_s=selection.view_age_s,
         candidates_considered=placement.candidates_considered,
         predicted_terms=terms_to_pb(selection.predicted),
+        planned_jobs=selection.planned_jobs,
     )
     if placement.runner_up is not None:
         response.runner_up_instance_id = placement.runner_up.instance_id
@@ -125,6 +126,7 @@ def recovery_to_pb(outcome: RecoveryOutcome) -> scheduler_pb2.RecoverResponse:
         view_stale=outcome.view_stale,
         view_age_s=outcome.view_age_s,
         predicted_terms=terms_to_pb(outcome.predicted),
+        planned_jobs=outcome.planned_jobs,
     )
     if outcome.lease is not None:
         response.slot_lease.CopyFrom(_lease_to_pb(outcome.lease))

@@ -173,13 +173,21 @@ class Scheduler:
         )
         attributes.update(spans.placement_attributes(placement))
         chosen = view.cluster.instances[placement.instance_id]
+        predicted = placement_terms(placement, request.prompt_tokens, view.cost)
+        jobs = 1 + self._pending_jobs(placement.instance_id)
+        # The pull and the first step occupy the instance: the next burst's placements
+        # (and recoveries) see them in its W(d) before any heartbeat can.
+        self._assign(
+            placement.instance_id, predicted.setup_s + predicted.stream_s + predicted.extend_s
+        )
         return Selection(
             placement=placement,
             address=chosen.address,
             transfer_address=chosen.transfer_address,
             view_age_s=view.age_s,
             view_stale=view.stale,
-            predicted=placement_terms(placement, request.prompt_tokens, view.cost),
+            predicted=predicted,
+            planned_jobs=jobs,
         )
 
     # -- Recover --------------------------------------------------------------------------
@@ -302,6 +310,8 @@ class Scheduler:
         view: DecisionView,
         priced: bool = False,
     ) -> RecoveryOutcome:
+        # The plan's jobs on the target, and those this scheduler sent there before it.
+        jobs = decision.planned_jobs + self._pending_jobs(decision.target_id)
         return RecoveryOutcome(
             decision=decision,
             reason=reason,
@@ -313,6 +323,7 @@ class Scheduler:
             view_stale=view.stale,
             transfer=_chosen_transfer(core_request, decision, view) if priced else None,
             predicted=recovery_terms(decision, core_request, view.cost, view.cluster.now_s),
+            planned_jobs=jobs,
         )
 
     def _validate_recover(self, request: RecoveryRequest, failed_id: str, where: str) -> None:
@@ -434,26 +445,34 @@ class Scheduler:
         """The corrections in force (neutral ones when this scheduler does not learn)."""
         return Corrections() if self.learning is None else self.learning.corrections
 
+    def _pending_jobs(self, instance_id: str) -> int:
+        """Work this scheduler sent to `instance_id` that its W(x) still counts."""
+        if self.assigned is None or not instance_id:
+            return 0
+        return self.assigned.pending_jobs(instance_id, self._clock())
+
     def _assign(self, instance_id: str, work_s: float) -> None:
         """Counts `work_s` just sent to `instance_id` in its W(x) until a heartbeat does."""
         if self.assigned is None or work_s <= 0.0:
             return
         self.assigned.add(instance_id, self._clock(), work_s)
-        self.view.request_refresh()
+        self.view.assign(instance_id, work_s)
 
     def _record(self, kind: str, outcomes: Sequence[RecoveryOutcome], started: float) -> None:
         """Counts each decision by action, its predicted cost and its slot outcome, and
-        counts its compute in W(x) of the instance that runs it."""
+        counts its work in W(x) of the instances that run it: RECOMPUTE's prefill on its
+        prefill instance, and on the target everything the target does (the pull it
+        drives and the compute)."""
         for outcome in outcomes:
             decision = outcome.decision
             option = chosen_option(decision)
-            if option is not None:
-                worker = (
-                    decision.source_id
-                    if decision.action is Action.RECOMPUTE
-                    else decision.target_id
-                )
-                self._assign(worker, option.compute_s)
+            if option is None:
+                continue
+            if decision.action is Action.RECOMPUTE:
+                self._assign(decision.source_id, option.compute_s)
+                self._assign(decision.target_id, option.transfer_s)
+            else:
+                self._assign(decision.target_id, option.cost_s - option.wait_s)
         metrics = self.metrics
         if metrics is None:
             return

@@ -50,6 +50,8 @@ class Selection:
     view_stale: bool
     predicted: Terms = Terms()
     """predicted_ttft_s term by term, with the first token's extend."""
+    planned_jobs: int = 1
+    """Decisions the prediction counts on the chosen instance, this one included."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class RecoveryOutcome:
     """The chosen option's KV transfer as priced now (for the decision span)."""
     predicted: Terms = Terms()
     """The chosen option's cost term by term."""
+    planned_jobs: int = 1
+    """Recoveries the prediction counts on the target, this one included."""
 
 
 @dataclass(frozen=True)

@@ -320,7 +320,9 @@ async def test_kvrs_in_the_service_decides_as_the_simulator_does_on_the_same_vie
             "decode-far": NodeLoad(free_kv_blocks=4096),
         },
     )
-    stub = await plane.scheduler(view_refresh_s=3600.0, view_stale_after_s=3600.0)
+    # The base model alone: a learning scheduler also counts each placement's work in
+    # the chosen instance's W(d), which the simulator's view does not hold.
+    stub = await plane.scheduler(view_refresh_s=3600.0, view_stale_after_s=3600.0, learning=False)
     await plane.link("prefill-0", "decode-rack", bandwidth_bps=20e9)
     await plane.refresh()
     cache = plane.scheduler_handle.view
@@ -893,3 +895,30 @@ async def test_report_outcome_rejects_a_bad_outcome_naming_the_field(plane):
         grpc.StatusCode.INVALID_ARGUMENT,
         "outcome.measured.total_s",
     )
+
+
+async def test_a_burst_of_placements_is_priced_with_the_work_the_scheduler_sent(plane):
+    """Placements milliseconds apart, before any heartbeat: each one's W(d) holds the
+    pulls and first steps this scheduler has just sent to that instance."""
+    await plane.register(kv_capacity_blocks=4096)
+    stub = await plane.scheduler(view_refresh_s=3600.0, view_stale_after_s=3600.0)
+    # A slow link: each pull is predicted to take seconds, so none is done before the
+    # next placement however slowly this machine runs the test.
+    await plane.link("prefill-0", "decode-rack", bandwidth_bps=1e8)
+    await plane.refresh()
+    replies = [
+        await stub.SelectDecode(
+            select(f"burst-{k}", prompt_tokens=2048, candidate_instance_ids=["decode-rack"]),
+            timeout=5,
+        )
+        for k in range(4)
+    ]
+    assert {r.decode_instance_id for r in replies} == {"decode-rack"}
+    assert [r.planned_jobs for r in replies] == [1, 2, 3, 4]
+    assert replies[0].wait_s == 0.0
+    assert replies[0].transfer_s > 1.0
+    for before, after in zip(replies, replies[1:], strict=False):
+        sent_s = before.transfer_s + before.predicted_terms.extend_s
+        # Less only the time that passed between the two (milliseconds of seconds).
+        assert after.wait_s == pytest.approx(before.wait_s + sent_s, rel=1e-2)
+        assert after.predicted_ttft_s > before.predicted_ttft_s

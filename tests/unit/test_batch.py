@@ -159,3 +159,26 @@ def test_two_migrations_on_one_link_each_get_half_of_it() -> None:
     assert 8 * MODEL.kv_bytes(8000) / (chosen(alone).transfer_s - rtt_s) == pytest.approx(
         topology.link_capacity_bps(uplink)
     )
+
+
+def test_recoveries_sharing_a_target_are_priced_with_the_queue_they_build() -> None:
+    """Started together, n recoveries on one target share it: each is priced with its
+    share of the others' work there (Σ_j min(w_j, w_i)), not as if it ran alone."""
+    cost, view = cluster(nodes=2)
+    # One target left: every recovery lands on decode-1.
+    items = [
+        RecoveryRequest(f"r{i}", 4000, 16, "prefill-0", exclude_ids=frozenset({"decode-0"}))
+        for i in range(5)
+    ]
+    alone = plan_batch(items[:1], view, cost, 0.0, make_recovery_policy("always_migrate"), 32)
+    plan = plan_batch(items, view, cost, 0.0, make_recovery_policy("always_migrate"), 32)
+    assert {d.target_id for d in plan.decisions} == {"decode-1"}
+    own = [chosen(d).cost_s - chosen(d).wait_s for d in plan.decisions]
+    for i, decision in enumerate(plan.decisions):
+        queue_s = sum(min(w, own[i]) for j, w in enumerate(own) if j != i)
+        assert decision.planned_jobs == 5
+        assert chosen(decision).wait_s == pytest.approx(queue_s)
+        assert decision.cost_s == pytest.approx(queue_s + own[i])
+        assert decision.cost_s > 4 * alone.decisions[0].cost_s
+    assert alone.decisions[0].planned_jobs == 1
+    assert plan.makespan_s == pytest.approx(max(d.cost_s for d in plan.decisions))

@@ -41,7 +41,9 @@ def transfer(kv_bytes: int, fixed_s: float, bps: float, at_s: float = NOW_S, **k
         source_id="p0",
         target_id="d0",
         at_s=at_s,
-        predicted=Terms(setup_s=1e-3, stream_s=8 * kv_bytes / 1e11, total_s=1e-3),
+        predicted=Terms(
+            setup_s=1e-3, stream_s=8 * kv_bytes / 1e11, total_s=1e-3 + 8 * kv_bytes / 1e11
+        ),
         measured=Terms(setup_s=fixed_s, stream_s=stream_s, total_s=fixed_s + stream_s),
         kv_bytes=kv_bytes,
         **kw,
@@ -278,3 +280,46 @@ def test_a_simulated_runs_recoveries_replay_into_the_next_runs_margins() -> None
     with pytest.raises(InvalidArgument) as raised:
         SimConfig.from_dict({"recovery": {"margins": {"hybrid": -1.0}}})
     assert raised.value.field == "recovery.margins.hybrid"
+
+
+def queued(jobs: int, fixed_s: float, at_s: float, request_id: str) -> Outcome:
+    """A recovery whose total counted `jobs` set-ups of 1 ms on the target, and took
+    `jobs` · fixed_s (each set-up really cost fixed_s; the stream is negligible)."""
+    stream_s = 8 * MB / 1e11
+    return Outcome(
+        kind="migrate",
+        request_id=request_id,
+        source_id="p0",
+        target_id="d0",
+        at_s=at_s,
+        predicted=Terms(
+            setup_s=1e-3,
+            stream_s=stream_s,
+            target_wait_s=(jobs - 1) * 1e-3,
+            total_s=jobs * 1e-3 + stream_s,
+        ),
+        measured=Terms(setup_s=0.05, stream_s=0.01, total_s=jobs * fixed_s + stream_s),
+        kv_bytes=MB,
+        target_jobs=jobs,
+    )
+
+
+def test_a_links_fixed_cost_is_what_the_totals_say_shared_by_the_setups_they_counted() -> None:
+    outcomes = [queued(jobs, 0.02, NOW_S, f"r{jobs}") for jobs in (1, 4, 8, 12)]
+    corrections = fit(outcomes, BASE, NOW_S)
+    link = corrections.link("p0", "d0")
+    assert link is not None
+    assert link.fixed_s == pytest.approx(0.02, rel=1e-6)
+    # A pair no decision has used yet is priced with the measured pairs' fixed cost.
+    assert corrections.new_link_fixed_s == pytest.approx(0.02, rel=1e-6)
+    assert corrections.unmeasured_rtt_s(0.001) == pytest.approx(0.02, rel=1e-6)
+    assert corrections.unmeasured_rtt_s(0.5) == 0.5
+    # Queued recoveries are not interference, nor a worker's own excess wait.
+    assert corrections.wait_per_decode_s == 0.0
+    assert corrections.worker_wait_s == {}
+
+
+def test_an_outcome_must_count_its_own_job() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        queued(0, 0.02, NOW_S, "r")
+    assert info.value.field == "target_jobs"

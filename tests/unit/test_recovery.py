@@ -78,9 +78,11 @@ def test_option_formulas() -> None:
     recompute = option(decision, Action.RECOMPUTE)
     # p1 sits next to d1 (NVLink) and waits less: the cheapest recompute.
     assert (recompute.source_id, recompute.target_id) == ("p1", "d1")
+    # RECOMPUTE's final extend waits behind the target's queue, W(d1) = 0.2.
     assert recompute.cost_s == pytest.approx(
-        0.01 + PROFILE.prefill_s(1507) + cost.transfer("p1", "d1", 1507, 0.0).transfer_s
+        0.01 + PROFILE.prefill_s(1507) + cost.transfer("p1", "d1", 1507, 0.0).transfer_s + 0.2
     )
+    assert recompute.target_wait_s == 0.2
     hybrid = option(decision, Action.HYBRID)
     k = hybrid.split_tokens
     assert 0 < k < 1477
@@ -100,11 +102,11 @@ def test_tie_goes_to_migrate() -> None:
     # HYBRID split is k = 0, a tie with MIGRATE.
     request = RecoveryRequest("r", 2000, 0, "p0", exclude_ids=frozenset({"d1"}))
     migrate_transfer = cost.transfer("p0", "d0", 2000, 0.0).transfer_s
-    # Recompute on p0 costs W(p0) + T_pf(L) + the same transfer: make it a tie too.
-    view = view_of(d0=1.0, p0=1.0 - PROFILE.prefill_s(2000), p1=5.0)
+    # Recompute on p0 costs W(p0) + T_pf(L) + the same transfer + W(d0): never a tie.
+    view = view_of(d0=1.0, p1=5.0)
     decision = Kvrs().decide(request, view, cost, 0.0)
     assert option(decision, Action.RECOMPUTE).cost_s == pytest.approx(
-        option(decision, Action.MIGRATE).cost_s, abs=1e-12
+        option(decision, Action.MIGRATE).cost_s + PROFILE.prefill_s(2000), abs=1e-12
     )
     assert option(decision, Action.HYBRID).cost_s == option(decision, Action.MIGRATE).cost_s
     assert decision.action is Action.MIGRATE
@@ -147,10 +149,12 @@ def test_hybrid_never_worse_than_migrate_or_recompute(
     cost = two_node_cluster(gbps, profile, rtt_s=rtt_ms * 1e-3)
     k, term = hybrid_split(cost, "p0", "d1", prompt_tokens, 0.0)
     migrate_all = cost.transfer("p0", "d1", prompt_tokens, 0.0).transfer_s
-    recompute_all = profile.prefill_s(prompt_tokens)
+    # Even k = L pulls one token (PullKv moves at least one): its set-up is paid.
+    one_token = cost.transfer("p0", "d1", 1, 0.0).transfer_s
+    recompute_all = max(profile.prefill_s(prompt_tokens), one_token)
     assert 0 <= k <= prompt_tokens
     assert term <= min(migrate_all, recompute_all) + 1e-12
-    moved = cost.transfer("p0", "d1", prompt_tokens - k, 0.0).transfer_s
+    moved = cost.transfer("p0", "d1", max(1, prompt_tokens - k), 0.0).transfer_s
     assert term == pytest.approx(max(profile.prefill_s(k), moved))
     # The decision: HYBRID to a target never costs more than MIGRATE to it, and the
     # chosen option is the cheapest of all.
@@ -376,7 +380,10 @@ def test_pruned_search_finds_the_exhaustive_optimum(
     )
     tokens = prompt_tokens + request.generated_tokens
     recompute = min(
-        wait(p) + cost.prefill_s(tokens) + cost.transfer(p, d, tokens, 0.0, flows).transfer_s
+        wait(p)
+        + cost.prefill_s(tokens)
+        + cost.transfer(p, d, tokens, 0.0, flows).transfer_s
+        + wait(d)
         for p in prefills
         for d in decodes
     )
