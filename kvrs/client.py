@@ -314,6 +314,7 @@ class KvrsClient:
         source_kv_lost: bool = False,
         exclude_instance_ids: Iterable[str] = (),
         skip_slot: bool = False,
+        prefix_hashes: Iterable[int] = (),
         timeout_s: float | None = None,
     ) -> scheduler_pb2.RecoverResponse:
         """How request `request_id`, stranded on `failed_instance_id`, continues.
@@ -334,6 +335,7 @@ class KvrsClient:
             source_kv_lost=source_kv_lost,
             exclude_instance_ids=list(exclude_instance_ids),
             skip_slot=skip_slot,
+            prefix_hashes=list(prefix_hashes),
         )
         return await self._call(self._scheduler, "Recover", request, timeout_s)
 

@@ -140,7 +140,10 @@ def recovery_terms(
             total_s=option.cost_s,
             first_token_s=option.cost_s,
         )
-    prefill_s = cost.prefill_s(option.split_tokens) if option.action is Action.HYBRID else 0.0
+    # HYBRID's compute is the recomputed part (not the blocks the target already held)
+    # and the extend.
+    ext_s = cost.extend_s(request.prompt_tokens, request.generated_tokens)
+    prefill_s = max(0.0, option.compute_s - ext_s) if option.action is Action.HYBRID else 0.0
     return Terms(
         target_wait_s=option.wait_s,
         setup_s=setup_s,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvrs._columns import Columns, WaitPlan
 from kvrs.cluster import ClusterView
-from kvrs.costmodel import CostModel
+from kvrs.costmodel import CostModel, prefix_hit_tokens
 from kvrs.errors import FailedPrecondition, InvalidArgument
 from kvrs.profile import ComputeProfile
 from kvrs.topology import LinkId
@@ -88,6 +88,9 @@ class RecoveryRequest:
     source_kv_available: bool = True
     exclude_ids: frozenset[str] = frozenset()
     """Instances not to use (the failed one, typically)."""
+    prefix_hashes: tuple[int, ...] = ()
+    """The prompt's block hashes: a target already holding leading blocks is sent only the
+    rest (MIGRATE and HYBRID; RECOMPUTE's KV is a fresh one)."""
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0:
@@ -111,7 +114,8 @@ class OptionCost:
     transfer_s: float
     compute_s: float
     split_tokens: int = 0
-    """HYBRID: tokens [0, k) recomputed on the target, [k, L) migrated."""
+    """HYBRID: tokens [0, k) not streamed (recomputed on the target, or already held
+    there), [k, L) migrated. MIGRATE: the leading tokens the target already holds."""
     feasible: bool = True
     infeasible_reason: str = ""
     target_wait_s: float = 0.0
@@ -373,6 +377,9 @@ class _Options:
         targets = self.targets if targets is None else targets
         if not targets or not request.source_kv_available:
             return None, None
+        held = self.held_tokens(targets)
+        if held is not None:
+            return self._migrate_and_hybrid_held(with_hybrid, targets, held)
         source = request.source_prefill_id
         prompt_tokens = request.prompt_tokens
         bits_per_token = cost.kv_bits_per_token
@@ -434,6 +441,74 @@ class _Options:
             h_k,
             waits[h_i],
         )
+
+    def held_tokens(self, targets: Sequence[int]) -> dict[int, int] | None:
+        """Target index -> leading prompt tokens it already holds (whole resident blocks,
+        short of the whole prompt: a pull moves at least one token); None when no target
+        holds any, so the plain search runs."""
+        hashes = self.request.prefix_hashes
+        if not hashes or not self.decode.has_resident:
+            return None
+        block = self.cost.model.block_tokens
+        prompt_tokens = self.request.prompt_tokens
+        cap = (prompt_tokens - 1) // block * block if prompt_tokens else 0
+        held = {}
+        for i in targets:
+            resident = self.decode.states[i].resident_blocks
+            if resident:
+                tokens = min(cap, prefix_hit_tokens(hashes, resident, block, prompt_tokens))
+                if tokens > 0:
+                    held[i] = tokens
+        return held or None
+
+    def _migrate_and_hybrid_held(
+        self, with_hybrid: bool, targets: Sequence[int], held: Mapping[int, int]
+    ) -> tuple[_Raw | None, _Raw | None]:
+        """`migrate_and_hybrid` where some targets hold leading blocks of the prompt: each
+        target is sent only what it lacks, L − h, and HYBRID splits that rest (recomputing
+        [h, h + k), streaming [h + k, L)); every target is priced, none is pruned."""
+        request, cost = self.request, self.cost
+        source = request.source_prefill_id
+        bits_per_token = cost.kv_bits_per_token
+        waits = self.decode.wait if self.extra_wait is None else self.waits(self.decode)
+        bandwidths, rtts = self.rates_from(source)
+        ids = self.decode.ids
+        best_m: _Raw | None = None
+        best_h: _Raw | None = None
+        for i in targets:
+            have = held.get(i, 0)
+            rest = request.prompt_tokens - have
+            bps, rtt_s = bandwidths[i], rtts[i]
+            floor = waits[i] + self.ext_s
+            transfer = rtt_s + bits_per_token * rest / bps if rest else 0.0
+            if best_m is None or floor + transfer < best_m[0]:
+                best_m = (
+                    floor + transfer,
+                    ids[i],
+                    source,
+                    waits[i],
+                    transfer,
+                    self.ext_s,
+                    have,
+                    waits[i],
+                )
+            if not with_hybrid:
+                continue
+            k, term = _split(cost.compute, rest, bits_per_token, bps, rtt_s)
+            if best_h is None or floor + term < best_h[0]:
+                moved = rtt_s + bits_per_token * max(1, rest - k) / bps
+                compute_s = cost.compute.prefill_s(k) + self.ext_s
+                best_h = (
+                    floor + term,
+                    ids[i],
+                    source,
+                    waits[i],
+                    moved,
+                    compute_s,
+                    have + k,
+                    waits[i],
+                )
+        return best_m, best_h
 
     def recompute(
         self, targets: Sequence[int] | None = None, only_prefill: int | None = None
@@ -840,14 +915,14 @@ def kv_tokens_moved(
 ) -> int:
     """Tokens of KV the decision streams to its target.
 
-    MIGRATE moves the prompt's KV, S(L); HYBRID the part it does not recompute, S(L − k)
-    with k clamped to [0, L]; RECOMPUTE the KV its prefill instance rebuilt, of the prompt
-    and every generated token, S(L + g); ABORT nothing. The scheduler prices this, the
+    MIGRATE moves the prompt's KV the target does not already hold, S(L − h) with h the
+    decision's split_tokens (0 unless the target holds leading blocks); HYBRID the part it
+    neither recomputes nor holds, S(L − k) with k clamped to [0, L]; RECOMPUTE the KV its
+    prefill instance rebuilt, of the prompt and every generated token, S(L + g); ABORT
+    nothing. The scheduler prices this, the
     batch planner re-prices it, and the router and the simulator move it.
     """
-    if action is Action.MIGRATE:
-        return prompt_tokens
-    if action is Action.HYBRID:
+    if action is Action.MIGRATE or action is Action.HYBRID:
         return prompt_tokens - max(0, min(split_tokens, prompt_tokens))
     if action is Action.RECOMPUTE:
         return prompt_tokens + generated_tokens

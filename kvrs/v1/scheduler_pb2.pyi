@@ -105,7 +105,7 @@ class OptionCost(_message.Message):
     def __init__(self, action: _Optional[_Union[_common_pb2.RecoveryAction, str]] = ..., target_instance_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., cost_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., split_tokens: _Optional[int] = ..., feasible: _Optional[bool] = ..., infeasible_reason: _Optional[str] = ...) -> None: ...
 
 class RecoverRequest(_message.Message):
-    __slots__ = ("request_id", "failed_instance_id", "source_prefill_instance_id", "prompt_tokens", "generated_tokens", "deadline_unix_ms", "policy", "source_kv_lost", "exclude_instance_ids", "skip_slot")
+    __slots__ = ("request_id", "failed_instance_id", "source_prefill_instance_id", "prompt_tokens", "generated_tokens", "deadline_unix_ms", "policy", "source_kv_lost", "exclude_instance_ids", "skip_slot", "prefix_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FAILED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class RecoverRequest(_message.Message):
     SOURCE_KV_LOST_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SLOT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     failed_instance_id: str
     source_prefill_instance_id: str
@@ -126,7 +127,8 @@ class RecoverRequest(_message.Message):
     source_kv_lost: bool
     exclude_instance_ids: _containers.RepeatedScalarFieldContainer[str]
     skip_slot: bool
-    def __init__(self, request_id: _Optional[str] = ..., failed_instance_id: _Optional[str] = ..., source_prefill_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., policy: _Optional[str] = ..., source_kv_lost: _Optional[bool] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., skip_slot: _Optional[bool] = ...) -> None: ...
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., failed_instance_id: _Optional[str] = ..., source_prefill_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., policy: _Optional[str] = ..., source_kv_lost: _Optional[bool] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., skip_slot: _Optional[bool] = ..., prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RecoverResponse(_message.Message):
     __slots__ = ("request_id", "action", "target_instance_id", "target_address", "source_instance_id", "source_address", "predicted_cost_s", "options", "hybrid_split_tokens", "slot_lease", "reason", "slo_slack_s", "view_stale", "view_age_s", "runner_up", "target_transfer_address", "source_transfer_address", "predicted_terms", "planned_jobs")
@@ -171,20 +173,22 @@ class RecoverResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., action: _Optional[_Union[_common_pb2.RecoveryAction, str]] = ..., target_instance_id: _Optional[str] = ..., target_address: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., source_address: _Optional[str] = ..., predicted_cost_s: _Optional[float] = ..., options: _Optional[_Iterable[_Union[OptionCost, _Mapping]]] = ..., hybrid_split_tokens: _Optional[int] = ..., slot_lease: _Optional[_Union[_slots_pb2.SlotLease, _Mapping]] = ..., reason: _Optional[str] = ..., slo_slack_s: _Optional[float] = ..., view_stale: _Optional[bool] = ..., view_age_s: _Optional[float] = ..., runner_up: _Optional[str] = ..., target_transfer_address: _Optional[str] = ..., source_transfer_address: _Optional[str] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., planned_jobs: _Optional[int] = ...) -> None: ...
 
 class RecoverItem(_message.Message):
-    __slots__ = ("request_id", "source_prefill_instance_id", "prompt_tokens", "generated_tokens", "deadline_unix_ms", "source_kv_lost")
+    __slots__ = ("request_id", "source_prefill_instance_id", "prompt_tokens", "generated_tokens", "deadline_unix_ms", "source_kv_lost", "prefix_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_KV_LOST_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     source_prefill_instance_id: str
     prompt_tokens: int
     generated_tokens: int
     deadline_unix_ms: int
     source_kv_lost: bool
-    def __init__(self, request_id: _Optional[str] = ..., source_prefill_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., source_kv_lost: _Optional[bool] = ...) -> None: ...
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., source_prefill_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., source_kv_lost: _Optional[bool] = ..., prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RecoverBatchRequest(_message.Message):
     __slots__ = ("batch_id", "failed_instance_id", "items", "policy", "skip_slot")

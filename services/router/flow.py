@@ -721,6 +721,7 @@ class Router:
             deadline_s=request.deadline_unix_ms / 1000.0 if request.deadline_unix_ms else None,
             source_kv_available=not run.prefill_kv_lost,
             exclude_ids=frozenset(exclude),
+            prefix_hashes=tuple(prefix_block_hashes(request.prompt, self.settings.block_tokens)),
         )
         started = time.monotonic()
         try:

@@ -64,6 +64,7 @@ class ControlPlane:
             policy=policy,
             source_kv_lost=not request.source_kv_available,
             exclude_instance_ids=sorted(request.exclude_ids - {failed_id}),
+            prefix_hashes=request.prefix_hashes,
         )
         return decision_from_pb(reply, batch_size=1)
 
@@ -80,6 +81,7 @@ class ControlPlane:
                     generated_tokens=request.generated_tokens,
                     deadline_unix_ms=_unix_ms(request.deadline_s),
                     source_kv_lost=not request.source_kv_available,
+                    prefix_hashes=request.prefix_hashes,
                 )
                 for request in requests
             ],

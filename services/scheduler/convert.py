@@ -86,6 +86,7 @@ def recovery_request_from_pb(
         deadline_s=message.deadline_unix_ms / 1000.0 if message.deadline_unix_ms else None,
         source_kv_available=not message.source_kv_lost,
         exclude_ids=frozenset({failed_id, *exclude_ids}),
+        prefix_hashes=tuple(message.prefix_hashes),
     )
 
 

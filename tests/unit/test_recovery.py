@@ -415,3 +415,47 @@ def test_without_a_slot_the_policy_decides_again_and_says_why() -> None:
 )
 def test_kv_tokens_moved_by_each_action(action: Action, split: int, moved: int) -> None:
     assert kv_tokens_moved(action, 1000, 17, split) == moved
+
+
+def test_migrate_and_hybrid_send_only_what_the_target_does_not_hold() -> None:
+    """A target already holding the prompt's leading blocks is sent only the rest:
+    MIGRATE moves S(L − h), HYBRID splits what is left, and the holder wins."""
+    cost = two_node_cluster(25.0, rtt_s=1e-3)
+    block = MODEL.block_tokens
+    prompt_tokens = 4 * block + 100
+    hashes = (11, 12, 13, 14, 15)
+    states = {
+        name: InstanceState(name, Role.PREFILL if name.startswith("p") else Role.DECODE)
+        for name in ("p0", "p1", "d0", "d1")
+    }
+    # d0 sits on p0's node (NVLink): without resident blocks it is the cheapest target.
+    # d1 holds the first three blocks.
+    states["d1"] = InstanceState("d1", Role.DECODE, resident_blocks=frozenset({11, 12, 13, 99}))
+    view = ClusterView(states, now_s=0.0)
+    request = RecoveryRequest("r", prompt_tokens, 8, "p1", prefix_hashes=hashes)
+    decision = AlwaysMigrate().decide(request, view, cost, 0.0)
+    held = 3 * block
+    assert (decision.target_id, decision.split_tokens) == ("d1", held)
+    moved = kv_tokens_moved(Action.MIGRATE, prompt_tokens, 8, decision.split_tokens)
+    assert moved == prompt_tokens - held
+    transfer = cost.transfer("p1", "d1", moved, 0.0).transfer_s
+    assert option(decision, Action.MIGRATE).transfer_s == pytest.approx(transfer)
+    # Without the hashes the same target is priced for the whole prompt.
+    blind = AlwaysMigrate().decide(replace(request, prefix_hashes=()), view, cost, 0.0)
+    assert blind.split_tokens == 0
+    assert blind.cost_s > decision.cost_s
+    # HYBRID splits only the rest: k ≥ h, and never recomputes a held block.
+    on_d1 = replace(request, exclude_ids=frozenset({"d0"}))
+    hybrid = option(Kvrs().decide(on_d1, view, cost, 0.0), Action.HYBRID)
+    assert hybrid.target_id == "d1" and hybrid.split_tokens >= held
+    k = hybrid.split_tokens - held
+    assert hybrid.compute_s == pytest.approx(
+        PROFILE.prefill_s(k) + PROFILE.extend_s(prompt_tokens, 8)
+    )
+    blind_hybrid = option(
+        Kvrs().decide(replace(on_d1, prefix_hashes=()), view, cost, 0.0), Action.HYBRID
+    )
+    assert hybrid.cost_s < blind_hybrid.cost_s
+    # A holder never shortens a pull to nothing: at least one token moves.
+    whole = RecoveryRequest("w", 3 * block, 8, "p1", prefix_hashes=hashes[:3])
+    assert AlwaysMigrate().decide(whole, view, cost, 0.0).split_tokens == 2 * block
