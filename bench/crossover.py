@@ -151,8 +151,14 @@ async def measure(
                     source_id=link_id(rate),
                     target_id="decode",
                     at_s=time.time(),
-                    predicted=Terms(setup_s=rtt_s, stream_s=bits * length / rate),
-                    measured=Terms(setup_s=max(0.0, wall_s - wire_s), stream_s=wire_s),
+                    predicted=Terms(
+                        setup_s=rtt_s,
+                        stream_s=bits * length / rate,
+                        total_s=rtt_s + bits * length / rate,
+                    ),
+                    measured=Terms(
+                        setup_s=max(0.0, wall_s - wire_s), stream_s=wire_s, total_s=wall_s
+                    ),
                     kv_bytes=bytes_per_token * length,
                 )
             )
@@ -173,12 +179,14 @@ async def measure(
                     prefill_s=profile.prefill_s(length),
                     setup_s=rtt_s,
                     stream_s=bits * length / local_bps,
+                    total_s=profile.prefill_s(length) + rtt_s + bits * length / local_bps,
                 ),
                 measured=Terms(
                     source_wait_s=max(0.0, prefill_wall_s - prefilled.prefill_s),
                     prefill_s=prefilled.prefill_s,
                     setup_s=max(0.0, wall_s - wire_s),
                     stream_s=wire_s,
+                    total_s=prefill_wall_s + wall_s,
                 ),
                 kv_bytes=bytes_per_token * length,
                 prefill_tokens=length,

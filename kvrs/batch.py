@@ -160,7 +160,19 @@ def _shared(
                 fields = {"wait_s": queue_s, "target_wait_s": queue_s}
             updated = _new(OptionCost)
             updated.__dict__.update(chosen.__dict__, cost_s=total, **fields)
-            options = tuple([updated if o is chosen else o for o in decision.options])
+            # The options not taken, on the same target, would have met the same queue:
+            # shown with the same change, so a trace compares like with like.
+            delta_s = total - chosen.cost_s
+            options = tuple(
+                [
+                    updated
+                    if o is chosen
+                    else _shifted(o, delta_s)
+                    if o.feasible and o.target_id == chosen.target_id
+                    else o
+                    for o in decision.options
+                ]
+            )
             deadline = requests[i].deadline_s
             slack = math.inf if deadline is None else deadline - now_s - total
             repriced = _new(RecoveryDecision)
@@ -173,6 +185,17 @@ def _shared(
             )
             priced[i] = repriced
     return tuple(priced)
+
+
+def _shifted(option: OptionCost, delta_s: float) -> OptionCost:
+    """`option` with its cost and its wait changed by `delta_s` (never below zero)."""
+    shifted = _new(OptionCost)
+    shifted.__dict__.update(
+        option.__dict__,
+        cost_s=max(0.0, option.cost_s + delta_s),
+        wait_s=max(0.0, option.wait_s + delta_s),
+    )
+    return shifted
 
 
 def _slack_bound(request: RecoveryRequest, cost: CostModel, now_s: float) -> tuple[float, str]:

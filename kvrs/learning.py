@@ -9,11 +9,11 @@ and reports an `Outcome`. `fit` turns a window of outcomes into `Corrections`:
                   over the measured streams (a median of pairwise slopes, so one stalled
                   transfer moves nothing; probes alone cannot separate the two, decisions
                   move KV of many sizes). The fixed cost is what each decision's total
-                  says it was: the one it was predicted with plus its total's error,
-                  spread over the set-ups its prediction counted (`target_jobs`: the work
-                  the scheduler had itself sent to the target, each piece with its own
-                  calls, ticket and pair). Under load the calls, not the wire, are what a
-                  transfer costs, and only the total sees all of it.
+                  says it was: its share of a total stretched by the decisions it ran
+                  beside on the target (`target_jobs`, n of them side by side each end
+                  after about n times their own work), less its own predicted stream and
+                  compute. Under load the calls, ticket and pair, not the wire, are what
+                  a transfer costs, and only the total sees all of it.
     new pairs     a pair no decision has used yet takes the median fixed cost of those
                   that have (its first transfer pays the same set-up, and more)
     compute       measured / predicted seconds of the forward passes (prefill and extend;
@@ -195,7 +195,8 @@ class Outcome:
     target_running: int = 0
     """Requests decoding on the target when the decision was made."""
     target_jobs: int = 1
-    """Decisions the prediction counted on the target, this one included."""
+    """The most decisions it was carried out beside on its target, itself included (what
+    stretched its measured time)."""
 
     def __post_init__(self) -> None:
         if self.target_jobs < 1:
@@ -410,11 +411,19 @@ def _fit_link(samples: list[Outcome], config: LearningConfig) -> LinkFit | None:
 
 
 def _fixed_sample(o: Outcome, stream_s: float) -> float:
-    """The per-transfer fixed cost that would have made `o`'s total right with its stream
-    at the fitted rate (`stream_s`): the one it was predicted with, plus the total's error
-    shared by the set-ups the total counted, less what the new rate adds to its stream."""
-    error_s = o.measured.total_s - o.predicted.total_s
-    return o.predicted.setup_s + error_s / o.target_jobs - (stream_s - o.predicted.stream_s)
+    """The per-transfer fixed cost that `o`'s total says it paid, its stream at the fitted
+    rate (`stream_s`): of a total shared with `target_jobs` decisions running beside it on
+    the target (side by side, each finishing after about n times its own work), its own
+    share, less its own predicted work other than the set-up and the queue (and less a
+    RECOMPUTE's measured wait at its prefill instance, which that worker's wait fits)."""
+    p = o.predicted
+    if o.measured.total_s <= 0.0:
+        # No total measured: the transfer alone, less its stream at the fitted rate.
+        return o.measured.transfer_s - stream_s
+    # The prefill instance's own wait is the worker-wait correction's, not the link's.
+    own_s = p.total_s - p.target_wait_s - p.source_wait_s - p.setup_s
+    shared_s = o.measured.total_s - o.measured.source_wait_s
+    return shared_s / o.target_jobs - own_s - (stream_s - p.stream_s)
 
 
 def _ratio(pairs: list[tuple[float, float]], config: LearningConfig) -> float:

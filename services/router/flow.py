@@ -50,6 +50,7 @@ from kvrs.tokenizer import prefix_block_hashes
 from services.common.membership import Membership
 from services.common.metrics import Metrics
 from services.router.batcher import RecoveryBatcher
+from services.router.inflight import InFlight
 from services.router.prefill_choice import choose_prefill
 from services.router.records import (
     DETECTED_BY_GOSSIP,
@@ -144,6 +145,8 @@ class Router:
         self.settings = settings
         self.batcher = RecoveryBatcher(control, settings.batch_window_s)
         self.executor = RecoveryExecutor(workers, control, tracer, self._resident_prefix_tokens)
+        self.inflight = InFlight()
+        """Decisions being carried out per target, for each outcome's `target_jobs`."""
         self._decoding: dict[str, set[Run]] = {}
         self._inboxes: dict[Run, tuple[str, asyncio.Queue]] = {}
         self._prefill_inflight_s: dict[str, float] = {}
@@ -376,16 +379,17 @@ class Router:
         # dropped them since its last heartbeat).
         held = self._resident_prefix_tokens(placement.decode.instance_id, request.prompt)
         try:
-            pulled = await self.executor.pull(
-                run,
-                placement.decode,
-                run.prefill_kv_id,
-                run.prefill,
-                held,
-                prompt_tokens,
-                prompt_tokens,
-                request.prompt[:held],
-            )
+            with self.inflight.running(placement.decode.instance_id) as share:
+                pulled = await self.executor.pull(
+                    run,
+                    placement.decode,
+                    run.prefill_kv_id,
+                    run.prefill,
+                    held,
+                    prompt_tokens,
+                    prompt_tokens,
+                    request.prompt[:held],
+                )
         except StepFailed as failed:
             return failed.lost
         kv_ready_s = time.monotonic()
@@ -411,7 +415,7 @@ class Router:
             cached_tokens=prompt_tokens,
             extend_tokens=1,
             target_running=running,
-            target_jobs=placement.planned_jobs,
+            target_jobs=share.peak,
         )
         return None
 
@@ -603,7 +607,10 @@ class Router:
             running = self.decoding_on(decision.target.instance_id)
             started = time.monotonic()
             try:
-                with self.tracer.start_as_current_span("router.recover.execute"):
+                with (
+                    self.tracer.start_as_current_span("router.recover.execute"),
+                    self.inflight.running(decision.target.instance_id) as share,
+                ):
                     steps, moved_bytes = await self.executor.execute(run, decision)
             except StepFailed as failed:
                 record.measured_s = time.monotonic() - started
@@ -642,7 +649,7 @@ class Router:
                 cached_tokens=cached,
                 extend_tokens=extended,
                 target_running=running,
-                target_jobs=decision.planned_jobs,
+                target_jobs=share.peak,
                 record=record,
             )
             return None

@@ -49,7 +49,6 @@ class ControlPlane:
             kv_bytes=reply.kv_bytes,
             policy=reply.policy,
             predicted=terms_from_pb(reply.predicted_terms),
-            planned_jobs=max(1, reply.planned_jobs),
         )
 
     async def recover(self, request: RecoveryRequest, failed_id: str, policy: str) -> Decision:
@@ -117,7 +116,6 @@ def decision_from_pb(reply: scheduler_pb2.RecoverResponse, batch_size: int) -> D
         lease_expires_unix_ms=lease.expires_unix_ms if lease is not None else 0,
         batch_size=batch_size,
         predicted=terms_from_pb(reply.predicted_terms),
-        planned_jobs=max(1, reply.planned_jobs),
     )
 
 

@@ -80,8 +80,6 @@ class Placement:
     policy: str
     predicted: Terms = Terms()
     """The prediction term by term (with the first token's extend)."""
-    planned_jobs: int = 1
-    """Decisions the prediction counted on the decode instance, this one included."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +101,6 @@ class Decision:
     batch_size: int = 1
     predicted: Terms = Terms()
     """predicted_cost_s term by term."""
-    planned_jobs: int = 1
-    """Recoveries the prediction counted on the target, this one included."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +191,7 @@ class Awaiting:
     extend_tokens: int = 0
     target_running: int = 0
     target_jobs: int = 1
+    """The most decisions this one ran beside on its target, itself included."""
     record: RecoveryRecord | None = None
 
 

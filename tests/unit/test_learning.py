@@ -283,8 +283,8 @@ def test_a_simulated_runs_recoveries_replay_into_the_next_runs_margins() -> None
 
 
 def queued(jobs: int, fixed_s: float, at_s: float, request_id: str) -> Outcome:
-    """A recovery whose total counted `jobs` set-ups of 1 ms on the target, and took
-    `jobs` · fixed_s (each set-up really cost fixed_s; the stream is negligible)."""
+    """A recovery carried out beside `jobs` − 1 others on its target, predicted with a
+    1 ms set-up, that took `jobs` times its own work (its set-up really cost fixed_s)."""
     stream_s = 8 * MB / 1e11
     return Outcome(
         kind="migrate",
@@ -298,13 +298,13 @@ def queued(jobs: int, fixed_s: float, at_s: float, request_id: str) -> Outcome:
             target_wait_s=(jobs - 1) * 1e-3,
             total_s=jobs * 1e-3 + stream_s,
         ),
-        measured=Terms(setup_s=0.05, stream_s=0.01, total_s=jobs * fixed_s + stream_s),
+        measured=Terms(setup_s=0.05, stream_s=0.01, total_s=jobs * (fixed_s + stream_s)),
         kv_bytes=MB,
         target_jobs=jobs,
     )
 
 
-def test_a_links_fixed_cost_is_what_the_totals_say_shared_by_the_setups_they_counted() -> None:
+def test_a_links_fixed_cost_is_a_totals_share_of_the_decisions_run_beside_it() -> None:
     outcomes = [queued(jobs, 0.02, NOW_S, f"r{jobs}") for jobs in (1, 4, 8, 12)]
     corrections = fit(outcomes, BASE, NOW_S)
     link = corrections.link("p0", "d0")
