@@ -32,6 +32,8 @@ from services.gossip.server import build_server as build_gossip
 from services.slot_broker.config import Config as BrokerConfig
 from services.slot_broker.server import build_server as build_broker
 from tests.redis_cluster import LocalRedisCluster
+from tests.services.test_scheduler import CLUSTER as SCHEDULER_CLUSTER
+from tests.services.test_scheduler import MIGRATE, RECOMPUTE, Plane, recover
 
 INSTANCES = 48
 CAP = 4
@@ -328,3 +330,61 @@ def test_shards_of_a_prefix_have_hash_tags_of_their_own():
     assert Keys("app:{t}:").shard(0, 2)("x") == "app:{t.0}:x"
     with pytest.raises(ValueError, match="shard 4 of 4"):
         keys.shard(4, 4)
+
+
+class ClusterPlane(Plane):
+    """The scheduler tests' plane (gossip, slot broker, schedulers) on a Redis Cluster,
+    with the registry spread over four shards."""
+
+    async def start_gossip(self, port: int = 0) -> None:
+        self.gossip_handle = await build_gossip(
+            GossipConfig(
+                listen_addr=f"127.0.0.1:{port}",
+                redis_url=self.redis_url,
+                redis_prefix=self.redis_prefix,
+                registry_shards=4,
+            ),
+            self.provider,
+        )
+        self.gossip_port = self.gossip_handle.port
+
+
+async def test_schedulers_reserving_on_the_cluster_keep_the_cap_through_a_failover(
+    redis_cluster, tag
+):
+    """Two scheduler replicas reserve migration slots straight in the cluster (one hop):
+    of 12 concurrent Recovers against a cap of 3 exactly 3 migrate; the primary holding
+    the slots fails over; the 3 leases are still held, the cap still refuses a fourth,
+    and a released slot is granted again."""
+    plane = ClusterPlane(redis_cluster.url, f"{{{tag}}}:")
+    await plane.start(slot_cap=3)
+    try:
+        await plane.register(SCHEDULER_CLUSTER)
+        direct = {"slot_reservations": "redis", "slot_ttl_s": 30.0}
+        replicas = [await plane.scheduler(holder_id=f"replica-{i}", **direct) for i in range(2)]
+        replies = await asyncio.gather(
+            *(replicas[i % 2].Recover(recover(f"req-{i}"), timeout=10) for i in range(12))
+        )
+        granted = [reply for reply in replies if reply.slot_lease.lease_id]
+        assert len(granted) == 3 and all(reply.action == MIGRATE for reply in granted)
+        assert all(r.action == RECOMPUTE for r in replies if not r.slot_lease.lease_id)
+        assert await plane.slots_in_use() == 3
+
+        client = connect_redis(redis_cluster.url)
+        try:
+            await client.initialize()
+            primary = client.get_node_from_key(f"{{{tag}}}:slots:leases").port
+        finally:
+            await client.aclose()
+        await asyncio.to_thread(redis_cluster.fail_over, primary)
+        assert await plane.slots_in_use() == 3, "a lease was lost in the failover"
+        late = await replicas[1].Recover(recover("req-late"), timeout=10)
+        assert late.action == RECOMPUTE and not late.slot_lease.lease_id, late.reason
+        await plane.broker.ReleaseSlot(
+            slots_pb2.ReleaseSlotRequest(lease_id=granted[0].slot_lease.lease_id), timeout=10
+        )
+        again = await replicas[0].Recover(recover("req-after-release"), timeout=10)
+        assert again.action == MIGRATE and again.slot_lease.lease_id
+        assert await plane.slots_in_use() == 3
+    finally:
+        await plane.close()
