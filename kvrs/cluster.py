@@ -124,7 +124,8 @@ class ClusterView:
         cached = self._lists.get(key)
         if cached is None:
             if len(self._lists) >= _LISTS_CACHE_MAX:
-                self._lists.clear()
+                # The exclusion sets' lists go; each role's full list keeps its columns.
+                self._lists = {k: v for k, v in self._lists.items() if not k[1]}
             if key[1]:
                 cached = InstanceList(
                     s for s in self._alive(role, ()) if s.instance_id not in key[1]

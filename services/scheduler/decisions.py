@@ -149,15 +149,13 @@ class Scheduler:
             self._require_known("candidate_instance_ids", instance_id)
         view = self.view.current()
         attributes.update(spans.view_attributes(view))
-        candidates: Sequence[InstanceState] = view.cluster.decode_instances()
-        if request.exclude_ids or request.candidate_ids:
-            # A filtered copy; the unfiltered list is shared so its derived columns stay
-            # cached between decisions.
+        # The view caches a list per exclusion set, and its columns with it: a request
+        # that excludes instances (a retry) decides on prepared columns too.
+        candidates: Sequence[InstanceState] = view.cluster.decode_instances(request.exclude_ids)
+        if request.candidate_ids:
+            # A filtered copy (a caller pinning a few instances; their columns are small).
             candidates = [
-                state
-                for state in candidates
-                if state.instance_id not in request.exclude_ids
-                and (not request.candidate_ids or state.instance_id in request.candidate_ids)
+                state for state in candidates if state.instance_id in request.candidate_ids
             ]
         attributes["kvrs.candidates_considered"] = len(candidates)
         placement = policy.select(

@@ -162,3 +162,13 @@ def test_a_relisted_view_keeps_what_was_found_from_blocks_only_when_they_are_the
     for block_hash in (*PREFIX, 99):
         assert columns.holders(block_hash) == fresh.holders(block_hash)
         assert (columns.holder_mask(block_hash) == fresh.holder_mask(block_hash)).all()
+
+
+def test_many_exclusion_sets_never_evict_the_full_lists():
+    _, view = cluster(random.Random(17))
+    full = view.decode_instances()
+    ids = [s.instance_id for s in full]
+    for instance_id in ids:
+        excluded = view.decode_instances(frozenset({instance_id}))
+        assert [s.instance_id for s in excluded] == [i for i in ids if i != instance_id]
+    assert view.decode_instances() is full
