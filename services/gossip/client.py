@@ -317,7 +317,8 @@ class HeartbeatLoop:
     registry answers FailedPrecondition (it declared the instance failed and told the
     cluster, so its in-flight requests are being recovered elsewhere) or NotFound (it no
     longer knows the instance), the loop registers again at once and then calls
-    `on_reregistered`, where the instance drops the work the cluster gave up on. Other
+    `on_reregistered`, where the instance drops the work the cluster gave up on (only
+    after a failure declaration: `declared_failed` says which it was). Other
     errors are logged and retried at the next beat; the loop itself never dies of one.
 
     Beats go over one StreamHeartbeats stream, and carry only what changed since the
@@ -352,6 +353,11 @@ class HeartbeatLoop:
         self._task: asyncio.Task[None] | None = None
         self.registrations = 0
         """Successful registrations: 1 after `start`, +1 per re-registration."""
+        self.declared_failed = False
+        """Why the last re-registration happened: True when the registry had declared the
+        instance failed (FailedPrecondition: its work was recovered elsewhere), False when
+        it no longer knew the instance (NotFound: a registry that lost its data declared
+        nothing, so no one took the instance's work over)."""
 
     @property
     def running(self) -> bool:
@@ -443,7 +449,9 @@ class HeartbeatLoop:
                 return
             except (errors.NotFound, errors.FailedPrecondition) as exc:
                 log.warning("registering %s again: %s", instance_id, exc)
+                declared_failed = isinstance(exc, errors.FailedPrecondition)
             await self._register()
+            self.declared_failed = declared_failed
             await self._send(load)
         except errors.KvrsError as exc:
             log.warning("heartbeat of %s failed, retrying: %s", instance_id, exc)

@@ -40,7 +40,9 @@ class HeartbeatThread:
     """Registers and heartbeats `registration` from its own thread (see the module doc).
 
     `start` and `stop` are called on the worker's loop; `load` and `on_reregistered` run
-    there too, never on the heartbeat thread.
+    there too, never on the heartbeat thread. `on_reregistered(declared_failed)` says
+    whether the registry had declared the worker failed (its streams were recovered
+    elsewhere) or only no longer knew it (a registry that lost its data: nothing moved).
     """
 
     def __init__(
@@ -50,7 +52,7 @@ class HeartbeatThread:
         provider: TracerProvider,
         registration: Registration,
         load: Callable[[], NodeLoad],
-        on_reregistered: Callable[[], None],
+        on_reregistered: Callable[[bool], None],
         interval_s: float | None,
     ) -> None:
         self._gossip_addr = gossip_addr
@@ -66,6 +68,7 @@ class HeartbeatThread:
         self._beat_loop: asyncio.AbstractEventLoop | None = None
         self._stop_beating: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
+        self._heartbeat: HeartbeatLoop | None = None
         self._refresher: asyncio.Task | None = None
         self._finished: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.interval_s = 0.0
@@ -135,8 +138,9 @@ class HeartbeatThread:
         return True
 
     def _reregistered(self) -> None:
-        assert self._worker_loop is not None
-        self._worker_loop.call_soon_threadsafe(self._on_reregistered)
+        assert self._worker_loop is not None and self._heartbeat is not None
+        declared_failed = self._heartbeat.declared_failed
+        self._worker_loop.call_soon_threadsafe(self._on_reregistered, declared_failed)
 
     def _run(self, started: concurrent.futures.Future[NodeRecord]) -> None:
         try:
@@ -157,6 +161,7 @@ class HeartbeatThread:
             on_reregistered=self._reregistered,
             beating=self._fresh,
         )
+        self._heartbeat = heartbeat
         try:
             try:
                 record = await heartbeat.start()

@@ -263,11 +263,15 @@ async def _join_gossip(
             resident_prefix_hashes=tuple(stats.resident_prefix_hashes),
         )
 
-    def forget_requests() -> None:
-        # Gossip declared this worker failed, perhaps only because its heartbeats were late.
-        # The router moved its decode streams elsewhere, so a decode worker drops their KV;
-        # a prefill worker keeps its KV under the leases it has: a migration still reads it,
-        # and the router releases it when its request ends.
+    def forget_requests(declared_failed: bool) -> None:
+        # Only a failure declaration moved this worker's decode streams elsewhere (perhaps
+        # only because its heartbeats were late): then a decode worker drops their KV. A
+        # registry that lost its data (a Redis restart) declared nothing: every stream is
+        # still decoding here. A prefill worker keeps its KV under the leases it has either
+        # way: a migration still reads it, and the router releases it when its request ends.
+        if not declared_failed:
+            log.warning("re-registered with a registry that had forgotten it; requests kept")
+            return
         if config.role == "prefill":
             log.warning("re-registered after being declared failed; KV kept under its leases")
             return

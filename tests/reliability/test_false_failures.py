@@ -23,7 +23,14 @@ import pytest
 import redis
 
 from kvrs.cli.launcher import SERVICES, ClusterOptions, start_cluster, stop_cluster
-from kvrs.v1 import gossip_pb2, gossip_pb2_grpc, router_pb2, router_pb2_grpc
+from kvrs.v1 import (
+    gossip_pb2,
+    gossip_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from tests.tiny_reference import reference
 
 TTL_S = 1.0
@@ -188,6 +195,112 @@ async def test_a_decode_worker_stopped_for_less_than_two_ttls_keeps_its_streams(
     assert placed.summary is not None and placed.summary.decode_instance_id == "decode-1", (
         placed.describe()
     )
+
+
+def wipe_registry(cluster, redis_url: str) -> int:
+    """Deletes what gossip knows of the instances (their records, the id set and the
+    deadlines), as a Redis restart without persistence does; only this cluster's keys,
+    and its event stream stays, to read what gossip decided afterwards."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        prefix = f"{cluster.redis_prefix}gossip:"
+        keys = [*client.scan_iter(match=f"{prefix}node:*"), f"{prefix}nodes", f"{prefix}live"]
+        return int(client.delete(*keys))
+    finally:
+        client.close()
+
+
+def registered(cluster, redis_url: str, instance_id: str) -> bool:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return bool(client.exists(f"{cluster.redis_prefix}gossip:node:{instance_id}"))
+    finally:
+        client.close()
+
+
+async def park_kv_on_decode_0(cluster, request_id: str, prompt: list[int]) -> int:
+    """A prompt prefilled on prefill-0 and its KV pulled to decode-0, with no stream
+    decoding it yet (the moment between a request's pull and its Decode call); token 0."""
+    source = cluster.address("prefill-0")
+    async with (
+        grpc.aio.insecure_channel(source) as src,
+        grpc.aio.insecure_channel(cluster.address("decode-0")) as dst,
+    ):
+        reply = await worker_pb2_grpc.WorkerServiceStub(src).Prefill(
+            worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, lease_s=60),
+            timeout=30,
+        )
+        await worker_pb2_grpc.WorkerServiceStub(dst).PullKv(
+            worker_pb2.PullKvRequest(
+                request_id=request_id,
+                source_instance_id="prefill-0",
+                source_address=source,
+                token_start=0,
+                token_end=len(prompt),
+                prompt_tokens=len(prompt),
+                lease_s=60,
+            ),
+            timeout=30,
+        )
+        await worker_pb2_grpc.WorkerServiceStub(src).ReleaseKv(
+            worker_pb2.ReleaseKvRequest(request_id=request_id), timeout=10
+        )
+    return reply.first_token_id
+
+
+async def decode_parked(cluster, request_id: str, first_token: int, new_tokens: int) -> list[int]:
+    """Decodes the parked request on decode-0 from the KV it holds; every token."""
+    tokens = [first_token]
+    async with grpc.aio.insecure_channel(cluster.address("decode-0")) as channel:
+        async for token in worker_pb2_grpc.WorkerServiceStub(channel).Decode(
+            worker_pb2.DecodeRequest(
+                request_id=request_id,
+                generated_token_ids=tokens,
+                max_new_tokens=new_tokens - 1,
+                release_when_done=True,
+            ),
+            timeout=60,
+        ):
+            tokens.append(token.token_id)
+    return tokens
+
+
+async def test_a_decode_worker_a_lost_registry_forgot_keeps_its_streams_and_kv(cluster, redis_url):
+    """The registry wiped under live streams: decode-0's next beat is answered NotFound
+    (forgotten, not declared failed), it registers again and goes on decoding every
+    stream from the KV it holds (no stream moves, none differs by a token), and KV it
+    holds for a request not decoding yet is still there to decode from."""
+    since_ms = int(time.time() * 1000)
+    parked_id, parked_prompt = f"parked-{uuid.uuid4().hex[:6]}", list(range(3, 3 + PROMPT_TOKENS))
+    parked_first = await park_kv_on_decode_0(cluster, parked_id, parked_prompt)
+    streams = [Stream(new_request(20 + i, "decode-0")) for i in range(6)]
+    async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        tasks = [asyncio.create_task(run(stub, s)) for s in streams]
+        hit = await wait_decoding(streams, tasks)
+        wiped = wipe_registry(cluster, redis_url)
+        wiped_s = time.monotonic()
+        while not registered(cluster, redis_url, "decode-0"):
+            assert time.monotonic() - wiped_s < 3 * TTL_S, "decode-0 never registered again"
+            await asyncio.sleep(0.01)
+        rejoined_s = time.monotonic() - wiped_s
+        decoding = [s for s, t in zip(streams, tasks, strict=True) if not t.done()]
+        await asyncio.sleep(TTL_S / 2)  # the worker has acted on its re-registration
+        parked = await decode_parked(cluster, parked_id, parked_first, 16)
+        await asyncio.gather(*tasks)
+    events = events_since(cluster, redis_url, since_ms, "decode-0")
+    print(
+        f"\n{len(hit)} streams decoding at the wipe ({wiped} keys); decode-0 registered "
+        f"again {rejoined_s:.2f} s later with {len(decoding)} streams still decoding; "
+        f"gossip about decode-0: {events}"
+    )
+    assert decoding, "every stream ended before decode-0 registered again: nothing shown"
+    for stream in streams:
+        assert stream.exact and not stream.error, stream.describe()
+        assert stream.summary is not None and not stream.summary.recoveries, stream.describe()
+        assert stream.summary.final_decode_instance_id == "decode-0", stream.describe()
+    assert parked == reference(tuple(parked_prompt), 16)
+    assert [kind for kind, _ in events] == ["joined"], events
 
 
 @pytest.mark.slow

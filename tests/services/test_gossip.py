@@ -548,6 +548,7 @@ async def test_heartbeat_loop_keeps_an_instance_alive_and_rejoins_after_failure(
             break
         await asyncio.sleep(0.05)
     assert reregistered and loop.registrations == 2
+    assert loop.declared_failed, "a rejoin after a failure declaration must say so"
     [node] = await client.list_nodes()
     assert node.state == "alive"
 
