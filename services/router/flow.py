@@ -41,6 +41,7 @@ from kvrs.errors import (
     InvalidArgument,
     KvrsError,
     NotFound,
+    ResourceExhausted,
     Unavailable,
 )
 from kvrs.learning import TERMS, Outcome, Terms, relative_error
@@ -68,6 +69,7 @@ from services.router.records import (
     Token,
 )
 from services.router.recovery import RecoveryExecutor, StepFailed, Workers
+from services.router.unreachable import DEFAULT_HOLD_S, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ class Control(Protocol):
         prefix_hashes: Sequence[int],
         policy: str,
         candidate_ids: Sequence[str] = (),
+        exclude_ids: Sequence[str] = (),
     ) -> Placement: ...
 
     async def recover(self, request: RecoveryRequest, failed_id: str, policy: str) -> Decision: ...
@@ -147,6 +150,8 @@ class Router:
         self.executor = RecoveryExecutor(workers, control, tracer, self._resident_prefix_tokens)
         self.inflight = InFlight()
         """Decisions being carried out per target, for each outcome's `target_jobs`."""
+        self.unreachable = Unreachable()
+        """Instances whose streams or calls just broke: no new placements there for a TTL."""
         self._decoding: dict[str, set[Run]] = {}
         self._inboxes: dict[Run, tuple[str, asyncio.Queue]] = {}
         self._prefill_inflight_s: dict[str, float] = {}
@@ -346,15 +351,32 @@ class Router:
         # is needed only when the prefill ends, the prefill's first byte is needed now).
         await asyncio.sleep(0)
         decided_unix_s = time.time()
+        pinned = (request.decode_instance_id,) if request.decode_instance_id else ()
+        avoided = sorted(self.unreachable.current()) if not pinned else []
+        policy = request.placement_policy or self.settings.default_placement_policy
         with self.tracer.start_as_current_span("router.select_decode"):
-            placement = await self.control.select_decode(
-                request.request_id,
-                prefill.instance_id,
-                len(request.prompt),
-                hashes,
-                request.placement_policy or self.settings.default_placement_policy,
-                (request.decode_instance_id,) if request.decode_instance_id else (),
-            )
+            try:
+                placement = await self.control.select_decode(
+                    request.request_id,
+                    prefill.instance_id,
+                    len(request.prompt),
+                    hashes,
+                    policy,
+                    pinned,
+                    avoided,
+                )
+            except ResourceExhausted:
+                if not avoided:
+                    raise
+                # Nothing else can take it: the instances avoided are tried after all.
+                placement = await self.control.select_decode(
+                    request.request_id,
+                    prefill.instance_id,
+                    len(request.prompt),
+                    hashes,
+                    policy,
+                    pinned,
+                )
         return placement, decided_unix_s
 
     async def _place(self, run: Run, selecting: asyncio.Task) -> Lost | None:
@@ -568,6 +590,10 @@ class Router:
         request = run.request
         assert run.prefill is not None
         run.lose(lost)
+        if lost.unreachable:
+            known = self.membership.instance(lost.instance_id)
+            ttl_s = known.heartbeat_ttl_s if known is not None else 0.0
+            self.unreachable.note(lost.instance_id, ttl_s or DEFAULT_HOLD_S)
         if lost.source_lost and lost.instance_id == run.prefill.instance_id:
             run.prefill_kv_lost = True
         if self.membership.is_down(run.prefill.instance_id):

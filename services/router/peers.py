@@ -34,6 +34,7 @@ class ControlPlane:
         prefix_hashes: Sequence[int],
         policy: str,
         candidate_ids: Sequence[str] = (),
+        exclude_ids: Sequence[str] = (),
     ) -> Placement:
         reply = await self.client.select_decode(
             prefill_id,
@@ -41,6 +42,7 @@ class ControlPlane:
             prefix_hashes=prefix_hashes,
             policy=policy,
             candidate_instance_ids=candidate_ids,
+            exclude_instance_ids=exclude_ids,
             request_id=request_id,
         )
         return Placement(

@@ -1,0 +1,168 @@
+"""New placements avoid a killed decode worker before gossip even suspects it.
+
+A local cluster of real processes (`kvrs up`'s launcher): gossip, slot broker, one
+scheduler, the router, one prefill and two decode tiny float64 workers heartbeating with
+a 20 s TTL, so gossip goes on listing a killed worker as alive for seconds after the
+kill. The router hears the kill at once through the broken Decode stream; requests
+placed right after it must go to the other decode worker, not to the dead one (whose
+pull would fail and be recovered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+import uuid
+
+import grpc
+import pytest
+
+from kvrs.cli.launcher import SERVICES, ClusterOptions, start_cluster, stop_cluster
+from kvrs.v1 import gossip_pb2, gossip_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.tiny_reference import reference
+
+TTL_S = 20.0
+PROMPT_TOKENS = 32
+LONG_TOKENS = 256
+SHORT_TOKENS = 8
+CLUSTER_SERVICES = (
+    "gossip",
+    "slot-broker",
+    "scheduler-1",
+    "prefill-0",
+    "decode-0",
+    "decode-1",
+    "router",
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _spec(spec):
+    if spec.kind not in ("prefill", "decode"):
+        return spec
+    base = spec.env
+    return dataclasses.replace(
+        spec, env=lambda wiring: {**base(wiring), "WORKER_HEARTBEAT_TTL_S": str(TTL_S)}
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, redis_url, module_redis_prefix):
+    options = ClusterOptions(
+        run_dir=tmp_path_factory.mktemp("kill") / "cluster",
+        workers_model="tiny",
+        redis_url=redis_url,
+        redis_prefix=module_redis_prefix,
+        startup_timeout_s=120,
+    )
+    services = tuple(_spec(s) for s in SERVICES if s.name in CLUSTER_SERVICES)
+    state = start_cluster(options, services)
+    try:
+        yield state
+    finally:
+        stop_cluster(options.run_dir, grace_s=5.0)
+
+
+@dataclasses.dataclass
+class Stream:
+    request: router_pb2.GenerateRequest
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    summary: router_pb2.GenerateSummary | None = None
+    error: str = ""
+
+    @property
+    def exact(self) -> bool:
+        prompt = tuple(self.request.prompt_token_ids)
+        return self.tokens == reference(prompt, self.request.max_new_tokens)
+
+    def describe(self) -> str:
+        summary = self.summary or router_pb2.GenerateSummary()
+        recoveries = [(r.failed_instance_id, r.detected_by) for r in summary.recoveries]
+        return (
+            f"{self.request.request_id}: {len(self.tokens)} tokens, exact={self.exact}, "
+            f"placed on {summary.decode_instance_id!r}, recoveries={recoveries}, "
+            f"error={self.error!r}"
+        )
+
+
+def new_request(seed: int, new_tokens: int, decode_instance_id: str = "") -> Stream:
+    return Stream(
+        router_pb2.GenerateRequest(
+            request_id=f"kill-{seed}-{uuid.uuid4().hex[:6]}",
+            prompt_token_ids=[(seed * 31 + 7 * i) % 251 for i in range(PROMPT_TOKENS)],
+            max_new_tokens=new_tokens,
+            decode_instance_id=decode_instance_id,
+        )
+    )
+
+
+async def run(stub, stream: Stream) -> Stream:
+    try:
+        async for message in stub.Generate(stream.request, timeout=120):
+            if message.index >= 0:
+                stream.tokens.append(message.token_id)
+            if message.HasField("summary"):
+                stream.summary = message.summary
+    except grpc.aio.AioRpcError as exc:
+        stream.error = f"{exc.code().name}: {exc.details()}"
+    return stream
+
+
+async def node_state(cluster, instance_id: str) -> int:
+    async with grpc.aio.insecure_channel(cluster.address("gossip")) as channel:
+        reply = await gossip_pb2_grpc.GossipServiceStub(channel).ListNodes(
+            gossip_pb2.ListNodesRequest(include_down=True), timeout=5
+        )
+    return next(n.state for n in reply.nodes if n.instance_id == instance_id)
+
+
+async def until_decoding(streams: list[Stream]) -> None:
+    """Until every stream has a decoded token (token 0 comes from the prefill worker)."""
+    deadline_s = time.monotonic() + 60
+    while any(len(s.tokens) < 2 for s in streams):
+        assert not any(s.error for s in streams), [s.describe() for s in streams]
+        assert time.monotonic() < deadline_s, [s.describe() for s in streams]
+        await asyncio.sleep(0.005)
+
+
+async def test_requests_placed_right_after_a_kill_9_avoid_the_dead_decode_worker(cluster):
+    """decode-1 busy with four streams, decode-0 with one: left to the load alone, new
+    requests would go to decode-0. It is killed; the requests placed right after go to
+    decode-1 with no recovery, while gossip still lists decode-0 alive."""
+    busy = [new_request(i, LONG_TOKENS, "decode-1") for i in range(4)]
+    victim = new_request(9, LONG_TOKENS, "decode-0")
+    async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        tasks = [asyncio.create_task(run(stub, s)) for s in busy]
+        await until_decoding(busy)
+        tasks.append(asyncio.create_task(run(stub, victim)))
+        await until_decoding([victim])
+        decode_0 = next(r.pid for r in cluster.processes if r.name == "decode-0")
+        os.killpg(decode_0, signal.SIGKILL)
+        killed_s = time.monotonic()
+        await tasks[-1]  # the victim's stream broke, was recovered and ended elsewhere
+        placed = await asyncio.gather(
+            *(run(stub, new_request(20 + i, SHORT_TOKENS)) for i in range(4))
+        )
+        placed_s = time.monotonic() - killed_s
+        state_after = await node_state(cluster, "decode-0")
+        await asyncio.gather(*tasks)
+    print(
+        f"\nplaced {placed_s:.2f} s after the kill, decode-0 then "
+        f"{gossip_pb2.NodeState.Name(state_after)}: {[s.describe() for s in placed]}; "
+        f"victim: {victim.describe()}"
+    )
+    assert state_after == gossip_pb2.NODE_STATE_ALIVE, "gossip suspected decode-0 already"
+    for stream in placed:
+        assert stream.exact and not stream.error, stream.describe()
+        assert stream.summary is not None and not stream.summary.recoveries, stream.describe()
+        assert stream.summary.decode_instance_id == "decode-1", stream.describe()
+    for stream in (*busy, victim):
+        assert stream.exact and not stream.error, stream.describe()
+    assert victim.summary is not None and victim.summary.recoveries, victim.describe()
+    first = victim.summary.recoveries[0]
+    assert (first.failed_instance_id, first.detected_by) == ("decode-0", "decode_stream")
