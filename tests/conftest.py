@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.redis_cluster import LocalRedisCluster
+
 REDIS_URL = os.environ.get("KVRS_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 
 
@@ -44,6 +46,18 @@ def _isolated_prefix(redis_url: str):
             client.delete(*keys)
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def shared_redis_cluster(tmp_path_factory):
+    """A Redis Cluster (three primaries, a replica each, on loopback) for the tests that
+    run both on one Redis and on a cluster; started when first asked for, and every
+    `redis-server` of it stopped after the session. Tests isolate on it by prefix."""
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture

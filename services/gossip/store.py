@@ -343,17 +343,30 @@ local function after_than(a, b)  -- stream id a > stream id b
   return am > bm or (am == bm and as > bs)
 end
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local after = ARGV[2]
 if #last == 0 then
-  return {now, '0-0', 1}
+  -- Nothing changed yet: a reader that saw it empty ('0-0') is up to date.
+  return {now, '0-0', after == '0-0' and 0 or 1}
 end
-local last_id, after = last[1][1], ARGV[2]
+local last_id = last[1][1]
 if after == '' or after_than(after, last_id) then
   return {now, last_id, 1}
 end
+-- Whether the stream ever dropped an entry (trimmed it); Redis before 7 cannot say.
+local function trimmed()
+  local info = redis.call('XINFO', 'STREAM', KEYS[1])
+  for i = 1, #info, 2 do
+    if info[i] == 'entries-added' then
+      return tonumber(info[i + 1]) > redis.call('XLEN', KEYS[1])
+    end
+  end
+  return true
+end
 -- `after` is the last id of an earlier reply: while it is retained, nothing after it
--- was trimmed; once the oldest entry is younger, some may have been (a gap).
+-- was trimmed; once the oldest entry is younger, some may have been (a gap). A reader
+-- that saw the stream empty ('0-0') missed nothing unless the stream was trimmed since.
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
-if after_than(first[1][1], after) then
+if after_than(first[1][1], after) and (after ~= '0-0' or trimmed()) then
   return {now, last_id, 1}
 end
 local limit = tonumber(ARGV[3])

@@ -373,13 +373,17 @@ async def test_events_replay_after_an_id(client):
         await client.register(decode(name, ttl_s=5.0))
     await client.deregister("a", reason="drained")
     history = await collect(client, "0", 3)
-    assert [(e.type, e.instance_id) for e in history] == [
+    # With the registry sharded, events of different instances are merged by stream
+    # time, which two shards can share: only each instance's own order is certain.
+    assert sorted((e.type, e.instance_id) for e in history) == [
         ("joined", "a"),
         ("joined", "b"),
         ("left", "a"),
     ]
-    assert history[2].reason == "drained"
-    assert history[0].unix_ms <= history[2].unix_ms
+    of_a = [e for e in history if e.instance_id == "a"]
+    assert [e.type for e in of_a] == ["joined", "left"]
+    assert of_a[1].reason == "drained"
+    assert of_a[0].unix_ms <= of_a[1].unix_ms
     replayed = await collect(client, history[0].event_id, 2)
     assert replayed == history[1:]
     live = asyncio.create_task(collect(client, history[2].event_id, 1))
@@ -495,7 +499,10 @@ async def test_cancelled_watchers_do_not_linger(server, stub):
         for _ in range(3)
     ]
     readers = [asyncio.create_task(call.read()) for call in calls]
-    await asyncio.sleep(0.3)
+    for _ in range(100):
+        if server.servicer.active_watchers == 3:
+            break
+        await asyncio.sleep(0.05)
     assert server.servicer.active_watchers == 3
     for call in calls:
         call.cancel()

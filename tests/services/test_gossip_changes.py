@@ -25,9 +25,11 @@ LOAD = NodeLoad(
 )
 
 
-@pytest.fixture
-async def server(redis_url, redis_prefix):
-    handle = await start_gossip(redis_url, redis_prefix)
+@pytest.fixture(params=[1, 4], ids=["one-shard", "four-shards"])
+async def server(request, redis_url, redis_prefix):
+    """The registry in one hash tag, and spread over four (some of them empty at first:
+    a change id then carries an empty shard's "0-0")."""
+    handle = await start_gossip(redis_url, redis_prefix, shards=request.param)
     yield handle
     await handle.stop(0)
 

@@ -16,6 +16,7 @@ from services.common import (
     ConfigError,
     GrpcSettings,
     ServerHandle,
+    connect_redis,
     open_channel,
     setup_tracing,
     slot_leases,
@@ -42,8 +43,9 @@ async def start_broker(redis_url: str, redis_prefix: str, **overrides) -> Server
 class Broker:
     """A started broker and a stub on it."""
 
-    def __init__(self, handle: ServerHandle) -> None:
+    def __init__(self, handle: ServerHandle, redis_url: str = "") -> None:
         self.handle = handle
+        self.redis_url = redis_url
         self.channel = open_channel(f"127.0.0.1:{handle.port}", GrpcSettings())
         self.stub = slots_pb2_grpc.SlotBrokerServiceStub(self.channel)
 
@@ -74,9 +76,11 @@ class Broker:
         await self.handle.stop(0)
 
 
-@pytest.fixture
-async def broker(redis_url, redis_prefix):
-    started = Broker(await start_broker(redis_url, redis_prefix))
+@pytest.fixture(params=[False, True], ids=["one-redis", "redis-cluster"])
+async def broker(request, redis_url, redis_prefix):
+    """On one Redis and on a three-primary Redis Cluster."""
+    url = request.getfixturevalue("shared_redis_cluster").url if request.param else redis_url
+    started = Broker(await start_broker(url, redis_prefix), url)
     yield started
     await started.close()
 
@@ -309,13 +313,13 @@ def test_config_from_env_names_the_bad_variable():
         Config.from_env({"SLOT_BROKER_LEASE_TTL_S": "ten"})
 
 
-async def test_a_reserve_call_run_twice_is_one_denial(broker, redis_url, redis_prefix, monkeypatch):
+async def test_a_reserve_call_run_twice_is_one_denial(broker, redis_prefix, monkeypatch):
     """The Redis client re-sends a script after a timeout (or a failover) with the same
     arguments, the attempt id among them: the second run answers what the first did and
     the denial is counted once; a new call is a new attempt."""
     for i in range(3):
         await broker.reserve(f"m{i}", dst=f"d{i}")
-    client = redis_async.Redis.from_url(redis_url)
+    client = connect_redis(broker.redis_url)
     store = SlotStore(client, redis_prefix)
     attempt = SimpleNamespace(hex="attempt-1")
     monkeypatch.setattr(slot_leases, "uuid", SimpleNamespace(uuid4=lambda: attempt))
