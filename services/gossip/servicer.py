@@ -46,8 +46,8 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         self._check_identity = check_identity
         self._closing = asyncio.Event()
         self.active_watchers = 0
-        """WatchEvents streams open now (each holds a Redis connection per registry shard
-        while it waits)."""
+        """WatchEvents streams open now (with one registry shard each holds a Redis
+        connection while it waits; with several each polls every shard)."""
 
     def close(self) -> None:
         """Ends every open WatchEvents stream with OK within `WATCH_BLOCK_S`."""

@@ -943,44 +943,69 @@ class GossipStore:
         return EventReader(self._redis, [shard.events for shard in self._shards], after_event_id)
 
 
+EVENT_POLL_S = 0.05
+"""How often a watcher of a sharded registry looks for new events (its event latency)."""
+
+
 class EventReader:
     """One watcher's reads of the event streams, one stream per shard.
 
-    Each shard has at most one read outstanding, blocking on its stream from that
-    shard's position; `read` returns what every finished read brought, merged by stream
-    time (events of one instance keep their order: they are all in one shard). A read
-    still blocking when `read` returns stays outstanding for the next call, so a
-    watcher holds one connection per shard however often events arrive. Each event's
-    id is the position just past it: one stream id per shard, comma-separated.
+    With one shard, a read blocks on the stream until an event comes (or `block_s`).
+    With several, each read looks at every shard's stream at once, without blocking,
+    every `EVENT_POLL_S` until one has news or `block_s` passed: a blocking read per
+    shard would hold a connection per shard per watcher, which a few watchers of a
+    sixteen-shard registry would take from everything else. Events found together are
+    merged by stream time (those of one instance keep their order: they are all in one
+    shard). Each event's id is the position just past it: one stream id per shard,
+    comma-separated.
     """
 
     def __init__(self, client: RedisClient, streams: list[str], after_event_id: str) -> None:
         self._redis = client
         self._streams = streams
         self._afters = after_event_id.split(",")
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: asyncio.Future | None = None
 
     async def read(self, block_s: float, count: int = 100) -> list[NodeEvent]:
         """The events after the last one returned, waiting up to `block_s` for one."""
-        block_ms = max(1, int(block_s * 1000))
-        for index, stream in enumerate(self._streams):
-            if index not in self._pending:
-                (self._pending[index],) = _started(
-                    [self._redis.xread({stream: self._afters[index]}, count=count, block=block_ms)]
-                )
-        # A cancelled watcher leaves its reads to finish within the block time (a Redis
-        # command cannot be cancelled safely, see `_shielded`).
-        await asyncio.shield(
-            asyncio.wait(list(self._pending.values()), return_when=asyncio.FIRST_COMPLETED)
-        )
-        tagged = []
-        for index, read in list(self._pending.items()):
-            if not read.done():
-                continue
-            del self._pending[index]
-            reply: Any = read.result()
-            for event_id, raw in reply[0][1] if reply else ():
-                tagged.append((_stream_order(_text(event_id)), index, _text(event_id), raw))
+        if len(self._streams) == 1:
+            return await self._read_blocking(block_s, count)
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + block_s
+        while True:
+            replies = await _shielded_all(
+                self._redis.xread({stream: after}, count=count)
+                for stream, after in zip(self._streams, self._afters, strict=True)
+            )
+            events = self._take(dict(enumerate(replies)))
+            left_s = deadline_s - loop.time()
+            if events or left_s <= 0:
+                return events
+            await asyncio.sleep(min(EVENT_POLL_S, left_s))
+
+    async def _read_blocking(self, block_s: float, count: int) -> list[NodeEvent]:
+        if self._pending is None:
+            (self._pending,) = _started(
+                [
+                    self._redis.xread(
+                        {self._streams[0]: self._afters[0]},
+                        count=count,
+                        block=max(1, int(block_s * 1000)),
+                    )
+                ]
+            )
+        # A cancelled watcher leaves its read to finish within the block time (a Redis
+        # command cannot be cancelled safely, see `_shielded`); the next call takes it.
+        reply = await asyncio.shield(self._pending)
+        self._pending = None
+        return self._take({0: reply})
+
+    def _take(self, replies: dict[int, Any]) -> list[NodeEvent]:
+        tagged = [
+            (_stream_order(_text(event_id)), index, _text(event_id), raw)
+            for index, reply in replies.items()
+            for event_id, raw in (reply[0][1] if reply else ())
+        ]
         events = []
         for _, index, event_id, raw in sorted(tagged, key=lambda item: item[:2]):
             self._afters[index] = event_id
