@@ -8,6 +8,7 @@ control plane and every other worker: only the one link is gone.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -68,22 +69,27 @@ class NetnsLab:
         return ("ip", "netns", "exec", self.namespaces[name])
 
     def shape(self, name: str, rate: str) -> None:
-        """Caps traffic into `name`'s namespace at `rate` (tc tbf, e.g. "100mbit")."""
-        _run(
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            self._veths[name],
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            "64kb",
-            "latency",
-            "200ms",
+        """Caps traffic into `name`'s namespace at `rate` (tc tbf, e.g. "100mbit"); replaces
+        whatever queue the link had, so it also ends a `blackhole`."""
+        self._root_qdisc(name, "tbf", "rate", rate, "burst", "64kb", "latency", "200ms")
+
+    def blackhole(self, name: str) -> None:
+        """Drops every packet into `name`'s namespace from now on, mid-connection (a queue of
+        length 0 replaces the link's qdisc: 100 % loss without netem, which not every
+        kernel has); `shape` brings the link back."""
+        self._root_qdisc(name, "pfifo", "limit", "0")
+
+    def sent_bytes(self, name: str) -> int:
+        """Bytes the link's current qdisc has passed into `name`'s namespace."""
+        shown = subprocess.run(
+            ["tc", "-s", "-j", "qdisc", "show", "dev", self._veths[name]],
+            check=True,
+            capture_output=True,
         )
+        return sum(int(q.get("bytes", 0)) for q in json.loads(shown.stdout) if q.get("root"))
+
+    def _root_qdisc(self, name: str, *spec: str) -> None:
+        _run("tc", "qdisc", "replace", "dev", self._veths[name], "root", *spec)
 
     def cut(self, a: str, b: str) -> None:
         """Drops every packet between a and b, both ways, silently (no RST, no ICMP);
