@@ -10,10 +10,12 @@ the pull (the target drives it) and the compute, not the compute alone.
 
 When every request is placed, each transfer is re-costed with the final flow counts, so
 no two transfers are promised the same link at full speed, and each recovery is priced
-with the queue the plan builds on its instances. The router starts them together, so an
-instance serves them side by side (processor sharing), not one after the other: of jobs
-with works w_j started at once, job i finishes after Σ_j min(w_j, w_i). RECOMPUTE shares
-its prefill instance that way first, then its target.
+with the queue the plan builds on its instances. The router starts them together, so a target
+serves their transfers side by side (processor sharing), not one after the other: of
+transfers of times x_j started at once, transfer i ends after Σ_j min(x_j, x_i). Their
+extends then join the target's batched forward passes: one pass over all of them,
+`ComputeProfile.batch_s`. RECOMPUTE's prefills share a batched pass on their prefill
+instance first.
 """
 
 from __future__ import annotations
@@ -117,28 +119,38 @@ def _shared(
 ) -> tuple[RecoveryDecision, ...]:
     """Every decision priced with its instances shared by the plan's other recoveries
     (see the module docstring): W(x) as reported plus its share of the plan's work."""
-    # Per decision: (source work, target work) in seconds; source work is RECOMPUTE's.
-    work: dict[int, tuple[float, float]] = {}
+    # Per decision: its transfer's time on the target (HYBRID: the longer of the transfer
+    # and the recomputed prefix), and the forward-pass segments (cached, new) it adds to
+    # its target's and, for RECOMPUTE, its prefill instance's next batched pass.
+    moved: dict[int, float] = {}
+    own_ext: dict[int, float] = {}
     on_target: dict[str, list[int]] = {}
     on_source: dict[str, list[int]] = {}
+    extends: dict[str, list[tuple[int, int]]] = {}
+    prefills: dict[str, list[tuple[int, int]]] = {}
     for i, decision in enumerate(decisions):
         if decision.action not in _MOVES_KV:
             continue
         chosen = _chosen_option(decision)
+        request = requests[i]
         on_target.setdefault(decision.target_id, []).append(i)
+        moved_s = chosen.transfer_s
         if decision.action is Action.RECOMPUTE:
-            work[i] = (chosen.compute_s, chosen.transfer_s)
+            context = request.prompt_tokens + request.generated_tokens
             on_source.setdefault(decision.source_id, []).append(i)
+            prefills.setdefault(decision.source_id, []).append((0, context))
+            segment = (max(0, context - 1), 1)
         else:
-            ext_s = cost.extend_s(requests[i].prompt_tokens, requests[i].generated_tokens)
-            moved_s = chosen.transfer_s
+            segment = (request.prompt_tokens, request.generated_tokens)
             if decision.action is Action.HYBRID:
                 moved_s = max(cost.prefill_s(decision.split_tokens), moved_s)
-            work[i] = (0.0, moved_s + ext_s)
+        moved[i] = moved_s
+        own_ext[i] = cost.extend_s(*segment) if decision.action is not Action.RECOMPUTE else 0.0
+        extends.setdefault(decision.target_id, []).append(segment)
 
-    def share(i: int, side: int, jobs: list[int]) -> float:
-        own = work[i][side]
-        return sum(min(work[j][side], own) for j in jobs if j != i)
+    def batched_s(segments: list[tuple[int, int]], alone_s: float) -> float:
+        """One batched pass over the plan's segments on an instance (alone: its own)."""
+        return alone_s if len(segments) == 1 else cost.compute.batch_s(segments)
 
     priced = list(decisions)
     for target_id, jobs in on_target.items():
@@ -147,16 +159,22 @@ def _shared(
         for i in jobs:
             decision = decisions[i]
             chosen = _chosen_option(decision)
-            queue_s = target_wait + share(i, 1, jobs)
+            # The transfers share the target side by side; the extends join one pass.
+            transfers_s = sum(min(moved[j], moved[i]) for j in jobs)
+            target_s = target_wait + transfers_s + batched_s(extends[target_id], own_ext[i])
             if decision.action is Action.RECOMPUTE:
-                source = view.get(decision.source_id)
-                source_wait = (source.wait_s if source is not None else 0.0) + share(
-                    i, 0, on_source[decision.source_id]
+                source_id = decision.source_id
+                source = view.get(source_id)
+                prefill_s = batched_s(prefills[source_id], chosen.compute_s)
+                source_wait = (source.wait_s if source is not None else 0.0) + max(
+                    0.0, prefill_s - chosen.compute_s
                 )
-                total = source_wait + chosen.compute_s + chosen.transfer_s + queue_s
+                queue_s = max(0.0, target_s - moved[i])
+                total = source_wait + chosen.compute_s + target_s
                 fields = {"wait_s": source_wait, "target_wait_s": queue_s}
             else:
-                total = queue_s + work[i][1]
+                total = target_s
+                queue_s = max(0.0, total - moved[i] - own_ext[i])
                 fields = {"wait_s": queue_s, "target_wait_s": queue_s}
             updated = _new(OptionCost)
             updated.__dict__.update(chosen.__dict__, cost_s=total, **fields)

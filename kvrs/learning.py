@@ -17,7 +17,8 @@ and reports an `Outcome`. `fit` turns a window of outcomes into `Corrections`:
     new pairs     a pair no decision has used yet takes the median fixed cost of those
                   that have (its first transfer pays the same set-up, and more)
     compute       measured / predicted seconds of the forward passes (prefill and extend;
-                  median ratio), which scales the compute profile
+                  median ratio) of decisions carried out alone on their target, which
+                  scales the compute profile (its batched-pass cost too)
     worker wait   a worker's queue wait (and call overhead) beyond the W(x) it reported
     interference  extra queue wait per request decoding on the target (median)
     error         the relative error of each decision kind, which decisions must beat
@@ -39,7 +40,7 @@ from typing import Any
 from kvrs.costmodel import CostModel
 from kvrs.errors import InvalidArgument
 from kvrs.placement import Placement
-from kvrs.profile import ComputeProfile
+from kvrs.profile import BatchCost, ComputeProfile
 from kvrs.recovery import Action, OptionCost, RecoveryDecision, RecoveryRequest
 from kvrs.units import BITS_PER_BYTE
 
@@ -309,12 +310,21 @@ class Corrections:
         if self.compute_factor == 1.0:
             return base
         f = self.compute_factor
+        batch = base.batch
         return ComputeProfile(
             model=base.model,
             table=tuple((tokens, seconds * f) for tokens, seconds in base.table),
             a_s=base.a_s * f,
             b_s_per_token=base.b_s_per_token * f,
             c_s_per_token2=base.c_s_per_token2 * f,
+            batch=None
+            if batch is None
+            else BatchCost(
+                a_s=batch.a_s * f,
+                b_s_per_token=batch.b_s_per_token * f,
+                c_s_per_token2=batch.c_s_per_token2 * f,
+                d_s_per_sequence=batch.d_s_per_sequence * f,
+            ),
         )
 
     def margins(self, min_samples: int = 3, cap: float = 1.0) -> dict[str, float]:
@@ -456,13 +466,16 @@ def fit(
         if fitted is not None:
             links[key] = fitted
     new_link_fixed_s = _median([f.fixed_s for f in links.values()]) if links else 0.0
-    # Compute: every forward pass measured, prefills and extends alike, against the base.
+    # Compute: every forward pass measured, prefills and extends alike, against the base;
+    # only of decisions carried out alone on their target (a worker batching several
+    # reports the whole batch's pass to each of them).
+    solo = [o for o in recent if o.target_jobs == 1]
     passes = [
-        (o.measured.prefill_s, base.prefill_s(o.prefill_tokens)) for o in recent if o.prefill_tokens
+        (o.measured.prefill_s, base.prefill_s(o.prefill_tokens)) for o in solo if o.prefill_tokens
     ]
     passes += [
         (o.measured.extend_s, base.extend_s(o.cached_tokens, o.extend_tokens))
-        for o in recent
+        for o in solo
         if o.extend_tokens
     ]
     compute_factor = _ratio(passes, config)

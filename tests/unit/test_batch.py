@@ -162,23 +162,32 @@ def test_two_migrations_on_one_link_each_get_half_of_it() -> None:
 
 
 def test_recoveries_sharing_a_target_are_priced_with_the_queue_they_build() -> None:
-    """Started together, n recoveries on one target share it: each is priced with its
-    share of the others' work there (Σ_j min(w_j, w_i)), not as if it ran alone."""
+    """Started together, n recoveries on one target share it: each transfer ends after
+    Σ_j min(x_j, x_i) (side by side), and the extends join one batched pass; none is
+    priced as if it ran alone."""
     cost, view = cluster(nodes=2)
     # One target left: every recovery lands on decode-1.
     items = [
-        RecoveryRequest(f"r{i}", 4000, 16, "prefill-0", exclude_ids=frozenset({"decode-0"}))
+        RecoveryRequest(
+            f"r{i}", 4000 + 500 * i, 16, "prefill-0", exclude_ids=frozenset({"decode-0"})
+        )
         for i in range(5)
     ]
-    alone = plan_batch(items[:1], view, cost, 0.0, make_recovery_policy("always_migrate"), 32)
-    plan = plan_batch(items, view, cost, 0.0, make_recovery_policy("always_migrate"), 32)
+    policy = make_recovery_policy("always_migrate")
+    alone = plan_batch(items[:1], view, cost, 0.0, policy, 32)
+    plan = plan_batch(items, view, cost, 0.0, policy, 32)
     assert {d.target_id for d in plan.decisions} == {"decode-1"}
-    own = [chosen(d).cost_s - chosen(d).wait_s for d in plan.decisions]
+    moved = [chosen(d).transfer_s for d in plan.decisions]
+    extends_s = cost.compute.batch_s([(r.prompt_tokens, r.generated_tokens) for r in items])
     for i, decision in enumerate(plan.decisions):
-        queue_s = sum(min(w, own[i]) for j, w in enumerate(own) if j != i)
+        transfers_s = sum(min(x, moved[i]) for x in moved)
         assert decision.planned_jobs == 5
-        assert chosen(decision).wait_s == pytest.approx(queue_s)
-        assert decision.cost_s == pytest.approx(queue_s + own[i])
+        assert decision.cost_s == pytest.approx(transfers_s + extends_s)
+        own_s = moved[i] + cost.extend_s(items[i].prompt_tokens, 16)
+        assert chosen(decision).wait_s == pytest.approx(decision.cost_s - own_s)
         assert decision.cost_s > 4 * alone.decisions[0].cost_s
+    # Alone, the same request is priced exactly as the policy priced it.
+    single = policy.decide(items[0], view, cost, 0.0)
     assert alone.decisions[0].planned_jobs == 1
+    assert alone.decisions[0].cost_s == pytest.approx(single.cost_s)
     assert plan.makespan_s == pytest.approx(max(d.cost_s for d in plan.decisions))

@@ -23,7 +23,7 @@ from kvrs.learning import (
 )
 from kvrs.model import model_spec
 from kvrs.network import NetworkModel
-from kvrs.profile import ComputeProfile
+from kvrs.profile import BatchCost, ComputeProfile
 from kvrs.recovery import Action, Kvrs, RecoveryRequest
 from kvrs.topology import InstanceSpec, Location, Role, Tier, TierSpec, Topology
 
@@ -323,3 +323,19 @@ def test_an_outcome_must_count_its_own_job() -> None:
     with pytest.raises(InvalidArgument) as info:
         queued(0, 0.02, NOW_S, "r")
     assert info.value.field == "target_jobs"
+
+
+def test_passes_shared_with_other_decisions_do_not_move_the_compute_factor() -> None:
+    """A batching worker reports the whole batch's pass to each decision in it."""
+    solo = [prefill(tokens, factor=2.0) for tokens in (100, 400, 900)]
+    shared = [
+        dataclasses.replace(prefill(tokens, factor=12.0), request_id=f"b{tokens}", target_jobs=8)
+        for tokens in (200, 300, 500, 700, 800)
+    ]
+    corrections = fit(solo + shared, BASE, NOW_S)
+    assert corrections.compute_factor == pytest.approx(2.0)
+    # The batched-pass cost scales with the rest of the profile.
+    batched = dataclasses.replace(BASE, batch=BatchCost(a_s=1e-3, b_s_per_token=1e-4))
+    scaled = corrections.compute_profile(batched)
+    segments = [(0, 100), (50, 10)]
+    assert scaled.batch_s(segments) == pytest.approx(2.0 * batched.batch_s(segments))
