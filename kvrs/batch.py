@@ -146,11 +146,13 @@ def _shared(
                 moved_s = max(cost.prefill_s(decision.split_tokens), moved_s)
         moved[i] = moved_s
         own_ext[i] = cost.extend_s(*segment) if decision.action is not Action.RECOMPUTE else 0.0
-        extends.setdefault(decision.target_id, []).append(segment)
+        extends.setdefault(decision.target_id, [])
+        if segment[1] > 0:  # a request with nothing generated has nothing to extend
+            extends[decision.target_id].append(segment)
 
     def batched_s(segments: list[tuple[int, int]], alone_s: float) -> float:
         """One batched pass over the plan's segments on an instance (alone: its own)."""
-        return alone_s if len(segments) == 1 else cost.compute.batch_s(segments)
+        return alone_s if len(segments) <= 1 else cost.compute.batch_s(segments)
 
     priced = list(decisions)
     for target_id, jobs in on_target.items():

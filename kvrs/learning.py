@@ -10,14 +10,14 @@ and reports an `Outcome`. `fit` turns a window of outcomes into `Corrections`:
                   transfer moves nothing; probes alone cannot separate the two, decisions
                   move KV of many sizes). The fixed cost is what each decision's total
                   says it was: its share of a total stretched by the decisions it ran
-                  beside on the target (`target_jobs`, n of them side by side each end
-                  after about n times their own work), less its own predicted stream and
-                  compute. Under load the calls, ticket and pair, not the wire, are what
-                  a transfer costs, and only the total sees all of it.
+                  beside (`target_jobs`, n of them side by side each end after about n
+                  times their own work), less its own predicted stream and compute.
+                  Under load the calls, ticket and pair, not the wire, are what a
+                  transfer costs, and only the total sees all of it.
     new pairs     a pair no decision has used yet takes the median fixed cost of those
                   that have (its first transfer pays the same set-up, and more)
     compute       measured / predicted seconds of the forward passes (prefill and extend;
-                  median ratio) of decisions carried out alone on their target, which
+                  median ratio) of decisions carried out alone (`target_jobs` 1), which
                   scales the compute profile (its batched-pass cost too)
     worker wait   a worker's queue wait (and call overhead) beyond the W(x) it reported
     interference  extra queue wait per request decoding on the target (median)
@@ -196,8 +196,8 @@ class Outcome:
     target_running: int = 0
     """Requests decoding on the target when the decision was made."""
     target_jobs: int = 1
-    """The most decisions it was carried out beside on its target, itself included (what
-    stretched its measured time)."""
+    """The most decisions it was carried out beside, itself included (what stretched its
+    measured time)."""
 
     def __post_init__(self) -> None:
         if self.target_jobs < 1:
@@ -422,8 +422,8 @@ def _fit_link(samples: list[Outcome], config: LearningConfig) -> LinkFit | None:
 
 def _fixed_sample(o: Outcome, stream_s: float) -> float:
     """The per-transfer fixed cost that `o`'s total says it paid, its stream at the fitted
-    rate (`stream_s`): of a total shared with `target_jobs` decisions running beside it on
-    the target (side by side, each finishing after about n times its own work), its own
+    rate (`stream_s`): of a total shared with `target_jobs` decisions running beside it
+    (side by side, each finishing after about n times its own work), its own
     share, less its own predicted work other than the set-up and the queue (and less a
     RECOMPUTE's measured wait at its prefill instance, which that worker's wait fits)."""
     p = o.predicted
@@ -467,7 +467,7 @@ def fit(
             links[key] = fitted
     new_link_fixed_s = _median([f.fixed_s for f in links.values()]) if links else 0.0
     # Compute: every forward pass measured, prefills and extends alike, against the base;
-    # only of decisions carried out alone on their target (a worker batching several
+    # only of decisions carried out alone (a worker batching several
     # reports the whole batch's pass to each of them).
     solo = [o for o in recent if o.target_jobs == 1]
     passes = [

@@ -149,7 +149,7 @@ class Router:
         self.batcher = RecoveryBatcher(control, settings.batch_window_s)
         self.executor = RecoveryExecutor(workers, control, tracer, self._resident_prefix_tokens)
         self.inflight = InFlight()
-        """Decisions being carried out per target, for each outcome's `target_jobs`."""
+        """Decisions being carried out, for each outcome's `target_jobs`."""
         self.unreachable = Unreachable()
         """Instances whose streams or calls just broke: no new placements there for a TTL."""
         self._decoding: dict[str, set[Run]] = {}
@@ -401,7 +401,7 @@ class Router:
         # dropped them since its last heartbeat).
         held = self._resident_prefix_tokens(placement.decode.instance_id, request.prompt)
         try:
-            with self.inflight.running(placement.decode.instance_id) as share:
+            with self.inflight.running() as share:
                 pulled = await self.executor.pull(
                     run,
                     placement.decode,
@@ -635,7 +635,7 @@ class Router:
             try:
                 with (
                     self.tracer.start_as_current_span("router.recover.execute"),
-                    self.inflight.running(decision.target.instance_id) as share,
+                    self.inflight.running() as share,
                 ):
                     steps, moved_bytes = await self.executor.execute(run, decision)
             except StepFailed as failed:

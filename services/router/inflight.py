@@ -1,9 +1,12 @@
-"""How many executed decisions a worker is carrying out at once, as the router sees them.
+"""How many executed decisions the router is carrying out at once.
 
 The router drives every pull and extend of a placement or a recovery, so it knows which
-run side by side on one target. A decision's measured time is stretched by the others it
-shared the worker with; its outcome reports the most it shared with (`target_jobs`), so
-the learning can tell a slow transfer from a crowded worker.
+run side by side. A decision's measured time is stretched by the others it ran beside;
+its outcome reports the most it ran beside (`target_jobs`), so the learning can tell a
+slow transfer from a crowded cluster. All of the router's decisions count, not only those
+on the same target: where workers share a host (the local cluster, compose) they share
+its cores, and a burst of placements and recoveries on two decode workers slows both
+alike; everywhere they share the router's own calls.
 """
 
 from __future__ import annotations
@@ -13,8 +16,7 @@ from collections.abc import Iterator
 
 
 class Share:
-    """One decision under way on a target: the most decisions it has run beside, itself
-    included."""
+    """One decision under way: the most decisions it has run beside, itself included."""
 
     __slots__ = ("peak",)
 
@@ -23,17 +25,17 @@ class Share:
 
 
 class InFlight:
-    """The decisions under way per target (see the module docstring)."""
+    """The decisions under way (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._live: dict[str, list[Share]] = {}
+        self._live: list[Share] = []
 
     @contextlib.contextmanager
-    def running(self, target_id: str) -> Iterator[Share]:
-        """Counts one decision on `target_id` while the block runs; every decision there
-        sees the new count in its `peak`."""
+    def running(self) -> Iterator[Share]:
+        """Counts one decision while the block runs; every decision under way sees the
+        new count in its `peak`."""
         share = Share()
-        live = self._live.setdefault(target_id, [])
+        live = self._live
         live.append(share)
         count = len(live)
         for other in live:
@@ -43,5 +45,3 @@ class InFlight:
             yield share
         finally:
             live.remove(share)
-            if not live:
-                del self._live[target_id]

@@ -381,7 +381,9 @@ async def test_instances_a_registry_loses_stay_for_one_ttl_flagged_stale(plane):
                 heartbeat_ttl_s=ttl_s,
             )
         )
-    stub = await plane.scheduler(view_refresh_s=60.0, view_stale_after_s=120.0)
+    # The base model alone: the first placement's work in decode-near's W(d) must not
+    # decide where the second goes.
+    stub = await plane.scheduler(view_refresh_s=60.0, view_stale_after_s=120.0, learning=False)
     assert not (await stub.SelectDecode(select(), timeout=5)).view_stale
     client = redis_async.Redis.from_url(plane.redis_url)
     try:
