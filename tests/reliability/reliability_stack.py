@@ -195,6 +195,7 @@ class ControlPlane:
                 "view_refresh_s": 0.1,
                 "holder_id": "reliability-scheduler",
                 "inputs": InputsConfig(model=self.model),
+                **redis_settings,
                 **scheduler_overrides,
             }
             self._add(

@@ -81,6 +81,8 @@ async def cluster(redis_url, redis_prefix, tmp_path):
                 view_refresh_s=0.05,
                 inputs=inputs,
                 holder_id=f"scheduler-{index}",
+                redis_url=redis_url,
+                redis_prefix=redis_prefix,
             ),
             provider,
         )

@@ -135,6 +135,8 @@ async def cluster(redis_url, redis_prefix):
             slot_broker_addr="127.0.0.1:9",
             view_refresh_s=0.05,
             inputs=InputsConfig(model="tiny"),
+            redis_url=redis_url,
+            redis_prefix=redis_prefix,
         ),
         provider,
     )

@@ -126,6 +126,8 @@ async def test_scheduler_exports_decisions_predicted_costs_and_slot_outcomes(
                 slot_broker_addr=f"127.0.0.1:{broker_handle.port}",
                 holder_id="test-scheduler",
                 inputs=InputsConfig(model="opt-125m"),
+                redis_url=redis_url,
+                redis_prefix=redis_prefix,
             ),
             provider,
             metrics,
