@@ -424,16 +424,22 @@ def _fixed_sample(o: Outcome, stream_s: float) -> float:
     """The per-transfer fixed cost that `o`'s total says it paid, its stream at the fitted
     rate (`stream_s`): of a total shared with `target_jobs` decisions running beside it
     (side by side, each finishing after about n times its own work), its own
-    share, less its own predicted work other than the set-up and the queue (and less a
-    RECOMPUTE's measured wait at its prefill instance, which that worker's wait fits)."""
+    share, less its own work other than the set-up and the queue: its stream as
+    predicted, its forward passes as measured (which the compute factor fits), and a
+    RECOMPUTE's measured wait at its prefill instance (which that worker's wait fits)."""
     p = o.predicted
     if o.measured.total_s <= 0.0:
         # No total measured: the transfer alone, less its stream at the fitted rate.
         return o.measured.transfer_s - stream_s
-    # The prefill instance's own wait is the worker-wait correction's, not the link's.
+    m = o.measured
+    jobs = o.target_jobs
+    # Each correction fits its own term: the prefill instance's own wait is the worker
+    # wait's, and the compute is the compute factor's, so the measured forward passes
+    # (shared like the rest) take the place of the predicted ones.
     own_s = p.total_s - p.target_wait_s - p.source_wait_s - p.setup_s
-    shared_s = o.measured.total_s - o.measured.source_wait_s
-    return shared_s / o.target_jobs - own_s - (stream_s - p.stream_s)
+    own_s += (m.prefill_s + m.extend_s) / jobs - p.prefill_s - p.extend_s
+    shared_s = m.total_s - m.source_wait_s
+    return shared_s / jobs - own_s - (stream_s - p.stream_s)
 
 
 def _ratio(pairs: list[tuple[float, float]], config: LearningConfig) -> float:

@@ -339,3 +339,39 @@ def test_passes_shared_with_other_decisions_do_not_move_the_compute_factor() -> 
     scaled = corrections.compute_profile(batched)
     segments = [(0, 100), (50, 10)]
     assert scaled.batch_s(segments) == pytest.approx(2.0 * batched.batch_s(segments))
+
+
+def test_a_slow_prefill_moves_the_compute_factor_not_the_links_fixed_cost() -> None:
+    """RECOMPUTEs over p0 -> d0 whose prefill ran 3× slower than the base profile and
+    whose transfer cost what was predicted: the compute factor moves, the link does not."""
+    outcomes = []
+    for tokens in (100, 300, 600, 900):
+        predicted_pf = BASE.prefill_s(tokens)
+        stream_s = 8 * tokens * 1000 / 1e11
+        outcomes.append(
+            Outcome(
+                kind="recompute",
+                request_id=f"slow-{tokens}",
+                source_id="p0",
+                target_id="d0",
+                at_s=NOW_S,
+                predicted=Terms(
+                    prefill_s=predicted_pf,
+                    setup_s=0.004,
+                    stream_s=stream_s,
+                    total_s=predicted_pf + 0.004 + stream_s,
+                ),
+                measured=Terms(
+                    prefill_s=3 * predicted_pf,
+                    setup_s=0.004,
+                    stream_s=stream_s,
+                    total_s=3 * predicted_pf + 0.004 + stream_s,
+                ),
+                kv_bytes=tokens * 1000,
+                prefill_tokens=tokens,
+            )
+        )
+    corrections = fit(outcomes, BASE, NOW_S)
+    assert corrections.compute_factor == pytest.approx(3.0)
+    link = corrections.link("p0", "d0")
+    assert link is not None and link.fixed_s == pytest.approx(0.004, rel=1e-3)
