@@ -12,7 +12,10 @@ When every request is placed, each transfer is re-costed with the final flow cou
 no two transfers are promised the same link at full speed, and each recovery is priced
 with the queue the plan builds on its instances. The router starts them together, so a target
 serves their transfers side by side (processor sharing), not one after the other: of
-transfers of times x_j started at once, transfer i ends after Σ_j min(x_j, x_i). Their
+transfers taking x_j each alone, started at once, transfer i ends after Σ_j min(x_j, x_i).
+The x_j are the times alone on the path: the re-costed times already share the links, and
+summing those would count the sharing twice. A transfer ends after the longer of the two,
+its share of the target and its share of the links. Their
 extends then join the target's batched forward passes: one pass over all of them,
 `ComputeProfile.batch_s`. RECOMPUTE's prefills share a batched pass on their prefill
 instance first.
@@ -123,6 +126,7 @@ def _shared(
     # and the recomputed prefix), and the forward-pass segments (cached, new) it adds to
     # its target's and, for RECOMPUTE, its prefill instance's next batched pass.
     moved: dict[int, float] = {}
+    alone: dict[int, float] = {}
     own_ext: dict[int, float] = {}
     on_target: dict[str, list[int]] = {}
     on_source: dict[str, list[int]] = {}
@@ -135,6 +139,7 @@ def _shared(
         request = requests[i]
         on_target.setdefault(decision.target_id, []).append(i)
         moved_s = chosen.transfer_s
+        alone_s = _alone_transfer_s(decision, request, cost, now_s) if moved_s > 0.0 else 0.0
         if decision.action is Action.RECOMPUTE:
             context = request.prompt_tokens + request.generated_tokens
             on_source.setdefault(decision.source_id, []).append(i)
@@ -143,8 +148,10 @@ def _shared(
         else:
             segment = (request.prompt_tokens, request.generated_tokens)
             if decision.action is Action.HYBRID:
-                moved_s = max(cost.prefill_s(decision.split_tokens), moved_s)
+                prefix_s = cost.prefill_s(decision.split_tokens)
+                moved_s, alone_s = max(prefix_s, moved_s), max(prefix_s, alone_s)
         moved[i] = moved_s
+        alone[i] = alone_s
         own_ext[i] = cost.extend_s(*segment) if decision.action is not Action.RECOMPUTE else 0.0
         extends.setdefault(decision.target_id, [])
         if segment[1] > 0:  # a request with nothing generated has nothing to extend
@@ -162,7 +169,7 @@ def _shared(
             decision = decisions[i]
             chosen = _chosen_option(decision)
             # The transfers share the target side by side; the extends join one pass.
-            transfers_s = sum(min(moved[j], moved[i]) for j in jobs)
+            transfers_s = max(moved[i], sum(min(alone[j], alone[i]) for j in jobs))
             target_s = target_wait + transfers_s + batched_s(extends[target_id], own_ext[i])
             if decision.action is Action.RECOMPUTE:
                 source_id = decision.source_id
@@ -205,6 +212,17 @@ def _shared(
             )
             priced[i] = repriced
     return tuple(priced)
+
+
+def _alone_transfer_s(
+    decision: RecoveryDecision, request: RecoveryRequest, cost: CostModel, now_s: float
+) -> float:
+    """Seconds of the decision's transfer with none of the plan's other flows on its path."""
+    bps, rtt_s = cost.network.rate_and_rtt(decision.source_id, decision.target_id, now_s)
+    tokens = kv_tokens_moved(
+        decision.action, request.prompt_tokens, request.generated_tokens, decision.split_tokens
+    )
+    return rtt_s + cost.kv_bits_per_token * tokens / bps
 
 
 def _shifted(option: OptionCost, delta_s: float) -> OptionCost:

@@ -163,8 +163,9 @@ def test_two_migrations_on_one_link_each_get_half_of_it() -> None:
 
 def test_recoveries_sharing_a_target_are_priced_with_the_queue_they_build() -> None:
     """Started together, n recoveries on one target share it: each transfer ends after
-    Σ_j min(x_j, x_i) (side by side), and the extends join one batched pass; none is
-    priced as if it ran alone."""
+    Σ_j min(x_j, x_i) of their times alone (side by side) or its share of the links,
+    whichever is longer, and the extends join one batched pass; none is priced as if it
+    ran alone, and the sharing is not counted twice."""
     cost, view = cluster(nodes=2)
     # One target left: every recovery lands on decode-1.
     items = [
@@ -178,9 +179,15 @@ def test_recoveries_sharing_a_target_are_priced_with_the_queue_they_build() -> N
     plan = plan_batch(items, view, cost, 0.0, policy, 32)
     assert {d.target_id for d in plan.decisions} == {"decode-1"}
     moved = [chosen(d).transfer_s for d in plan.decisions]
+    solo = [chosen(plan_batch([r], view, cost, 0.0, policy, 32).decisions[0]) for r in items]
+    alone_s = [option.transfer_s for option in solo]
     extends_s = cost.compute.batch_s([(r.prompt_tokens, r.generated_tokens) for r in items])
     for i, decision in enumerate(plan.decisions):
-        transfers_s = sum(min(x, moved[i]) for x in moved)
+        side_by_side_s = sum(min(x, alone_s[i]) for x in alone_s)
+        transfers_s = max(moved[i], side_by_side_s)
+        # The links' share alone already stretches every transfer; summing the stretched
+        # times on top would price the same sharing twice.
+        assert transfers_s < sum(min(x, moved[i]) for x in moved)
         assert decision.planned_jobs == 5
         assert decision.cost_s == pytest.approx(transfers_s + extends_s)
         own_s = moved[i] + cost.extend_s(items[i].prompt_tokens, 16)
