@@ -1,11 +1,11 @@
 """`kvrs demo`: requests through a local cluster, a decode worker killed mid-stream, and how
 each affected request recovered.
 
-    kvrs demo [--requests 8] [--cluster-dir DIR] [--json FILE]
+    kvrs demo [--requests 8] [--warmup N] [--cluster-dir DIR] [--json FILE]
 
 Measures the workers' model on this machine (`kvrs calibrate`, so predicted costs are this
 machine's), starts a local cluster (`kvrs up`'s launcher; or reuses the one in
---cluster-dir), streams
+--cluster-dir), optionally warms it up with short requests (`--warmup`, see `_warm_up`), streams
 a batch of requests through the router, kill -9s the decode worker serving most of them
 once every stream is under way, then prints each affected request's recovery decision and
 its cost terms, checks that every request completed, replays the prompts on the
@@ -75,6 +75,14 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     add_model_argument(parser)
     parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="first stream N short requests one after another, whose measured outcomes "
+        "the scheduler learns from before it prices the batch (default 0: none; 12 gives "
+        "each prefill-decode pair the 3 outcomes a correction needs)",
+    )
+    parser.add_argument(
         "--timeout-s", type=float, default=120.0, help="deadline of each request (default 120)"
     )
     parser.add_argument(
@@ -96,8 +104,11 @@ def register(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvrs.cli.launcher import ClusterError
 
-    if args.requests < 1 or args.max_new_tokens < 2:
-        print("kvrs demo: --requests must be >= 1 and --max-new-tokens >= 2", file=sys.stderr)
+    if args.requests < 1 or args.max_new_tokens < 2 or args.warmup < 0:
+        print(
+            "kvrs demo: --requests must be >= 1, --max-new-tokens >= 2 and --warmup >= 0",
+            file=sys.stderr,
+        )
         return 2
     try:
         state, owned = _cluster(args)
@@ -188,6 +199,7 @@ async def _demo(args: argparse.Namespace, state) -> int:
     ]
     async with open_channel(state.address("router"), settings) as channel:
         router = router_pb2_grpc.RouterServiceStub(channel)
+        await _warm_up(router, encode, run_id, args)
         print(
             f"\nstreaming {len(streams)} requests of {args.max_new_tokens} tokens "
             "through the router ...",
@@ -213,6 +225,58 @@ async def _demo(args: argparse.Namespace, state) -> int:
     _traces(env, streams)
     failed = completed != len(streams) or identical != completed
     return 1 if failed else 0
+
+
+WARMUP_NEW_TOKENS = 16
+"""Tokens each warm-up request generates: enough for its placement's first decode step
+to be measured, few enough that it is done before the batch starts."""
+
+
+async def _warm_up(router, encode, run_id: str, args: argparse.Namespace) -> None:
+    """Streams `--warmup` short requests, each started once the one before it has its
+    first token, and waits for them all.
+
+    A freshly started cluster has no outcomes: its first decisions are priced with the
+    calibrated model alone, measured on an idle machine, while a serving cluster always
+    has the outcomes of the traffic it has just served. Each warm-up placement is carried
+    out alone, so what it measures (the prompt's prefill, the transfer's set-up, the
+    first decode step) reaches the scheduler's corrections: the compute the workers
+    deliver now, each pair's fixed cost (its first transfer pays for building the pair),
+    the workers' waits. A correction needs `LearningConfig.min_samples` (3) outcomes
+    behind it: 12 give each of the demo's four (prefill, decode) pairs three, were the
+    scheduler to spread them, and pairs it leaves unused are priced with the median of
+    those it used. Their prompts share no prefix with the batch's, so the batch's
+    placements and recoveries find nothing cached by them.
+
+    Off by default: a set-up learned from transfers made alone is priced as work that
+    concurrent transfers share (`kvrs.batch`), while concurrent set-ups largely overlap,
+    so after a warm-up a batch of recoveries is over-predicted (docs/benchmarks.md).
+    """
+    if args.warmup == 0:
+        return
+    print(
+        f"\nwarm-up: {args.warmup} short requests, one after another, so that the scheduler "
+        "prices the batch with what this cluster measured, not only with the calibration",
+        flush=True,
+    )
+    warmups = [
+        Stream(
+            f"demo-{run_id}-warmup-{i}",
+            encode(f"warm-up {i}: " + PROMPTS[(i + 1) % len(PROMPTS)] * (1 + i % 3)),
+        )
+        for i in range(args.warmup)
+    ]
+    short = argparse.Namespace(**{**vars(args), "max_new_tokens": WARMUP_NEW_TOKENS})
+    tasks = []
+    for stream in warmups:
+        tasks.append(asyncio.create_task(_stream(router, stream, short)))
+        while not stream.tokens and not tasks[-1].done():
+            await asyncio.sleep(0.005)
+    await asyncio.gather(*tasks)
+    failed = [s for s in warmups if s.error or len(s.tokens) != WARMUP_NEW_TOKENS]
+    for stream in failed:
+        print(f"  warm-up {stream.request_id}: {stream.error or 'incomplete'}")
+    print(f"warm-up done: {len(warmups) - len(failed)}/{len(warmups)} completed", flush=True)
 
 
 async def _stream(router, stream: Stream, args: argparse.Namespace) -> None:

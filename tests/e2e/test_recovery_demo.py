@@ -26,6 +26,8 @@ def test_kvrs_demo_kills_a_decode_worker_and_every_request_completes(recovery_cl
             "4",
             "--max-new-tokens",
             "800",
+            "--warmup",
+            "4",
             "--cluster-dir",
             str(recovery_cluster.run_dir),
         ],
@@ -39,6 +41,10 @@ def test_kvrs_demo_kills_a_decode_worker_and_every_request_completes(recovery_cl
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr}"
     assert re.search(r"kill -9 decode-[01] \(pid \d+\) with [1-9]\d* requests", out), out
+    # The warm-up ran first: requests carried out alone, whose outcomes the scheduler
+    # learns from before the batch is placed.
+    assert "warm-up done: 4/4 completed" in out, out
+    assert out.index("warm-up done") < out.index("streaming 4 requests")
     assert "4/4 requests completed" in out
     assert "4/4 streams identical to a fault-free rerun of their prompt" in out
     # At least one table row: a recovered request, its action and its target.
