@@ -13,7 +13,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from kvrs.cli.launcher.ports import free_ports
 from services.common import setup_tracing
 from services.common.decision_inputs import InputsConfig
 from services.common.gossip_records import Registration
@@ -111,9 +111,7 @@ def delete_prefix(redis_url: str, prefix: str) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @dataclass

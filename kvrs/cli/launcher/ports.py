@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Sequence
 
 from kvrs.cli.launcher.errors import ClusterError
 from kvrs.cli.launcher.services import ServiceSpec
 
+_LISTEN_PORTS_FROM = 20000
+"""Free ports are drawn from here up to the kernel's ephemeral range."""
+
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports nothing listens on right now (held open together while chosen)."""
-    sockets = []
+    """`count` distinct ports nothing listens on right now (held open together while chosen).
+
+    Drawn below the kernel's ephemeral range: a port handed out by binding port 0 lies in
+    that range, where every outgoing connection also takes its local port, so between
+    choosing it and the service binding it a client socket may take it (address in use).
+    """
+    low, high = _LISTEN_PORTS_FROM, _ephemeral_start() - 1
+    candidates = list(range(low, high + 1)) if high > low else []
+    random.Random().shuffle(candidates)
+    sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for port in candidates:
+            if len(sockets) == count:
+                break
+            sock = socket.socket()
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                continue
+            sockets.append(sock)
+        while len(sockets) < count:  # no range below the ephemeral one: the kernel's choice
             sock = socket.socket()
             sock.bind((host, 0))
             sockets.append(sock)
@@ -21,6 +43,15 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 STANDARD_BASE_PORT = 50051
