@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -354,29 +354,26 @@ class Router:
         pinned = (request.decode_instance_id,) if request.decode_instance_id else ()
         avoided = sorted(self.unreachable.current()) if not pinned else []
         policy = request.placement_policy or self.settings.default_placement_policy
+
+        def select(excluded: Sequence[str]) -> Awaitable[Placement]:
+            return self.control.select_decode(
+                request.request_id,
+                prefill.instance_id,
+                len(request.prompt),
+                hashes,
+                policy,
+                pinned,
+                excluded,
+            )
+
         with self.tracer.start_as_current_span("router.select_decode"):
             try:
-                placement = await self.control.select_decode(
-                    request.request_id,
-                    prefill.instance_id,
-                    len(request.prompt),
-                    hashes,
-                    policy,
-                    pinned,
-                    avoided,
-                )
+                placement = await select(avoided)
             except ResourceExhausted:
                 if not avoided:
                     raise
                 # Nothing else can take it: the instances avoided are tried after all.
-                placement = await self.control.select_decode(
-                    request.request_id,
-                    prefill.instance_id,
-                    len(request.prompt),
-                    hashes,
-                    policy,
-                    pinned,
-                )
+                placement = await select(())
         return placement, decided_unix_s
 
     async def _place(self, run: Run, selecting: asyncio.Task) -> Lost | None:
