@@ -8,7 +8,6 @@ so every stream is compared with the same model run undisturbed in this process.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import time
@@ -16,13 +15,10 @@ import uuid
 
 import grpc
 import pytest
+from reliability_cluster import launched
 
 from kvrs.cli.launcher import (
-    SERVICES,
-    ClusterOptions,
     is_running,
-    start_cluster,
-    stop_cluster,
 )
 from kvrs.v1 import (
     common_pb2,
@@ -61,27 +57,11 @@ EXTRA_ENV = {
 pytestmark = pytest.mark.timeout(240)
 
 
-def _spec(spec):
-    extra = EXTRA_ENV.get(spec.name, {})
-    base = spec.env
-    return dataclasses.replace(spec, env=lambda wiring: {**base(wiring), **extra})
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, redis_url, module_redis_prefix):
-    options = ClusterOptions(
-        run_dir=tmp_path_factory.mktemp("scale") / "cluster",
-        workers_model="tiny",
-        redis_url=redis_url,
-        redis_prefix=module_redis_prefix,
-        startup_timeout_s=120,
-    )
-    services = tuple(_spec(s) for s in SERVICES if s.name in CLUSTER_SERVICES)
-    state = start_cluster(options, services)
-    try:
+    run_dir = tmp_path_factory.mktemp("scale") / "cluster"
+    with launched(run_dir, redis_url, module_redis_prefix, CLUSTER_SERVICES, EXTRA_ENV) as state:
         yield state
-    finally:
-        stop_cluster(options.run_dir, grace_s=5.0)
 
 
 def prompt(seed: int) -> list[int]:

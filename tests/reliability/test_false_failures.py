@@ -10,7 +10,6 @@ from its event stream in Redis.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import subprocess
@@ -21,8 +20,8 @@ import uuid
 import grpc
 import pytest
 import redis
+from reliability_cluster import Stream, launched, run
 
-from kvrs.cli.launcher import SERVICES, ClusterOptions, start_cluster, stop_cluster
 from kvrs.v1 import (
     gossip_pb2,
     gossip_pb2_grpc,
@@ -36,65 +35,18 @@ from tests.tiny_reference import reference
 TTL_S = 1.0
 PROMPT_TOKENS = 32
 MAX_NEW_TOKENS = 256
-CLUSTER_SERVICES = (
-    "gossip",
-    "slot-broker",
-    "scheduler-1",
-    "prefill-0",
-    "decode-0",
-    "decode-1",
-    "router",
-)
+WORKERS = ("prefill-0", "decode-0", "decode-1")
+CLUSTER_SERVICES = ("gossip", "slot-broker", "scheduler-1", *WORKERS, "router")
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def _spec(spec):
-    if spec.kind not in ("prefill", "decode"):
-        return spec
-    base = spec.env
-    return dataclasses.replace(
-        spec, env=lambda wiring: {**base(wiring), "WORKER_HEARTBEAT_TTL_S": str(TTL_S)}
-    )
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, redis_url, module_redis_prefix):
-    options = ClusterOptions(
-        run_dir=tmp_path_factory.mktemp("late") / "cluster",
-        workers_model="tiny",
-        redis_url=redis_url,
-        redis_prefix=module_redis_prefix,
-        startup_timeout_s=120,
-    )
-    services = tuple(_spec(s) for s in SERVICES if s.name in CLUSTER_SERVICES)
-    state = start_cluster(options, services)
-    try:
+    workers = {name: {"WORKER_HEARTBEAT_TTL_S": str(TTL_S)} for name in WORKERS}
+    run_dir = tmp_path_factory.mktemp("late") / "cluster"
+    with launched(run_dir, redis_url, module_redis_prefix, CLUSTER_SERVICES, workers) as state:
         yield state
-    finally:
-        stop_cluster(options.run_dir, grace_s=5.0)
-
-
-@dataclasses.dataclass
-class Stream:
-    request: router_pb2.GenerateRequest
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    summary: router_pb2.GenerateSummary | None = None
-    error: str = ""
-
-    @property
-    def exact(self) -> bool:
-        return self.tokens == reference(tuple(self.request.prompt_token_ids), MAX_NEW_TOKENS)
-
-    def describe(self) -> str:
-        recoveries = [
-            (r.failed_instance_id, r.detected_by)
-            for r in (self.summary or router_pb2.GenerateSummary()).recoveries
-        ]
-        return (
-            f"{self.request.request_id}: {len(self.tokens)} tokens, exact={self.exact}, "
-            f"recoveries={recoveries}, error={self.error!r}"
-        )
 
 
 def new_request(seed: int, decode_instance_id: str = "") -> router_pb2.GenerateRequest:
@@ -104,18 +56,6 @@ def new_request(seed: int, decode_instance_id: str = "") -> router_pb2.GenerateR
         max_new_tokens=MAX_NEW_TOKENS,
         decode_instance_id=decode_instance_id,
     )
-
-
-async def run(stub, stream: Stream) -> Stream:
-    try:
-        async for message in stub.Generate(stream.request, timeout=120):
-            if message.index >= 0:
-                stream.tokens.append(message.token_id)
-            if message.HasField("summary"):
-                stream.summary = message.summary
-    except grpc.aio.AioRpcError as exc:
-        stream.error = f"{exc.code().name}: {exc.details()}"
-    return stream
 
 
 def events_since(cluster, redis_url: str, since_ms: int, instance_id: str) -> list[tuple]:
