@@ -38,6 +38,8 @@ from kvrs.recovery import (
     RecoveryDecision,
     RecoveryPolicy,
     RecoveryRequest,
+    assigned_work,
+    chosen_option,
     kv_tokens_moved,
 )
 from kvrs.topology import LinkId
@@ -90,12 +92,10 @@ def plan_batch(
         if action not in _MOVES_KV:
             continue
         chosen = _chosen_option(decision)
-        if action is Action.RECOMPUTE:
-            extra_wait.add(decision.source_id, chosen.compute_s)
-            extra_wait.add(decision.target_id, chosen.transfer_s)
-        else:
+        if action is not Action.RECOMPUTE:
             slots_left -= 1
-            extra_wait.add(decision.target_id, chosen.cost_s - chosen.wait_s)
+        for instance_id, work_s in assigned_work(decision):
+            extra_wait.add(instance_id, work_s)
         if chosen.transfer_s > 0.0:
             path = topology.path_links(decision.source_id, decision.target_id)
             transfers[index] = (chosen, path)
@@ -245,15 +245,10 @@ def _slack_bound(request: RecoveryRequest, cost: CostModel, now_s: float) -> tup
 
 
 def _chosen_option(decision: RecoveryDecision) -> OptionCost:
-    for option in decision.options:
-        if (
-            option.action is decision.action
-            and option.target_id == decision.target_id
-            and option.source_id == decision.source_id
-            and option.feasible
-        ):
-            return option
-    raise AssertionError(f"decision {decision.request_id} lists no option for its action")
+    option = chosen_option(decision)
+    if option is None:
+        raise AssertionError(f"decision {decision.request_id} lists no option for its action")
+    return option
 
 
 def _recost(

@@ -41,14 +41,13 @@ from kvrs.costmodel import CostModel
 from kvrs.errors import InvalidArgument
 from kvrs.placement import Placement
 from kvrs.profile import BatchCost, ComputeProfile
-from kvrs.recovery import Action, OptionCost, RecoveryDecision, RecoveryRequest
+from kvrs.recovery import Action, RecoveryDecision, RecoveryRequest, chosen_option
 from kvrs.units import BITS_PER_BYTE
 
 __all__ = [
     "KINDS",
     "TERMS",
     "AssignedWork",
-    "chosen_option",
     "Corrections",
     "ErrorStats",
     "LearningConfig",
@@ -97,19 +96,6 @@ class Terms:
 
 TERMS = tuple(f.name for f in fields(Terms))
 """Every term's name, as the metrics, spans and `kvrs status` label it."""
-
-
-def chosen_option(decision: RecoveryDecision) -> OptionCost | None:
-    """The option a decision carries out (None for ABORT)."""
-    for option in decision.options:
-        if (
-            option.action is decision.action
-            and option.target_id == decision.target_id
-            and option.source_id == decision.source_id
-            and option.feasible
-        ):
-            return option
-    return None
 
 
 def recovery_terms(

@@ -45,6 +45,8 @@ __all__ = [
     "RecoveryPolicy",
     "RecoveryRequest",
     "Rom",
+    "assigned_work",
+    "chosen_option",
     "decide_without_slot",
     "hybrid_split",
     "kv_tokens_moved",
@@ -143,6 +145,35 @@ class RecoveryDecision:
     policy: str
     planned_jobs: int = 1
     """Recoveries the price shares the target with, this one included (a batch plan's)."""
+
+
+def chosen_option(decision: RecoveryDecision) -> OptionCost | None:
+    """The option a decision carries out (None for ABORT)."""
+    for option in decision.options:
+        if (
+            option.action is decision.action
+            and option.target_id == decision.target_id
+            and option.source_id == decision.source_id
+            and option.feasible
+        ):
+            return option
+    return None
+
+
+def assigned_work(decision: RecoveryDecision) -> tuple[tuple[str, float], ...]:
+    """(instance id, seconds) of the work carrying out `decision` puts on each instance,
+    what a planner or a scheduler adds to their W(x) before any heartbeat reports it:
+    RECOMPUTE's prefill on its prefill instance and the transfer the target drives;
+    MIGRATE and HYBRID everything the target does, the pull and the compute."""
+    option = chosen_option(decision)
+    if option is None:
+        return ()
+    if decision.action is Action.RECOMPUTE:
+        return (
+            (decision.source_id, option.compute_s),
+            (decision.target_id, option.transfer_s),
+        )
+    return ((decision.target_id, option.cost_s - option.wait_s),)
 
 
 class RecoveryPolicy(Protocol):

@@ -31,7 +31,6 @@ from kvrs.learning import (
     AssignedWork,
     Corrections,
     Outcome,
-    chosen_option,
     placement_terms,
     recovery_terms,
 )
@@ -43,6 +42,7 @@ from kvrs.recovery import (
     RecoveryDecision,
     RecoveryPolicy,
     RecoveryRequest,
+    assigned_work,
     decide_without_slot,
     kv_tokens_moved,
     make_recovery_policy,
@@ -462,15 +462,8 @@ class Scheduler:
         prefill instance, and on the target everything the target does (the pull it
         drives and the compute)."""
         for outcome in outcomes:
-            decision = outcome.decision
-            option = chosen_option(decision)
-            if option is None:
-                continue
-            if decision.action is Action.RECOMPUTE:
-                self._assign(decision.source_id, option.compute_s)
-                self._assign(decision.target_id, option.transfer_s)
-            else:
-                self._assign(decision.target_id, option.cost_s - option.wait_s)
+            for instance_id, work_s in assigned_work(outcome.decision):
+                self._assign(instance_id, work_s)
         metrics = self.metrics
         if metrics is None:
             return
