@@ -162,6 +162,7 @@ class NetworkModel:
         self._caps: tuple[tuple[int, int], np.ndarray] | None = None
         self._shares: tuple[tuple[int, int, int], np.ndarray] | None = None
         self._trends: dict[LinkId, LinkTrend] = {}
+        self._unmeasured_rtt_s = 0.0
 
     def carry_paths(self, previous: NetworkModel) -> None:
         """Take over the fan-out paths `previous` found on the same topology: they depend
@@ -197,6 +198,16 @@ class NetworkModel:
         self._estimates[(src_id, dst_id)] = estimate
         self._estimated.setdefault(src_id, set()).add(dst_id)
         self._paths.pop((src_id, dst_id), None)
+        self._inputs_version = next(_INPUT_VERSIONS)
+
+    def set_unmeasured_rtt(self, rtt_s: float) -> None:
+        """Price every path without a fresh estimate with at least `rtt_s` of fixed cost:
+        what the measured paths show a transfer pays before its first byte (the calls,
+        the ticket, the pair), which a pair no one measured yet pays too, or more."""
+        if not rtt_s >= 0.0:
+            raise InvalidArgument("rtt_s", f"must be >= 0, got {rtt_s}")
+        self._unmeasured_rtt_s = rtt_s
+        self._paths.clear()
         self._inputs_version = next(_INPUT_VERSIONS)
 
     def observe_link(self, link: LinkId, free_bps: float, at_s: float) -> None:
@@ -302,6 +313,10 @@ class NetworkModel:
         # for every destination at once.
         bandwidth_bps = np.minimum.reduce(self._link_shares().take(fan.incidence), axis=0).tolist()
         rtt_s = fan.rtt_s
+        floor_s = self._unmeasured_rtt_s
+        if floor_s > 0.0:
+            hops = np.count_nonzero(fan.incidence, axis=0).tolist()
+            rtt_s = tuple(max(r, floor_s) if n else r for r, n in zip(rtt_s, hops, strict=True))
         lo_s, hi_s = -math.inf, math.inf
         estimated = self._estimated.get(src_id)
         if estimated:
@@ -455,7 +470,8 @@ class NetworkModel:
         if fresh and estimate is not None:
             path.measured_bps, path.rtt_s = estimate.bandwidth_bps, estimate.rtt_s
         else:
-            path.measured_bps, path.rtt_s = 0.0, topology.base_rtt_s(src_id, dst_id)
+            base_rtt_s = topology.base_rtt_s(src_id, dst_id)
+            path.measured_bps, path.rtt_s = 0.0, max(base_rtt_s, self._unmeasured_rtt_s)
         if path.links:
             path.bps, path.bottleneck, path.flows = _share(path, None)
         else:

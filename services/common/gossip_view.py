@@ -424,14 +424,13 @@ class ViewCache:
         clock for every replica, so an unchanged measurement keeps its age across refreshes.
         A path decisions have measured takes their fixed cost and rate instead of the
         probe's (probes move one size class; decisions move KV of every size, under the
-        load the cluster really carries) — unless its probe says it is down. A probed path
-        no decision has used yet is priced with at least the fixed cost the used ones show.
+        load the cluster really carries) — unless its probe says it is down. A path no decision
+        has used yet is priced with at least the fixed cost the used ones show.
         """
         network = NetworkModel(self.inputs.topology, self.inputs.staleness)
         if self._state is not None:
             network.carry_paths(self._state.cost.network)
         fitted = dict(corrections.links)
-        fresh_pairs: set[tuple[str, str]] = set()
         for link in links:
             sample = link.sample
             pair = (sample.src_instance_id, sample.dst_instance_id)
@@ -447,8 +446,6 @@ class ViewCache:
                 # the set-up the others measured.
                 bandwidth_bps = sample.bandwidth_bps
                 rtt_s = corrections.unmeasured_rtt_s(sample.rtt_s)
-            if snapshot.fetched_at_s - measured_at_s <= self.inputs.staleness.stale_after_s:
-                fresh_pairs.add(pair)
             network.set_link_estimate(
                 *pair,
                 LinkEstimate(
@@ -460,7 +457,6 @@ class ViewCache:
             )
         for (src_id, dst_id), learned in fitted.items():
             if self._in_topology(src_id) and self._in_topology(dst_id):
-                fresh_pairs.add((src_id, dst_id))
                 network.set_link_estimate(
                     src_id,
                     dst_id,
@@ -471,39 +467,9 @@ class ViewCache:
                         samples=learned.samples,
                     ),
                 )
-        if corrections.new_link_fixed_s > 0.0:
-            self._price_unmeasured(network, fresh_pairs, corrections, snapshot.fetched_at_s)
+        network.set_unmeasured_rtt(corrections.new_link_fixed_s)
         network.set_flows(self._link_flows(snapshot.flows))
         return network
-
-    def _price_unmeasured(
-        self,
-        network: NetworkModel,
-        fresh_pairs: set[tuple[str, str]],
-        corrections: Corrections,
-        now_s: float,
-    ) -> None:
-        """Every prefill → decode pair with neither a fit nor a fresh probe: the topology's
-        capacity, and at least the fixed cost the measured pairs show (a first transfer
-        over a new pair pays the same calls and more)."""
-        topology = self.inputs.topology
-        prefills = [i for i, spec in topology.instances.items() if spec.role is Role.PREFILL]
-        decodes = [i for i, spec in topology.instances.items() if spec.role is Role.DECODE]
-        for src_id in prefills:
-            for dst_id in decodes:
-                path = topology.path_links(src_id, dst_id)
-                if (src_id, dst_id) in fresh_pairs or not path:
-                    continue
-                network.set_link_estimate(
-                    src_id,
-                    dst_id,
-                    LinkEstimate(
-                        bandwidth_bps=min(topology.link_capacity_bps(link) for link in path),
-                        rtt_s=corrections.unmeasured_rtt_s(topology.base_rtt_s(src_id, dst_id)),
-                        measured_at_s=now_s,
-                        samples=0,
-                    ),
-                )
 
     def _instance_state(
         self, node: NodeRecord, corrections: Corrections, now_s: float, reported_at_s: float

@@ -189,3 +189,22 @@ def test_a_model_that_carries_paths_prices_fan_outs_as_a_fresh_one() -> None:
     carrying.carry_paths(before)
     assert carrying._fan_paths.keys() == before._fan_paths.keys()
     assert priced(carrying) == priced(NetworkModel(topology))
+
+
+def test_an_unmeasured_path_pays_at_least_the_fixed_cost_measured_ones_show() -> None:
+    network = NetworkModel(rack_topology(), StalenessPolicy(stale_after_s=5.0))
+    network.set_link_estimate("p", "d2", LinkEstimate(50e9, 2e-4, measured_at_s=0.0, samples=1))
+    network.set_unmeasured_rtt(0.02)
+    # Never measured: the floor, in the single path and in the fan-out alike.
+    assert network.transfer("p", "d", 10**6, now_s=1.0).rtt_s == pytest.approx(0.02)
+    table = network.fan_out("p", ("d", "d2", "p"), now_s=1.0)
+    assert table.rtt_s[0] == pytest.approx(0.02)
+    # Freshly measured: its own fixed cost; once stale, the floor again.
+    assert network.transfer("p", "d2", 10**6, now_s=1.0).rtt_s == pytest.approx(2e-4)
+    assert table.rtt_s[1] == pytest.approx(2e-4)
+    assert network.transfer("p", "d2", 10**6, now_s=10.0).rtt_s == pytest.approx(0.02)
+    # Nothing to move to itself.
+    assert network.transfer("p", "p", 10**6, now_s=1.0).transfer_s == 0.0
+    assert table.rtt_s[2] == 0.0
+    with pytest.raises(InvalidArgument, match="rtt_s"):
+        network.set_unmeasured_rtt(-1.0)
