@@ -242,7 +242,8 @@ class ViewCache:
     def assign(self, instance_id: str, work_s: float) -> None:
         """Work just sent to `instance_id`: its W(x) in the current view rises now, so the
         next decision (a burst's next placement, milliseconds later) sees it; the next
-        refresh reads it again from the assigned work, until a heartbeat reports it."""
+        periodic refresh reads it again from the assigned work, until a heartbeat reports
+        it, so no fetch from gossip is asked for per decision."""
         state = self._state
         known = None if state is None else state.cluster.instances.get(instance_id)
         if state is None or known is None or work_s <= 0.0:
@@ -250,7 +251,6 @@ class ViewCache:
         raised = dataclasses.replace(known, wait_s=known.wait_s + work_s)
         cluster = state.cluster.updated({instance_id: raised}, now_s=state.cluster.now_s)
         self._state = dataclasses.replace(state, cluster=cluster)
-        self.request_refresh()
 
     def request_refresh(self) -> None:
         self._wake.set()
