@@ -87,6 +87,10 @@ class AgentConfig:
     """TCPStore port; 0 picks a free one (see `TransferAgent.address`)."""
     timeout_s: float = 30.0
     """Longest wait for any single step (join, one message); then the pair is closed."""
+    connect_timeout_s: float = 5.0
+    """Longest wait to reach a receiver's store before joining its pair. A refused
+    connection (nothing listens: the receiver is gone) fails at once, so tickets of dead
+    receivers never hold the transfer threads that live ones need."""
     pacing_bps: float | None = None
     """Default cap on the send rate, bits/s (emulates a slower link); None: no cap."""
     chunk_tokens: int = 0
@@ -141,7 +145,9 @@ class TransferAgent(KvSender, KvReceiver):
         self._tracer = trace.get_tracer("libkvxfer", tracer_provider=tracer_provider)
         self._store = _bound_store(config.host, config.port)
         self._inbound = InboundPairs(self._store, config.host, config.timeout_s)
-        self._outbound = OutboundPairs(self.incarnation, config.host, config.timeout_s)
+        self._outbound = OutboundPairs(
+            self.incarnation, config.host, config.timeout_s, config.connect_timeout_s
+        )
         self._tags = itertools.count(1)
         self._tag_lock = threading.Lock()
         self._abandoned: set[str] = set()

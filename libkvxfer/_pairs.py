@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -210,10 +211,13 @@ class OutboundPairs:
     a newer one has joined.
     """
 
-    def __init__(self, incarnation: str, host: str, timeout_s: float) -> None:
+    def __init__(
+        self, incarnation: str, host: str, timeout_s: float, connect_timeout_s: float
+    ) -> None:
         self._incarnation = incarnation
         self._host = host
         self._timeout_s = timeout_s
+        self._connect_timeout_s = min(connect_timeout_s, timeout_s)
         self._lock = threading.Lock()
         self._pairs: dict[tuple[str, str], _Outbound] = {}
         self._stores: dict[tuple[str, str], Store] = {}
@@ -260,6 +264,7 @@ class OutboundPairs:
         if store is not None:
             return store
         host, _, port = address.rpartition(":")
+        _probe(host, port, self._connect_timeout_s)
         try:
             store = TCPStore(
                 host,
@@ -305,6 +310,16 @@ class OutboundPairs:
             self._stores.clear()
         for pair in pairs:
             _close_joined(pair)
+
+
+def _probe(host: str, port: str, timeout_s: float) -> None:
+    """Fails fast where the receiver's store cannot be reached: TCPStore's own client
+    retries a refused connection for up to twice its timeout."""
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        raise PeerLost(f"receiver store {host}:{port} unreachable: {exc}") from exc
 
 
 def _close_joined(pair: _Outbound | None) -> None:

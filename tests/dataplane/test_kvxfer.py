@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import signal
+import socket
 import threading
 import time
 
@@ -275,3 +278,39 @@ def test_a_ticket_missing_a_field_names_it():
     with pytest.raises(InvalidArgument) as info:
         TransferTicket.from_dict({"transfer_id": "x"})
     assert info.value.field.startswith("ticket.")
+
+
+def test_tickets_of_gone_receivers_do_not_hold_the_threads_a_live_transfer_needs():
+    """More tickets naming a store nobody listens on than the sender has transfer threads:
+    each fails PeerLost at once, so a live transfer queued behind them is not held for the
+    join timeout (TCPStore alone retries a refused connection for twice that)."""
+    receiver = TransferAgent(AgentConfig("gone-recv", timeout_s=30))
+    sender = TransferAgent(AgentConfig("gone-send", timeout_s=30, max_concurrent_transfers=2))
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        gone_address = f"127.0.0.1:{closed.getsockname()[1]}"
+    spec = KvSpec(seed=14, tokens=8)
+    kv = make_kv(spec)
+
+    async def send_all():
+        gone = [
+            dataclasses.replace(
+                receiver.prepare("gone-send", f"req-gone-{i}", 0, 8),
+                receiver_incarnation=f"gone-{i}",
+                rendezvous_address=gone_address,
+            )
+            for i in range(4)
+        ]
+        live = receiver.prepare("gone-send", "req-live", 0, 8)
+        results = asyncio.gather(*(sender.send_async(t, kv) for t in gone), return_exceptions=True)
+        received = asyncio.to_thread(receiver.recv, live, KvLayout(3, 2, 16, torch.float64))
+        sent = sender.send_async(live, kv)
+        return await asyncio.wait_for(asyncio.gather(results, received, sent), timeout=20)
+
+    try:
+        failures, received, _ = asyncio.run(send_all())
+    finally:
+        receiver.close()
+        sender.close()
+    assert [type(f).__name__ for f in failures] == ["PeerLost"] * 4
+    assert received.stats.kv_bytes == 8 * 2 * 3 * 2 * 16 * 8
