@@ -32,7 +32,7 @@ from typing import Protocol
 
 from opentelemetry.trace import Tracer
 
-from kvrs.errors import InvalidArgument, KvrsError
+from kvrs.errors import InvalidArgument, KvrsError, NotFound
 from kvrs.learning import Terms
 from kvrs.recovery import Action, kv_tokens_moved
 from kvrs.sampling import Sampling
@@ -290,19 +290,40 @@ class RecoveryExecutor:
     async def _who_failed(
         self, run: Run, target: Endpoint, source: Endpoint, exc: KvrsError
     ) -> Lost:
-        """After a failed pull: the target if it is gone, else the source's KV is lost."""
+        """After a failed pull: the side that stopped answering, else what the error says.
+
+        When both sides answer, only a NotFound says the source lost the KV (released,
+        expired or evicted). Any other failure (a timeout, a broken pair) was the path
+        between them: the source still holds the KV, so the request goes on from it to
+        another target rather than being recomputed, and the target, whose pull broke,
+        is the one left out.
+        """
         target_alive, source_alive = await asyncio.gather(
             self.workers.is_alive(target, ALIVE_CHECK_TIMEOUT_S),
             self.workers.is_alive(source, ALIVE_CHECK_TIMEOUT_S),
         )
         if not target_alive:
             return Lost(target.instance_id, DETECTED_BY_TRANSFER, f"pull target lost: {exc}")
+        if not source_alive:
+            return Lost(
+                source.instance_id,
+                DETECTED_BY_TRANSFER,
+                f"pull source lost: {exc}",
+                source_lost=True,
+            )
+        if isinstance(exc, NotFound):
+            return Lost(
+                source.instance_id,
+                DETECTED_BY_TRANSFER,
+                f"pull source lost the KV: {exc}",
+                source_lost=True,
+                unreachable=False,
+            )
         return Lost(
-            source.instance_id,
+            target.instance_id,
             DETECTED_BY_TRANSFER,
-            f"pull source {'lost' if not source_alive else 'failed'}: {exc}",
-            source_lost=True,
-            unreachable=not source_alive,
+            f"pull from {source.instance_id} failed on the way: {exc}",
+            unreachable=False,
         )
 
     async def _lost_one(self, run: Run, at: Endpoint, exc: KvrsError) -> Lost:
