@@ -444,22 +444,32 @@ class HeartbeatLoop:
             return
         load = await self._current_load()
         try:
-            try:
-                await self._send(load)
-                return
-            except (errors.NotFound, errors.FailedPrecondition) as exc:
-                log.warning("registering %s again: %s", instance_id, exc)
-                declared_failed = isinstance(exc, errors.FailedPrecondition)
-            await self._register()
-            self.declared_failed = declared_failed
             await self._send(load)
+            return
+        except (errors.NotFound, errors.FailedPrecondition) as exc:
+            log.warning("registering %s again: %s", instance_id, exc)
+            declared_failed = isinstance(exc, errors.FailedPrecondition)
         except errors.KvrsError as exc:
             log.warning("heartbeat of %s failed, retrying: %s", instance_id, exc)
             return
+        try:
+            await self._register()
+        except errors.KvrsError as exc:
+            # The next beat is refused again and registers again.
+            log.warning("registering %s again failed, retrying: %s", instance_id, exc)
+            return
+        self.declared_failed = declared_failed
+        # Once registered the instance must drop what the cluster gave up on, whatever
+        # becomes of the beat that follows: the next one would be accepted, and the
+        # callback never called.
         if self._on_reregistered is not None:
             outcome = self._on_reregistered()
             if inspect.isawaitable(outcome):
                 await outcome
+        try:
+            await self._send(await self._current_load())
+        except errors.KvrsError as exc:
+            log.warning("heartbeat of %s failed, retrying: %s", instance_id, exc)
 
     async def _run(self, interval_s: float) -> None:
         loop = asyncio.get_running_loop()

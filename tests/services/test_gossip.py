@@ -567,6 +567,38 @@ async def test_heartbeat_loop_keeps_an_instance_alive_and_rejoins_after_failure(
     assert events[3].reason == "drained"
 
 
+async def test_a_rejoin_drops_the_given_up_work_even_when_the_beat_after_it_fails(client):
+    """The instance left the registry; it registers again, and the beat right after
+    that fails. The callback must run anyway: the next beat is accepted, and nothing
+    would call it then."""
+    rejoined: list[int] = []
+    loop = HeartbeatLoop(
+        client,
+        decode("decode-0"),
+        interval_s=0.1,
+        on_reregistered=lambda: rejoined.append(loop.registrations),
+    )
+    await loop.start()
+    send = loop._stream.heartbeat
+    failed_after_rejoin: list[bool] = []
+
+    async def breaks_once_after_the_rejoin(*args, **kwargs):
+        if loop.registrations == 2 and not failed_after_rejoin:
+            failed_after_rejoin.append(True)
+            raise errors.Unavailable("the stream broke")
+        return await send(*args, **kwargs)
+
+    loop._stream.heartbeat = breaks_once_after_the_rejoin
+    await client.deregister("decode-0")
+    for _ in range(60):
+        if rejoined:
+            break
+        await asyncio.sleep(0.05)
+    await loop.stop(deregister=False)
+    assert failed_after_rejoin, "the beat after the re-registration did not fail"
+    assert rejoined == [2]
+
+
 # -- suspect, then confirm ---------------------------------------------------------------
 
 
