@@ -18,6 +18,23 @@ CORPUS = [
     "Recompute the prefix, migrate the rest, or do both at once.",
 ] * 8
 
+HEADERS_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+"""Shaped like Llama 3's: the BOS written by the template, headers, trimmed contents."""
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Only system, user and assistant roles are supported') }}{% endif %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""Shaped like Qwen2's: no BOS, a default system turn, unknown roles refused."""
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "max_position_embeddings": 2048}
 
 
@@ -44,10 +61,17 @@ def train_tokenizer(vocab_size: int, bos: bool = True):
 
 
 def save_checkpoint(
-    path: Path, architecture: str, dtype: torch.dtype = torch.float32, seed: int = 0, **config
+    path: Path,
+    architecture: str,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    chat_template: str | None = None,
+    **config,
 ) -> Path:
     """A random `architecture` (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-    OPTForCausalLM) saved under `path` with a trained tokenizer; `config` overrides."""
+    OPTForCausalLM) saved under `path` with a trained tokenizer; `config` overrides.
+    With `chat_template`, the tokenizer is saved by `transformers` with that template
+    and its <s> / </s> as BOS and EOS."""
     import transformers
 
     tokenizer = train_tokenizer(config.pop("vocab_size", 320))
@@ -74,5 +98,19 @@ def save_checkpoint(
             else:
                 parameter.normal_(0.0, 0.1)
     model.to(dtype).save_pretrained(path)
-    tokenizer.save(str(path / "tokenizer.json"))
+    if chat_template is None:
+        tokenizer.save(str(path / "tokenizer.json"))
+    else:
+        save_chat_tokenizer(path, tokenizer, chat_template)
     return path
+
+
+def save_chat_tokenizer(path: Path, tokenizer, chat_template: str) -> None:
+    """`tokenizer` written by `transformers`' own `save_pretrained`, with a chat template."""
+    import transformers
+
+    wrapped = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>"
+    )
+    wrapped.chat_template = chat_template
+    wrapped.save_pretrained(path)

@@ -1,10 +1,13 @@
 """OpenAI's chat completions API on the completions path: a conversation becomes one prompt.
 
-The conversation is rendered with one fixed template whatever the checkpoint (its own
-chat template is not applied); `render` writes every message as `<|role|>`, a newline, its
-text and a newline, then opens the reply with `<|assistant|>` and a newline. The
-endpoint picker renders request bodies the same way, so the prefix blocks it hashes for
-placement are the blocks the prefill worker caches.
+The conversation is rendered with the checkpoint's own chat template where it has one
+(`services.common.chat_template`: each message's role and its text), and encoded
+without the tokenizer's added special tokens, as `transformers`' `apply_chat_template`
+does. Without one (the embedded default, a cost-model preset) `render` writes every
+message as `<|role|>`, a newline, its text and a newline, then opens the reply with
+`<|assistant|>` and a newline. The endpoint picker renders request bodies the same way
+(`prompt_ids`), so the prefix blocks it hashes for placement are the blocks the prefill
+worker caches.
 
 Served: `messages` (roles system, developer, user, assistant; content a string or a
 list of text parts), `max_completion_tokens` (or the older `max_tokens`; default: the
@@ -64,11 +67,12 @@ _KNOWN_FIELDS = frozenset(
 )
 
 
-def render(messages: Any, field: str = "messages") -> str:
-    """The prompt text of a conversation (see the module docstring for the template)."""
+def turns(messages: Any, field: str = "messages") -> list[dict[str, str]]:
+    """The conversation as role and text content per message, or InvalidArgument naming
+    the first field that is not one."""
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument(field, "must be a non-empty list of messages")
-    parts = []
+    checked = []
     for index, message in enumerate(messages):
         where = f"{field}[{index}]"
         if not isinstance(message, Mapping):
@@ -78,9 +82,25 @@ def render(messages: Any, field: str = "messages") -> str:
             raise InvalidArgument(
                 f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}"
             )
-        parts.append(f"<|{role}|>\n{_text(message.get('content'), f'{where}.content')}\n")
+        checked.append({"role": role, "content": _text(message.get("content"), f"{where}.content")})
+    return checked
+
+
+def render(messages: Any, field: str = "messages") -> str:
+    """The prompt text of a conversation in the fixed template (the module docstring)."""
+    parts = [f"<|{turn['role']}|>\n{turn['content']}\n" for turn in turns(messages, field)]
     parts.append("<|assistant|>\n")
     return "".join(parts)
+
+
+def prompt_ids(messages: Any, codec: TextCodec | None = None, field: str = "messages") -> list[int]:
+    """The prompt of a conversation as the model sees it: its own chat template where
+    `codec` has one, else the fixed one."""
+    codec = codec or byte_level_codec()
+    if codec.chat_template is None:
+        return codec.encode(render(messages, field))
+    text = codec.chat_template.render(turns(messages, field), field)
+    return codec.encode(text, special_tokens=False)
 
 
 def _text(content: Any, field: str) -> str:
@@ -112,7 +132,7 @@ def parse_chat_request(
     model = check_model_and_fields(body, served_model, _KNOWN_FIELDS, ENDPOINT, aliases)
     if "messages" not in body:
         raise InvalidArgument("messages", "is required")
-    prompt = (codec or byte_level_codec()).encode(render(body["messages"]))
+    prompt = prompt_ids(body["messages"], codec)
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = body.get(field)
     return CompletionRequest(

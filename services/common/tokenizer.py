@@ -27,6 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from kvrs.errors import InvalidArgument
 from kvrs.model import checkpoint_dir, read_checkpoint_config
 from kvrs.tokenizer import BYTE_TOKENS, SPECIAL_TOKENS, validate_token_ids
+from services.common.chat_template import ChatTemplate, load_chat_template
 
 __all__ = ["TextCodec", "TokenStream", "byte_level_codec", "byte_level_tokenizer", "load_codec"]
 
@@ -98,15 +99,18 @@ class TextCodec:
     name: str
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...] = ()
+    chat_template: ChatTemplate | None = None
+    """The checkpoint's own; None: chat prompts use the adapter's fixed template."""
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """The ids a Hugging Face pipeline feeds for `text` (special tokens the
-        tokenizer's post-processor adds, such as a BOS, included)."""
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """The ids a Hugging Face pipeline feeds for `text`: with the special tokens the
+        tokenizer's post-processor adds (such as a BOS) unless `special_tokens` is False
+        (text a chat template rendered, which writes its own)."""
+        return self.tokenizer.encode(text, add_special_tokens=special_tokens).ids
 
     def decode(self, token_ids: Iterable[int]) -> str:
         """The text of `token_ids`, special tokens dropped."""
@@ -134,8 +138,9 @@ def byte_level_codec() -> TextCodec:
 
 
 def load_codec(model: str) -> TextCodec:
-    """The tokenizer of `model`: a checkpoint directory's tokenizer.json (and the EOS ids
-    of its generation_config.json or config.json), else the byte-level vocabulary.
+    """The tokenizer of `model`: a checkpoint directory's tokenizer.json (with the EOS ids
+    of its generation_config.json or config.json, and its chat template), else the
+    byte-level vocabulary.
 
     InvalidArgument("model") names the missing or unreadable file.
     """
@@ -155,4 +160,4 @@ def load_codec(model: str) -> TextCodec:
     if os.path.isfile(generation):
         with open(generation, encoding="utf-8") as handle:
             eos = _eos_ids(json.load(handle)) or eos
-    return TextCodec(model, tokenizer, eos)
+    return TextCodec(model, tokenizer, eos, load_chat_template(path))

@@ -40,7 +40,7 @@ from kvrs.v1 import scheduler_pb2
 from services.common import openai_chat as chat
 from services.common.metrics import Metrics
 from services.common.openai_protocol import prompt_token_ids
-from services.common.tokenizer import TextCodec, byte_level_codec
+from services.common.tokenizer import TextCodec
 from services.epp.endpoints import EndpointDirectory, Endpoints
 
 DECISION = "epp_pick"
@@ -127,7 +127,7 @@ def prompt_info(body: bytes, block_tokens: int, codec: TextCodec | None = None) 
     if "prompt" in request:
         prompts = prompt_token_ids(request["prompt"], codec=codec)
     elif "messages" in request:
-        prompts = [(codec or byte_level_codec()).encode(chat.render(request["messages"]))]
+        prompts = [chat.prompt_ids(request["messages"], codec)]
     else:
         return PromptInfo(0)
     return PromptInfo(

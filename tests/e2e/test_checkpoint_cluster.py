@@ -1,6 +1,7 @@
 """`kvrs up --model DIR` on a checkpoint written by `transformers`: the OpenAI adapter's
 greedy completion is what `transformers` generates from the same directory, token for
-token, after a prefill, a KV transfer and a decode on different worker processes.
+token, after a prefill, a KV transfer and a decode on different worker processes; a chat
+completion starts from the prompt the checkpoint's own chat template renders.
 
 The checkpoint is a Llama with its own grouped-query layout, RoPE base and BPE
 tokenizer, none of them the embedded default's, so nothing but the loader connects the
@@ -9,13 +10,15 @@ cluster to the files.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import openai
 import pytest
 import torch
 
 from kvrs.cli.launcher import ClusterState
 from services.common.tokenizer import load_codec
-from tests.checkpoints import save_checkpoint
+from tests.checkpoints import HEADERS_TEMPLATE, save_checkpoint
 from tests.e2e.test_local_cluster import force_down, kvrs
 from tests.hf_reference import greedy
 
@@ -30,6 +33,7 @@ def checkpoint(tmp_path_factory):
         "LlamaForCausalLM",
         dtype=torch.float32,
         seed=7,
+        chat_template=HEADERS_TEMPLATE,
         vocab_size=400,
         hidden_size=96,
         num_attention_heads=6,
@@ -76,9 +80,26 @@ def test_the_openai_adapter_completes_as_transformers_generates(
             model="llama-gqa-test", prompt=PROMPT, max_tokens=40, temperature=0, stream=True
         )
         assert "".join(c.text for chunk in stream for c in chunk.choices) == choice.text
+        messages = [{"role": "user", "content": PROMPT}]
+        chat_ids = reference_chat_ids(checkpoint, messages)
+        reply = client.chat.completions.create(
+            model="llama-gqa-test", messages=messages, max_tokens=24, temperature=0
+        )
+        assert reply.usage.prompt_tokens == len(chat_ids)
+        expected_reply = greedy(str(checkpoint), chat_ids, 24, stop_at_eos=True)
+        assert reply.choices[0].message.content == codec.decode(expected_reply)
     finally:
         kvrs("down", "--dir", str(run_dir), timeout_s=60)
         force_down(run_dir)
+
+
+def reference_chat_ids(path, messages) -> list[int]:
+    from transformers import AutoTokenizer
+
+    out = AutoTokenizer.from_pretrained(str(path)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
+    return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
 
 def test_up_refuses_a_directory_that_is_no_supported_checkpoint(tmp_path):
