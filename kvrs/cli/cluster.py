@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrs.cli.launcher import DEFAULT_RUN_DIR
-from kvrs.model import DEFAULT_MODEL
+from kvrs.model import BLOCK_TOKENS_VARIABLE, DEFAULT_MODEL
 
 _BPS_PER_GBPS = 1e9
 
@@ -34,6 +34,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     if command == "up":
         add_model_argument(parser)
+        parser.add_argument(
+            "--block-tokens",
+            type=_positive_int,
+            default=0,
+            help="tokens per KV block, the unit workers allocate and cache prefixes in "
+            "and placement hashes prompts by (default KVRS_BLOCK_TOKENS, else 512)",
+        )
         parser.add_argument(
             "--tls",
             action="store_true",
@@ -135,12 +142,16 @@ def _up(args: argparse.Namespace) -> int:
     profile_file = args.profile_file.resolve() if args.profile_file else None
     if not os.environ.get("REDIS_URL"):
         find_redis_server()  # a missing Redis fails now, not after calibrating
+    if args.block_tokens:
+        # This process prices and calibrates with the cluster's block size too.
+        os.environ[BLOCK_TOKENS_VARIABLE] = str(args.block_tokens)
     model = checked_model(args.model)
     if args.calibrate:
         profile_file = calibrate_into(args.dir, model)
     options = ClusterOptions(
         run_dir=args.dir,
         workers_model=model,
+        block_tokens=args.block_tokens,
         tls=args.tls,
         otlp_endpoint=args.otlp_endpoint,
         base_port=args.base_port,
@@ -215,6 +226,16 @@ def urls(state: Any, otlp_endpoint: str = "") -> list[str]:
             "/search?service=kvrs-router"
         )
     return lines
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
-"""`kvrs up --model DIR` on a checkpoint written by `transformers`: the OpenAI adapter's
-greedy completion is what `transformers` generates from the same directory, token for
-token, after a prefill, a KV transfer and a decode on different worker processes; a chat
-completion starts from the prompt the checkpoint's own chat template renders.
+"""`kvrs up --model DIR --block-tokens 64` on a checkpoint written by `transformers`:
+the OpenAI adapter's greedy completion is what `transformers` generates from the same
+directory, token for token, after a prefill, a KV transfer and a decode on different
+worker processes, which allocate KV in blocks of 64; a chat completion starts from the
+prompt the checkpoint's own chat template renders.
 
 The checkpoint is a Llama with its own grouped-query layout, RoPE base and BPE
 tokenizer, none of them the embedded default's, so nothing but the loader connects the
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import grpc
 import openai
 import pytest
 import torch
 
 from kvrs.cli.launcher import ClusterState
+from kvrs.v1 import worker_pb2, worker_pb2_grpc
 from services.common.tokenizer import load_codec
 from tests.checkpoints import HEADERS_TEMPLATE, save_checkpoint
 from tests.e2e.test_local_cluster import force_down, kvrs
@@ -51,9 +54,25 @@ def test_the_openai_adapter_completes_as_transformers_generates(
     run_dir = tmp_path / "cluster"
     env = {"REDIS_URL": redis_url, "KVRS_REDIS_PREFIX": redis_prefix}
     try:
-        up = kvrs("up", "--dir", str(run_dir), "--model", str(checkpoint), env=env, timeout_s=180)
+        up = kvrs(
+            "up",
+            "--dir",
+            str(run_dir),
+            "--model",
+            str(checkpoint),
+            "--block-tokens",
+            "64",
+            env=env,
+            timeout_s=180,
+        )
         assert up.returncode == 0, f"{up.stdout}\n{up.stderr}"
         state = ClusterState.load(run_dir)
+        for worker in ("prefill-0", "decode-0"):
+            with grpc.insecure_channel(state.address(worker)) as channel:
+                stats = worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerStats(
+                    worker_pb2.GetWorkerStatsRequest(), timeout=10
+                )
+            assert stats.block_tokens == 64, f"{worker} allocates blocks of {stats.block_tokens}"
         client = openai.OpenAI(
             base_url=f"http://{state.address('openai-http')}/v1",
             api_key="unused",

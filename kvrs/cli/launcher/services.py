@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrs.cli.launcher.errors import ClusterError
-from kvrs.model import DEFAULT_MODEL
+from kvrs.model import BLOCK_TOKENS_VARIABLE, DEFAULT_MODEL
 
 DEFAULT_RUN_DIR = "runs/local"
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -31,6 +31,9 @@ class ClusterOptions:
     workers_model: str = DEFAULT_MODEL
     """The model of every service (KVRS_MODEL): a checkpoint directory the workers load,
     whose config.json the cost model prices, or an embedded checkpoint's name."""
+    block_tokens: int = 0
+    """The cluster's prefix-block size (KVRS_BLOCK_TOKENS of every process); 0 = what the
+    environment says, else 512."""
     tls: bool = False
     """Generate dev certificates and run every hop over mTLS."""
     otlp_endpoint: str = ""
@@ -258,6 +261,8 @@ def common_env(wiring: Wiring, tls_dir: Path | None, redis_url: str, redis_prefi
         "KVRS_LOG_LEVEL": options.log_level,
         "PYTHONUNBUFFERED": "1",
     }
+    if options.block_tokens:
+        env[BLOCK_TOKENS_VARIABLE] = str(options.block_tokens)
     if options.otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = options.otlp_endpoint
     if options.profile_file is not None:
