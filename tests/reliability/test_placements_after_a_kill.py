@@ -25,6 +25,9 @@ from kvrs.v1 import gossip_pb2, gossip_pb2_grpc, router_pb2, router_pb2_grpc
 TTL_S = 20.0
 PROMPT_TOKENS = 32
 LONG_TOKENS = 256
+VICTIM_TOKENS = 1024
+"""Long enough that the victim is still decoding when the kill lands on a loaded machine
+(at 256 tokens it once finished first, and nothing broke for the router to hear)."""
 SHORT_TOKENS = 8
 WORKERS = ("prefill-0", "decode-0", "decode-1")
 CLUSTER_SERVICES = ("gossip", "slot-broker", "scheduler-1", *WORKERS, "router")
@@ -73,7 +76,7 @@ async def test_requests_placed_right_after_a_kill_9_avoid_the_dead_decode_worker
     requests would go to decode-0. It is killed; the requests placed right after go to
     decode-1 with no recovery, while gossip still lists decode-0 alive."""
     busy = [new_request(i, LONG_TOKENS, "decode-1") for i in range(4)]
-    victim = new_request(9, LONG_TOKENS, "decode-0")
+    victim = new_request(9, VICTIM_TOKENS, "decode-0")
     async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         tasks = [asyncio.create_task(run(stub, s)) for s in busy]
