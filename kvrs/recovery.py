@@ -754,20 +754,30 @@ def _within_error(
     reason: str,
     margins: Mapping[str, float],
 ) -> tuple[OptionCost, str]:
-    """MIGRATE unless the cheaper option beats it by more than its own measured error.
+    """MIGRATE unless the cheaper option still wins with both predictions at the upper end
+    of their measured errors.
 
     MIGRATE moves no compute; RECOMPUTE and HYBRID add work whose predictions have their
-    own error, so a point estimate a hair below MIGRATE's is no reason to take them.
+    own error, so a point estimate a hair below MIGRATE's is no reason to take them, when
+    MIGRATE's predictions have proved closer. An action with no outcomes yet has no record
+    to trust: it counts as uncertain as the least certain one measured, so learning the
+    error of one option alone never tilts a decision towards another nobody has measured.
     """
     migrate = options[0]
     if chosen is migrate or not migrate.feasible or migrate.action is not Action.MIGRATE:
         return chosen, reason
-    error = margins.get(chosen.action.value, 0.0)
-    if chosen.cost_s * (1.0 + error) < migrate.cost_s:
-        return chosen, f"{reason}; wins by more than its measured error ({100 * error:.0f} %)"
+    unmeasured = max(margins.values(), default=0.0)
+    error = margins.get(chosen.action.value, unmeasured)
+    migrate_error = margins.get(Action.MIGRATE.value, unmeasured)
+    if chosen.cost_s * (1.0 + error) < migrate.cost_s * (1.0 + migrate_error):
+        return chosen, (
+            f"{reason}; wins by more than the measured errors ({100 * error:.0f} % against "
+            f"MIGRATE's {100 * migrate_error:.0f} %)"
+        )
     return migrate, (
-        f"MIGRATE: {chosen.action.name} is cheaper by less than its measured error "
-        f"({chosen.cost_s:.4f} s · (1 + {error:.2f}) >= {migrate.cost_s:.4f} s)"
+        f"MIGRATE: {chosen.action.name} is cheaper by less than the measured errors "
+        f"({chosen.cost_s:.4f} s · (1 + {error:.2f}) >= {migrate.cost_s:.4f} s · "
+        f"(1 + {migrate_error:.2f}))"
     )
 
 

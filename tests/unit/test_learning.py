@@ -213,11 +213,23 @@ def test_a_more_complex_option_must_beat_migrate_by_more_than_its_measured_error
     migrate = next(o for o in plain.options if o.action is Action.MIGRATE)
     assert plain.action is Action.HYBRID and plain.cost_s < migrate.cost_s
     gain = 1.0 - plain.cost_s / migrate.cost_s
-    cautious_cost, _ = _cluster({"hybrid": 2 * gain})
+    cautious_cost, _ = _cluster({"hybrid": 2 * gain, "migrate": 0.0})
     cautious = Kvrs().decide(request, view, cautious_cost, 0.0)
     assert cautious.action is Action.MIGRATE and "measured error" in cautious.reason
-    bold_cost, _ = _cluster({"hybrid": gain / 2})
+    bold_cost, _ = _cluster({"hybrid": gain / 2, "migrate": 0.0})
     assert Kvrs().decide(request, view, bold_cost, 0.0).action is Action.HYBRID
+    # MIGRATE's own error counts too: as unsure as HYBRID, it no longer wins.
+    even_cost, _ = _cluster({"hybrid": 2 * gain, "migrate": 2 * gain})
+    assert Kvrs().decide(request, view, even_cost, 0.0).action is Action.HYBRID
+
+
+def test_an_option_nobody_measured_is_not_taken_for_an_exact_one() -> None:
+    """Only HYBRID's error is known (MIGRATE was never chosen): MIGRATE counts as that
+    uncertain too, so the measured error alone does not turn the HYBRID into a MIGRATE."""
+    request = RecoveryRequest("r", prompt_tokens=4000, generated_tokens=10, source_prefill_id="p0")
+    cost, view = _cluster({"hybrid": 1.0})
+    decision = Kvrs().decide(request, view, cost, 0.0)
+    assert decision.action is Action.HYBRID, decision.reason
 
 
 def test_abort_checks_the_upper_end_of_the_prediction() -> None:
