@@ -8,6 +8,7 @@ interceptors propagate W3C trace context across every hop, and `traceparent()` /
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 
@@ -29,6 +30,27 @@ __all__ = [
 ]
 
 
+class _StreamClosedElsewhere(logging.Filter):
+    """Drops OpenTelemetry's "Failed to detach context" error when a span's context token
+    belongs to another context: the gRPC server interceptor keeps a streaming RPC's span
+    current across the handler's yields, and when a client hangs up the stream's
+    generator is closed from another task. The span still ends and is exported; only the
+    reset of a context that is already gone fails, and it would print a traceback at
+    ERROR for every stream a client cancels."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (
+            record.getMessage() == "Failed to detach context"
+            and isinstance(exc, ValueError)
+            and "was created in a different Context" in str(exc)
+        )
+
+
+_CONTEXT_LOG = logging.getLogger("opentelemetry.context")
+_CONTEXT_FILTER = _StreamClosedElsewhere()
+
+
 def setup_tracing(
     service_name: str,
     exporter: SpanExporter | None = None,
@@ -40,6 +62,7 @@ def setup_tracing(
     otherwise they are batched to OTEL_EXPORTER_OTLP_ENDPOINT when it is set, and only
     recorded in-process when it is not.
     """
+    _CONTEXT_LOG.addFilter(_CONTEXT_FILTER)  # once: adding the same filter again is a no-op
     source = os.environ if env is None else env
     name = source.get("OTEL_SERVICE_NAME") or service_name
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,6 +33,8 @@ async def _stream(request, context):
     yield Response(status=Response.SERVING)
     if request.service == "invalid":
         raise InvalidArgument("service", "rejected mid-stream")
+    while request.service == "forever":
+        yield Response(status=Response.SERVING)
 
 
 def _register(server: grpc.aio.Server) -> None:
@@ -45,14 +50,21 @@ def _register(server: grpc.aio.Server) -> None:
 
 
 @pytest.fixture
-async def probe_channel():
+async def traced_probe():
+    """A channel to the probe service and the exporter its server's spans go to."""
     settings = GrpcSettings()
-    provider = setup_tracing("test", exporter=InMemorySpanExporter())
+    exporter = InMemorySpanExporter()
+    provider = setup_tracing("test", exporter=exporter)
     handle = await start_server(_register, [SERVICE], "127.0.0.1:0", settings, provider)
     channel = open_channel(f"127.0.0.1:{handle.port}", settings)
-    yield channel
+    yield channel, exporter
     await channel.close()
     await handle.stop(0)
+
+
+@pytest.fixture
+async def probe_channel(traced_probe):
+    return traced_probe[0]
 
 
 def _unary_call(channel):
@@ -89,6 +101,23 @@ async def test_stream_errors_are_mapped_after_items(probe_channel):
             received.append(item)
     assert len(received) == 1
     assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_stream_the_client_cancels_ends_its_span_without_an_error_log(traced_probe, caplog):
+    channel, exporter = traced_probe
+    call = channel.unary_stream(
+        f"/{SERVICE}/Stream", Request.SerializeToString, Response.FromString
+    )(Request(service="forever"), timeout=5)
+    await call.read()
+    call.cancel()
+    for _ in range(200):
+        if any(span.name == f"/{SERVICE}/Stream" for span in exporter.get_finished_spans()):
+            break
+        await asyncio.sleep(0.01)
+    else:
+        pytest.fail("the cancelled stream's server span never ended")
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 async def test_health_reports_serving_for_the_service(probe_channel):
