@@ -107,7 +107,9 @@ class Outcome:
     actions: list[str] = field(default_factory=list)
     error: str = ""
     aborted: bool = False
-    """The recovery policy gave up on it (its summary ends "abort"): a clear, chosen end."""
+    """The recovery policy gave up on it (its summary ends "abort" after an ABORT
+    decision): a clear, chosen end. A stream the router ended for want of any recovery
+    plan (no instance left, the scheduler unreachable) also ends "abort" but is a failure."""
 
 
 async def generate(stub, index: int, args: argparse.Namespace, clock_origin_s: float) -> Outcome:
@@ -127,7 +129,6 @@ async def generate(stub, index: int, args: argparse.Namespace, clock_origin_s: f
                     outcome.ttft_s = time.monotonic() - started_s
                 streamed.append(message.token_id)
             if message.HasField("summary"):
-                outcome.aborted = message.summary.finish_reason == "abort"
                 outcome.recovered = bool(message.summary.recoveries)
                 outcome.actions = [
                     router_pb2.RecoveryReport.DESCRIPTOR.fields_by_name["action"]
@@ -135,6 +136,8 @@ async def generate(stub, index: int, args: argparse.Namespace, clock_origin_s: f
                     .name.removeprefix("RECOVERY_ACTION_")
                     for r in message.summary.recoveries
                 ]
+                decided = outcome.actions[-1] if outcome.actions else ""
+                outcome.aborted = message.summary.finish_reason == "abort" and decided == "ABORT"
     except grpc.aio.AioRpcError as exc:
         outcome.error = f"{exc.code().name}: {exc.details()}"
     outcome.total_s = time.monotonic() - started_s
