@@ -7,7 +7,7 @@ run their own model code.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -49,3 +49,14 @@ def logits(path: str, token_ids: Sequence[int], dtype: torch.dtype = torch.float
     """Logits of every position of `token_ids`, shape [len, vocab]."""
     with torch.inference_mode():
         return hf_model(path, dtype)(torch.tensor([list(token_ids)])).logits[0]
+
+
+def chat_ids(path: str, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """The prompt ids `transformers` renders for `messages` (role and text content each)
+    with the checkpoint's chat template, the reply opened."""
+    from transformers import AutoTokenizer
+
+    out = AutoTokenizer.from_pretrained(path).apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=True
+    )
+    return list(out["input_ids"] if isinstance(out, Mapping) else out)

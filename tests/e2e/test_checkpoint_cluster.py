@@ -11,8 +11,6 @@ cluster to the files.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import grpc
 import openai
 import pytest
@@ -23,7 +21,7 @@ from kvrs.v1 import worker_pb2, worker_pb2_grpc
 from services.common.tokenizer import load_codec
 from tests.checkpoints import HEADERS_TEMPLATE, save_checkpoint
 from tests.e2e.test_local_cluster import force_down, kvrs
-from tests.hf_reference import greedy
+from tests.hf_reference import chat_ids, greedy
 
 PROMPT = "A decode worker that dies hands its requests to another one."
 
@@ -100,25 +98,16 @@ def test_the_openai_adapter_completes_as_transformers_generates(
         )
         assert "".join(c.text for chunk in stream for c in chunk.choices) == choice.text
         messages = [{"role": "user", "content": PROMPT}]
-        chat_ids = reference_chat_ids(checkpoint, messages)
+        chat_prompt = chat_ids(str(checkpoint), messages)
         reply = client.chat.completions.create(
             model="llama-gqa-test", messages=messages, max_tokens=24, temperature=0
         )
-        assert reply.usage.prompt_tokens == len(chat_ids)
-        expected_reply = greedy(str(checkpoint), chat_ids, 24, stop_at_eos=True)
+        assert reply.usage.prompt_tokens == len(chat_prompt)
+        expected_reply = greedy(str(checkpoint), chat_prompt, 24, stop_at_eos=True)
         assert reply.choices[0].message.content == codec.decode(expected_reply)
     finally:
         kvrs("down", "--dir", str(run_dir), timeout_s=60)
         force_down(run_dir)
-
-
-def reference_chat_ids(path, messages) -> list[int]:
-    from transformers import AutoTokenizer
-
-    out = AutoTokenizer.from_pretrained(str(path)).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True
-    )
-    return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
 
 def test_up_refuses_a_directory_that_is_no_supported_checkpoint(tmp_path):

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 
 import pytest
 
@@ -12,6 +11,7 @@ from kvrs.errors import InvalidArgument
 from services.common import openai_chat as chat
 from services.common.tokenizer import load_codec
 from tests.checkpoints import CHATML_TEMPLATE, HEADERS_TEMPLATE, save_checkpoint
+from tests.hf_reference import chat_ids
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief. "},
@@ -36,17 +36,14 @@ def checkpoint(request, tmp_path_factory):
 
 
 def reference_ids(path, messages) -> list[int]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    """`transformers`' ids, the text parts of a message joined as the adapter joins them."""
     texts = [
         {**m, "content": "".join(p["text"] for p in m["content"])}
         if isinstance(m["content"], list)
         else m
         for m in messages
     ]
-    out = tokenizer.apply_chat_template(texts, add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if isinstance(out, Mapping) else out)
+    return chat_ids(str(path), texts)
 
 
 @pytest.mark.parametrize("turns", [1, 2, 4])
