@@ -85,7 +85,7 @@ class GenerateSummary(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., final_decode_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., ttft_slo_met: _Optional[bool] = ..., total_s: _Optional[float] = ..., predicted_ttft_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., recoveries: _Optional[_Iterable[_Union[RecoveryReport, _Mapping]]] = ..., trace_id: _Optional[str] = ..., placement_measured_s: _Optional[float] = ..., placement_predicted_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class RecoveryReport(_message.Message):
-    __slots__ = ("failed_instance_id", "detected_by", "generated_tokens", "action", "target_instance_id", "source_instance_id", "split_tokens", "predicted_cost_s", "options", "slo_slack_s", "reason", "policy", "batch_size", "measured_s", "decision_s", "succeeded", "error", "predicted_terms", "measured_terms")
+    __slots__ = ("failed_instance_id", "detected_by", "generated_tokens", "action", "target_instance_id", "source_instance_id", "split_tokens", "predicted_cost_s", "options", "slo_slack_s", "reason", "policy", "batch_size", "measured_s", "decision_s", "succeeded", "error", "predicted_terms", "measured_terms", "lost_reason")
     FAILED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DETECTED_BY_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class RecoveryReport(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TERMS_FIELD_NUMBER: _ClassVar[int]
     MEASURED_TERMS_FIELD_NUMBER: _ClassVar[int]
+    LOST_REASON_FIELD_NUMBER: _ClassVar[int]
     failed_instance_id: str
     detected_by: str
     generated_tokens: int
@@ -124,4 +125,5 @@ class RecoveryReport(_message.Message):
     error: str
     predicted_terms: _common_pb2.DecisionTerms
     measured_terms: _common_pb2.DecisionTerms
-    def __init__(self, failed_instance_id: _Optional[str] = ..., detected_by: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., action: _Optional[_Union[_common_pb2.RecoveryAction, str]] = ..., target_instance_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., split_tokens: _Optional[int] = ..., predicted_cost_s: _Optional[float] = ..., options: _Optional[_Iterable[_Union[_scheduler_pb2.OptionCost, _Mapping]]] = ..., slo_slack_s: _Optional[float] = ..., reason: _Optional[str] = ..., policy: _Optional[str] = ..., batch_size: _Optional[int] = ..., measured_s: _Optional[float] = ..., decision_s: _Optional[float] = ..., succeeded: _Optional[bool] = ..., error: _Optional[str] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., measured_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ...) -> None: ...
+    lost_reason: str
+    def __init__(self, failed_instance_id: _Optional[str] = ..., detected_by: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., action: _Optional[_Union[_common_pb2.RecoveryAction, str]] = ..., target_instance_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., split_tokens: _Optional[int] = ..., predicted_cost_s: _Optional[float] = ..., options: _Optional[_Iterable[_Union[_scheduler_pb2.OptionCost, _Mapping]]] = ..., slo_slack_s: _Optional[float] = ..., reason: _Optional[str] = ..., policy: _Optional[str] = ..., batch_size: _Optional[int] = ..., measured_s: _Optional[float] = ..., decision_s: _Optional[float] = ..., succeeded: _Optional[bool] = ..., error: _Optional[str] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., measured_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., lost_reason: _Optional[str] = ...) -> None: ...

@@ -129,8 +129,14 @@ class RouterGenerator:
 
 
 def _aborted(summary: router_pb2.GenerateSummary) -> RequestAborted:
-    lost = summary.recoveries[-1].failed_instance_id if summary.recoveries else "?"
+    """Says what was lost and why its last recovery gave up (the abort decision's reason
+    or the failed attempt's error)."""
+    head = f"request {summary.request_id} was aborted after {summary.generated_tokens} tokens"
+    if not summary.recoveries:
+        return RequestAborted(head)
+    last = summary.recoveries[-1]
+    why = last.error or "no recovery could finish before the deadline"
     return RequestAborted(
-        f"request {summary.request_id} was aborted after {summary.generated_tokens} tokens: "
-        f"decode instance {lost} failed and no recovery could finish before the deadline"
+        f"{head}: decode instance {last.failed_instance_id} was lost "
+        f"({last.detected_by}: {last.lost_reason}); {why}"
     )

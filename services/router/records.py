@@ -119,6 +119,7 @@ class RecoveryRecord:
     detected_by: str
     generated_tokens: int
     policy: str
+    lost_reason: str = ""
     decision: Decision | None = None
     decision_s: float = 0.0
     measured_s: float = 0.0

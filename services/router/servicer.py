@@ -39,6 +39,7 @@ def recovery_to_pb(record: RecoveryRecord) -> router_pb2.RecoveryReport:
     report = router_pb2.RecoveryReport(
         failed_instance_id=record.failed_instance_id,
         detected_by=record.detected_by,
+        lost_reason=record.lost_reason,
         generated_tokens=record.generated_tokens,
         policy=record.policy,
         measured_s=record.measured_s,
