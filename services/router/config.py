@@ -44,6 +44,11 @@ class Config:
     decode instance (a hung process that still holds its connection)."""
     control_timeout_s: float = 2.0
     """ROUTER_CONTROL_TIMEOUT_S: deadline of each scheduler / slot broker / gossip call."""
+    recovery_wait_s: float = 5.0
+    """ROUTER_RECOVERY_WAIT_S: how long a recovery that finds no decode (or prefill)
+    instance to use waits for one to come back (a suspect one refuted, a restarted one
+    registered), asking again every few hundred ms, before it gives up; never past the
+    request's deadline. 0 = give up at once."""
     batch_window_s: float = 0.05
     """ROUTER_BATCH_WINDOW_S: after a decode instance is lost, how long to wait for its
     other requests to stop before planning them together with RecoverBatch."""
@@ -70,6 +75,7 @@ class Config:
             worker_timeout_s=env_float("ROUTER_WORKER_TIMEOUT_S", 30.0, env),
             decode_idle_timeout_s=env_float("ROUTER_DECODE_IDLE_TIMEOUT_S", 10.0, env),
             control_timeout_s=env_float("ROUTER_CONTROL_TIMEOUT_S", 2.0, env),
+            recovery_wait_s=env_float("ROUTER_RECOVERY_WAIT_S", 5.0, env),
             batch_window_s=env_float("ROUTER_BATCH_WINDOW_S", 0.05, env),
             view_refresh_s=env_float("ROUTER_VIEW_REFRESH_S", 0.2, env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
@@ -88,6 +94,8 @@ class Config:
         )
         if self.batch_window_s < 0:
             raise ConfigError(f"ROUTER_BATCH_WINDOW_S must be >= 0, got {self.batch_window_s}")
+        if self.recovery_wait_s < 0:
+            raise ConfigError(f"ROUTER_RECOVERY_WAIT_S must be >= 0, got {self.recovery_wait_s}")
         for name, make, value in (
             ("ROUTER_PLACEMENT_POLICY", make_placement_policy, self.placement_policy),
             ("ROUTER_RECOVERY_POLICY", make_recovery_policy, self.recovery_policy),

@@ -105,6 +105,10 @@ class Control(Protocol):
     async def report_outcome(self, outcome: Outcome) -> None: ...
 
 
+TARGET_POLL_S = 0.25
+"""How often a recovery with nothing to recover to asks the scheduler again."""
+
+
 class Aborted(Exception):
     """The request cannot continue; `error` is the status the stream ends with."""
 
@@ -124,6 +128,7 @@ class RouterSettings:
     block_tokens: int = 512
     decode_idle_timeout_s: float = 10.0
     batch_window_s: float = 0.05
+    recovery_wait_s: float = 5.0
 
 
 class Router:
@@ -600,6 +605,7 @@ class Router:
             detected_by=lost.detected_by,
             generated_tokens=len(run.generated),
             policy=run.policy,
+            lost_reason=lost.reason,
         )
         run.summary.recoveries.append(record)
         log.info(
@@ -754,15 +760,21 @@ class Router:
             prefix_hashes=tuple(prefix_block_hashes(request.prompt, self.settings.block_tokens)),
         )
         started = time.monotonic()
+        give_up_s = started + self._wait_bound_s(request.deadline_unix_ms)
         try:
-            with self.tracer.start_as_current_span("router.recover.decide"):
-                if batchable and not exclude:
-                    expected = self.decoding_on(lost.instance_id, run.policy)
-                    decision = await self.batcher.decide(
-                        item, lost.instance_id, run.policy, expected
-                    )
-                else:
-                    decision = await self.control.recover(item, lost.instance_id, run.policy)
+            with self.tracer.start_as_current_span("router.recover.decide") as span:
+                while True:
+                    try:
+                        decision = await self._ask(run, item, lost, batchable and not exclude)
+                        break
+                    except FailedPrecondition as exc:
+                        # Nothing to recover to right now (every decode instance lost or
+                        # suspect): one may come back within the wait.
+                        if time.monotonic() + TARGET_POLL_S > give_up_s:
+                            raise
+                        span.add_event("kvrs.recovery.waiting", {"kvrs.reason": str(exc)})
+                        await asyncio.sleep(TARGET_POLL_S)
+                        batchable = False
         except InvalidArgument:
             raise
         except KvrsError as exc:
@@ -778,6 +790,20 @@ class Router:
             self._detach(run)
         record.decision = decision
         return decision
+
+    async def _ask(self, run: Run, item: RecoveryRequest, lost: Lost, batchable: bool) -> Decision:
+        if batchable:
+            expected = self.decoding_on(lost.instance_id, run.policy)
+            return await self.batcher.decide(item, lost.instance_id, run.policy, expected)
+        return await self.control.recover(item, lost.instance_id, run.policy)
+
+    def _wait_bound_s(self, deadline_unix_ms: int) -> float:
+        """How long a recovery may wait for an instance to recover to: the configured wait,
+        cut to what is left before the request's deadline."""
+        wait_s = self.settings.recovery_wait_s
+        if deadline_unix_ms:
+            wait_s = min(wait_s, deadline_unix_ms / 1000.0 - time.time())
+        return wait_s
 
     async def _close(self, run: Run, tasks: list[asyncio.Task]) -> None:
         """Ends the request's background work, then releases every KV it created."""

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import os
+import re
 import signal
 import sys
 import time
@@ -63,6 +65,8 @@ WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 MS_PER_TOKEN = 1e-3
 """Prefill cost of one token in the test profile, and the rack link's transfer cost of one."""
 HEARTBEAT_TTL_S = 1.0
+EVENT_LINE = re.compile(r" (WARNING|ERROR) |recovering |suspect|failed|refuted|registered")
+"""The log lines a failed test's report shows: what the cluster noticed while it ran."""
 
 
 def recovery_topology() -> dict:
@@ -101,7 +105,12 @@ def recovery_services(profile_file: Path) -> tuple[ServiceSpec, ...]:
         # so that each policy yields a known action, and corrections learned from the
         # module's earlier recoveries would move that choice (learning has its own tests).
         "scheduler-1": {"KVRS_PROFILE_FILE": str(profile_file), "SCHEDULER_LEARNING": "0"},
-        "router": {"KVRS_PROFILE_FILE": str(profile_file), "ROUTER_BATCH_WINDOW_S": "0.2"},
+        # A restarted worker takes seconds to register: a recovery waits up to a minute.
+        "router": {
+            "KVRS_PROFILE_FILE": str(profile_file),
+            "ROUTER_BATCH_WINDOW_S": "0.2",
+            "ROUTER_RECOVERY_WAIT_S": "60",
+        },
     }
     for worker in WORKERS:
         extra[worker] = {"WORKER_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S)}
@@ -170,6 +179,18 @@ class LocalCluster:
         self.state.save()
         asyncio.run(self._wait_back(names))
 
+    def events_since(self, since_unix_s: float, most: int = 60) -> str:
+        """Every process's notable log lines (EVENT_LINE) from `since_unix_s` on, in time
+        order: heartbeats late, instances failed, recoveries started, errors."""
+        since = datetime.datetime.fromtimestamp(since_unix_s).strftime("%Y-%m-%d %H:%M:%S")
+        lines = []
+        for log_file in sorted((self.run_dir / "logs").glob("*.log")):
+            for line in log_file.read_text(errors="replace").splitlines():
+                # Logged lines start with their time ("2026-01-01 12:00:00,000").
+                if line[:19] >= since and line[:2] == "20" and EVENT_LINE.search(line):
+                    lines.append(f"{line[:23]} {log_file.stem}: {line[24:300]}")
+        return "\n".join(sorted(lines)[-most:])
+
     def ensure_running(self) -> None:
         """Restarts whatever a test left dead."""
         dead = [r.name for r in self.state.processes if r.name != "redis" and not is_running(r)]
@@ -203,6 +224,15 @@ class LocalCluster:
             await client.close()
         # The router and the scheduler refresh their views from gossip every 0.2 / 0.1 s.
         await asyncio.sleep(0.5)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test of the recovery cluster reports what the cluster logged meanwhile."""
+    report = (yield).get_result()
+    cluster = item.funcargs.get("recovery_cluster") if hasattr(item, "funcargs") else None
+    if report.when == "call" and report.failed and isinstance(cluster, LocalCluster):
+        report.sections.append(("cluster events", cluster.events_since(call.start - 1)))
 
 
 @pytest.fixture(scope="session")

@@ -66,6 +66,7 @@ def describe(stream: Stream) -> str:
         (
             r.failed_instance_id,
             r.detected_by,
+            r.lost_reason,
             common_pb2.RecoveryAction.Name(r.action),
             r.generated_tokens,
             r.succeeded,
@@ -77,8 +78,9 @@ def describe(stream: Stream) -> str:
     return (
         f"{stream.request.request_id}: {len(stream.tokens)}/{stream.request.max_new_tokens} "
         f"tokens, placed on {summary.decode_instance_id!r}, ended on "
-        f"{summary.final_decode_instance_id!r}, recoveries (failed, detected_by, action, "
-        f"generated, succeeded, error) {recoveries}, error {error}; at the kill: {stream.at_kill}"
+        f"{summary.final_decode_instance_id!r}, recoveries (failed, detected_by, "
+        f"lost_reason, action, generated, succeeded, error) {recoveries}, error {error}; "
+        f"at the kill: {stream.at_kill}"
     )
 
 
@@ -235,7 +237,7 @@ async def test_fault_free_requests_stream_the_reference_tokens(cluster):
         assert_exact(stream)
         summary = stream.summary
         assert summary.finish_reason == "length"
-        assert not summary.recoveries
+        assert not summary.recoveries, describe(stream)
         assert summary.prefill_instance_id.startswith("prefill-")
         assert summary.final_decode_instance_id == summary.decode_instance_id
         assert summary.kv_bytes == len(stream.request.prompt_token_ids) * 1024
@@ -352,4 +354,29 @@ async def test_a_prefill_worker_starved_past_its_ttl_keeps_the_kv_a_migration_re
     (recovery,) = stream.summary.recoveries
     assert recovery.source_instance_id == "prefill-0"
     assert recovery.succeeded
+    await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-1"))
+
+
+async def test_a_recovery_with_no_decode_worker_left_waits_for_one_to_come_back(cluster):
+    """decode-1 is down when decode-0 dies: the recovery finds nothing to recover to, waits
+    (ROUTER_RECOVERY_WAIT_S) while decode-1 restarts, and resumes the stream there."""
+    cluster.kill("decode-1")
+    await _wait_state(cluster, "decode-1", "failed")
+    stream = Stream(request("waits-for-decode-1", seed=50, max_new_tokens=3000))
+    async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
+        task = asyncio.create_task(run_stream(router_pb2_grpc.RouterServiceStub(channel), stream))
+        while len(stream.tokens) < 10:
+            assert not task.done(), stream.error
+            await asyncio.sleep(0.001)
+        cluster.signal("decode-0", signal.SIGSTOP)
+        cluster.kill("decode-0")
+        assert len(stream.tokens) < 3000, "the request ended before decode-0 died"
+        await asyncio.to_thread(cluster.restart, "decode-1")
+        await task
+    assert_exact(stream)
+    (recovery,) = stream.summary.recoveries
+    assert recovery.failed_instance_id == "decode-0", describe(stream)
+    assert recovery.succeeded and recovery.target_instance_id == "decode-1", describe(stream)
+    # The decision waited for decode-1 to register: far longer than one Recover call.
+    assert recovery.decision_s > 1.0, recovery.decision_s
     await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-1"))
