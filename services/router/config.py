@@ -10,7 +10,14 @@ from kvrs.errors import KvrsError
 from kvrs.model import DEFAULT_MODEL
 from kvrs.placement import make_placement_policy
 from kvrs.recovery import make_recovery_policy
-from services.common import ConfigError, GrpcSettings, env_float, env_str, require_positive
+from services.common import (
+    ConfigError,
+    GrpcSettings,
+    env_float,
+    env_int,
+    env_str,
+    require_positive,
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,11 @@ class Config:
     instance to use waits for one to come back (a suspect one refuted, a restarted one
     registered), asking again every few hundred ms, before it gives up; never past the
     request's deadline. 0 = give up at once."""
+    max_requests_per_decode: int = 0
+    """ROUTER_MAX_REQUESTS_PER_DECODE: requests in flight (admitted, not yet ended) this
+    router takes for each alive decode instance; beyond that a new request is refused at
+    once with RESOURCE_EXHAUSTED (load shedding: it fails fast instead of queueing past
+    its deadline). 0 = no limit."""
     batch_window_s: float = 0.05
     """ROUTER_BATCH_WINDOW_S: after a decode instance is lost, how long to wait for its
     other requests to stop before planning them together with RecoverBatch."""
@@ -76,6 +88,7 @@ class Config:
             decode_idle_timeout_s=env_float("ROUTER_DECODE_IDLE_TIMEOUT_S", 10.0, env),
             control_timeout_s=env_float("ROUTER_CONTROL_TIMEOUT_S", 2.0, env),
             recovery_wait_s=env_float("ROUTER_RECOVERY_WAIT_S", 5.0, env),
+            max_requests_per_decode=env_int("ROUTER_MAX_REQUESTS_PER_DECODE", 0, env),
             batch_window_s=env_float("ROUTER_BATCH_WINDOW_S", 0.05, env),
             view_refresh_s=env_float("ROUTER_VIEW_REFRESH_S", 0.2, env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
@@ -94,6 +107,10 @@ class Config:
         )
         if self.batch_window_s < 0:
             raise ConfigError(f"ROUTER_BATCH_WINDOW_S must be >= 0, got {self.batch_window_s}")
+        if self.max_requests_per_decode < 0:
+            raise ConfigError(
+                f"ROUTER_MAX_REQUESTS_PER_DECODE must be >= 0, got {self.max_requests_per_decode}"
+            )
         if self.recovery_wait_s < 0:
             raise ConfigError(f"ROUTER_RECOVERY_WAIT_S must be >= 0, got {self.recovery_wait_s}")
         for name, make, value in (

@@ -129,6 +129,7 @@ class RouterSettings:
     decode_idle_timeout_s: float = 10.0
     batch_window_s: float = 0.05
     recovery_wait_s: float = 5.0
+    max_requests_per_decode: int = 0
 
 
 class Router:
@@ -161,6 +162,8 @@ class Router:
         self._inboxes: dict[Run, tuple[str, asyncio.Queue]] = {}
         self._prefill_inflight_s: dict[str, float] = {}
         self._reports: set[asyncio.Task] = set()
+        self._admitted = 0
+        """Requests between admission and their last message."""
         membership.add_failure_listener(self._gossip_failure)
         # Every action's series exists from the start, at zero: a dashboard shows "0
         # recoveries" rather than no data until the first failure.
@@ -191,6 +194,8 @@ class Router:
             )
             run.summary.trace_id = format(span.get_span_context().trace_id, "032x")
             run.span = span
+            self._admit(span)
+            self._admitted += 1
             tasks: list[asyncio.Task] = []
             try:
                 first = await self._prefill(run, tasks)
@@ -223,12 +228,30 @@ class Router:
                 outcome = "cancelled"
                 raise
             finally:
+                self._admitted -= 1
                 self.metrics.requests.labels(outcome=outcome).inc()
                 span.set_attribute("kvrs.outcome", outcome)
                 # Shielded as a whole: a second cancellation (a client hanging up while the
                 # stream closes) must not stop between settling the placement and the
                 # release, or KV stays on a worker.
                 await asyncio.shield(self._close(run, tasks))
+
+    def _admit(self, span: Span) -> None:
+        """Sheds the request when the cluster already has its fill: more requests in
+        flight than `max_requests_per_decode` for each alive decode instance. Refused at
+        once, a client can retry elsewhere or later; admitted, it would queue behind work
+        the cluster cannot finish in time, and slow every stream already running."""
+        per_decode = self.settings.max_requests_per_decode
+        decodes = len(self.membership.alive("decode")) if per_decode else 0
+        if not decodes or self._admitted < per_decode * decodes:
+            return
+        self.metrics.requests.labels(outcome="shed").inc()
+        span.set_attribute("kvrs.outcome", "shed")
+        raise ResourceExhausted(
+            f"{self._admitted} requests in flight, the most for {decodes} alive decode "
+            f"instances ({per_decode} each); retry later",
+            field="max_requests_per_decode",
+        )
 
     def _first_token(self, run: Run, started: float) -> None:
         summary = run.summary

@@ -237,6 +237,28 @@ async def test_no_decode_instance_left_ends_the_stream_unavailable_after_the_sum
     assert await plane.resident_requests("prefill-1") == 0
 
 
+async def test_a_request_beyond_the_admission_limit_is_shed_at_once(redis_url, redis_prefix):
+    """One request per alive decode instance: with two streams running, a third is
+    refused RESOURCE_EXHAUSTED naming the limit, and admitted again once one ended."""
+    plane = Plane(redis_url, redis_prefix)
+    await plane.start(max_requests_per_decode=1)
+    try:
+        running = [generate(f"held-{i}", max_new_tokens=1500) for i in range(2)]
+        tasks = await start_streams(plane, running, min_tokens=2)
+        tokens, summary, error = await collect(router(plane), generate("shed"))
+        assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_requests_per_decode" in error.details(), error.details()
+        assert "2 alive decode instances" in error.details(), error.details()
+        assert tokens == [] and summary is None
+        tasks[0].cancel()
+        await asyncio.gather(tasks[0], return_exceptions=True)
+        tokens, summary, error = await collect(router(plane), generate("admitted"))
+        assert error is None and tokens == reference(PROMPT, 24)
+        await tasks[1]
+    finally:
+        await plane.stop()
+
+
 async def wait_until_released(plane: Plane, timeout_s: float = 10.0) -> None:
     """Until no worker holds KV (the router releases it as the stream ends)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
