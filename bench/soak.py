@@ -106,6 +106,9 @@ class Outcome:
     recovered: bool = False
     actions: list[str] = field(default_factory=list)
     error: str = ""
+    shed: bool = False
+    """Refused at admission (RESOURCE_EXHAUSTED: the router had its fill of requests): a
+    clear, chosen end that cost the cluster nothing."""
     aborted: bool = False
     """The recovery policy gave up on it (its summary ends "abort" after an ABORT
     decision): a clear, chosen end. A stream the router ended for want of any recovery
@@ -140,6 +143,10 @@ async def generate(stub, index: int, args: argparse.Namespace, clock_origin_s: f
                 outcome.aborted = message.summary.finish_reason == "abort" and decided == "ABORT"
     except grpc.aio.AioRpcError as exc:
         outcome.error = f"{exc.code().name}: {exc.details()}"
+        outcome.shed = (
+            exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "max_requests_per_decode" in (exc.details() or "")
+        )
     outcome.total_s = time.monotonic() - started_s
     outcome.tokens = len(streamed)
     outcome.exact = tuple(streamed) == reference(tokens_in, args.max_new_tokens)
@@ -170,13 +177,17 @@ async def closed_loop(stub, args, concurrency: int, duration_s: float) -> float:
 # -- processes -------------------------------------------------------------------------------
 
 
-def _with_worker_env(spec: ServiceSpec, heartbeat_ttl_s: float) -> ServiceSpec:
-    """Workers heartbeat with `heartbeat_ttl_s`: how soon a killed one is noticed, and how
-    late a starved one may be before it is (falsely) declared failed."""
-    if spec.kind not in ("prefill", "decode"):
+def _with_env(spec: ServiceSpec, args: argparse.Namespace) -> ServiceSpec:
+    """Workers heartbeat with `--heartbeat-ttl-s`: how soon a killed one is noticed, and
+    how late a starved one may be before it is (falsely) declared failed. The router sheds
+    requests beyond `--max-requests-per-decode` for each alive decode instance."""
+    if spec.kind in ("prefill", "decode"):
+        extra = {"WORKER_HEARTBEAT_TTL_S": str(args.heartbeat_ttl_s)}
+    elif spec.name == "router":
+        extra = {"ROUTER_MAX_REQUESTS_PER_DECODE": str(args.max_requests_per_decode)}
+    else:
         return spec
     base = spec.env
-    extra = {"WORKER_HEARTBEAT_TTL_S": str(heartbeat_ttl_s)}
     return dataclasses.replace(spec, env=lambda wiring: {**base(wiring), **extra})
 
 
@@ -430,7 +441,8 @@ def summarise(outcomes: list[Outcome]) -> dict:
         "sent": len(outcomes),
         "completed_exact": sum(o.exact for o in outcomes),
         "aborted_by_policy": len(aborted),
-        "unexpected_errors": sum(1 for o in outcomes if o.error and not o.aborted),
+        "shed_at_admission": sum(o.shed for o in outcomes),
+        "unexpected_errors": sum(1 for o in outcomes if o.error and not (o.aborted or o.shed)),
         "errors": errors,
         "all": latency(ok),
         "undisturbed": latency([o for o in ok if not o.recovered]),
@@ -444,6 +456,7 @@ def print_report(report: dict) -> None:
     print(
         f"\nrequests: {requests['sent']} sent, {requests['completed_exact']} completed "
         f"token-exact, {requests['aborted_by_policy']} aborted by the recovery policy, "
+        f"{requests['shed_at_admission']} shed at admission, "
         f"{requests['unexpected_errors']} other errors; errors {requests['errors'] or 'none'}"
     )
     for group in ("all", "undisturbed", "recovered"):
@@ -480,6 +493,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-fault-s", type=float, default=30.0)
     parser.add_argument("--restart-after-s", type=float, default=5.0)
     parser.add_argument(
+        "--max-requests-per-decode",
+        type=int,
+        default=0,
+        help="the router's admission limit per alive decode instance (0: none, every "
+        "request queues)",
+    )
+    parser.add_argument(
         "--heartbeat-ttl-s",
         type=float,
         default=2.0,
@@ -507,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     options = ClusterOptions(
         run_dir=args.run_dir / "cluster", workers_model="tiny", startup_timeout_s=180
     )
-    services = tuple(_with_worker_env(spec, args.heartbeat_ttl_s) for spec in SOAK_SERVICES)
+    services = tuple(_with_env(spec, args) for spec in SOAK_SERVICES)
     started_s = time.monotonic()
     state = start_cluster(options, services)
     print(
