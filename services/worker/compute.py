@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,8 @@ from kvrs.profile import ComputeProfile, compute_profile
 from services.common.metrics import Metrics
 from services.worker.config import DEFAULT_MAX_BATCH_TOKENS
 from services.worker.model import KvCache, Transformer
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -221,6 +224,7 @@ class ComputeQueue:
         loop = asyncio.get_running_loop()
         if self._task is None:
             self._task = loop.create_task(self._loop(), name="compute-loop")
+            self._task.add_done_callback(_loop_ended)
         return loop.create_future()
 
     def _enqueue(self, job: Job) -> Job:
@@ -267,6 +271,8 @@ class ComputeQueue:
             # let them, so that they join this pass.
             for _ in range(3):
                 await asyncio.sleep(0)
+            if not self._queue:  # its owners withdrew the work meanwhile
+                continue
             batch = self._take()
             if not batch:  # only withdrawn work left, waiting for its owners
                 self._wake.clear()
@@ -366,6 +372,12 @@ class ComputeQueue:
             if not job.future.done():
                 job.future.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _loop_ended(task: asyncio.Task) -> None:
+    """Nothing would compute any more: say why, loudly."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("compute loop died", exc_info=task.exception())
 
 
 @dataclass(frozen=True)

@@ -75,3 +75,22 @@ async def test_a_withdrawn_job_never_touches_its_cache(tiny):
         queue.close()
     assert cache.length == 0
     assert queue.depth == 0
+
+
+async def test_work_withdrawn_while_the_loop_gathers_its_pass_leaves_the_loop_computing(tiny):
+    """The loop yields a few times before it takes a pass (so streams can join it); work
+    withdrawn in between leaves the queue empty there. That once killed the loop
+    (IndexError), and with it every later request on the worker."""
+    queue = ComputeQueue(tiny, ComputeProfile("tiny"), max_batch_tokens=64)
+    try:
+        job = queue.submit(tiny.new_cache(), [1, 2, 3])
+        await asyncio.sleep(0)  # the loop sees the job and starts gathering its pass
+        await queue.withdraw(job)
+        for _ in range(5):
+            await asyncio.sleep(0)  # the loop takes its pass from the empty queue
+        cache = tiny.new_cache()
+        result = await asyncio.wait_for(queue.forward(cache, [4, 5]), timeout=10)
+    finally:
+        queue.close()
+    torch.testing.assert_close(result.value, tiny.prefill([4, 5])[1], rtol=1e-12, atol=1e-12)
+    assert cache.length == 2
