@@ -67,6 +67,8 @@ MS_PER_TOKEN = 1e-3
 HEARTBEAT_TTL_S = 1.0
 EVENT_LINE = re.compile(r" (WARNING|ERROR) |recovering |suspect|failed|refuted|registered")
 """The log lines a failed test's report shows: what the cluster noticed while it ran."""
+LOGGED_AT = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+"""How a logged line starts (its time), unlike a traceback's continuation lines."""
 
 
 def recovery_topology() -> dict:
@@ -186,8 +188,7 @@ class LocalCluster:
         lines = []
         for log_file in sorted((self.run_dir / "logs").glob("*.log")):
             for line in log_file.read_text(errors="replace").splitlines():
-                # Logged lines start with their time ("2026-01-01 12:00:00,000").
-                if line[:19] >= since and line[:2] == "20" and EVENT_LINE.search(line):
+                if LOGGED_AT.match(line) and line[:19] >= since and EVENT_LINE.search(line):
                     lines.append(f"{line[:23]} {log_file.stem}: {line[24:300]}")
         return "\n".join(sorted(lines)[-most:])
 
