@@ -312,6 +312,16 @@ async def test_losing_the_prefill_worker_that_holds_the_kv_falls_back_to_recompu
     await assert_nothing_leaked(cluster, ("prefill-1", "decode-1"))
 
 
+async def stream_under_way(channel, stream: Stream, tokens: int = 10) -> asyncio.Task:
+    """Starts `stream` through the router on `channel`; returns its task once `tokens`
+    tokens have arrived (the stream still running)."""
+    task = asyncio.create_task(run_stream(router_pb2_grpc.RouterServiceStub(channel), stream))
+    while len(stream.tokens) < tokens:
+        assert not task.done(), stream.error
+        await asyncio.sleep(0.001)
+    return task
+
+
 async def _wait_state(cluster, instance_id: str, state: str, timeout_s: float = 10.0) -> None:
     async with GossipClient(cluster.address("gossip"), timeout_s=2) as gossip:
         deadline = time.monotonic() + timeout_s
@@ -333,10 +343,7 @@ async def test_a_prefill_worker_starved_past_its_ttl_keeps_the_kv_a_migration_re
         request("starved-prefill", seed=40, max_new_tokens=8000, recovery_policy="always_migrate")
     )
     async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
-        task = asyncio.create_task(run_stream(router_pb2_grpc.RouterServiceStub(channel), stream))
-        while len(stream.tokens) < 10:
-            assert not task.done(), stream.error
-            await asyncio.sleep(0.001)
+        task = await stream_under_way(channel, stream)
         cluster.signal("prefill-0", signal.SIGSTOP)
         try:
             await _wait_state(cluster, "prefill-0", "failed")
@@ -364,10 +371,7 @@ async def test_a_recovery_with_no_decode_worker_left_waits_for_one_to_come_back(
     await _wait_state(cluster, "decode-1", "failed")
     stream = Stream(request("waits-for-decode-1", seed=50, max_new_tokens=3000))
     async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
-        task = asyncio.create_task(run_stream(router_pb2_grpc.RouterServiceStub(channel), stream))
-        while len(stream.tokens) < 10:
-            assert not task.done(), stream.error
-            await asyncio.sleep(0.001)
+        task = await stream_under_way(channel, stream)
         cluster.signal("decode-0", signal.SIGSTOP)
         cluster.kill("decode-0")
         assert len(stream.tokens) < 3000, "the request ended before decode-0 died"
