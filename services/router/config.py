@@ -51,11 +51,12 @@ class Config:
     decode instance (a hung process that still holds its connection)."""
     control_timeout_s: float = 2.0
     """ROUTER_CONTROL_TIMEOUT_S: deadline of each scheduler / slot broker / gossip call."""
-    recovery_wait_s: float = 5.0
-    """ROUTER_RECOVERY_WAIT_S: how long a recovery that finds no decode (or prefill)
-    instance to use waits for one to come back (a suspect one refuted, a restarted one
-    registered), asking again every few hundred ms, before it gives up; never past the
-    request's deadline. 0 = give up at once."""
+    instance_wait_s: float = 5.0
+    """ROUTER_INSTANCE_WAIT_S: how long a request that finds no instance to use (no alive
+    prefill instance to prefill on, no decode instance to place or recover it on) waits
+    for one to come back (a suspect one refuted, a restarted one registered), asking
+    again every few hundred ms, before it gives up; never past the request's deadline.
+    0 = give up at once."""
     max_requests_per_decode: int = 0
     """ROUTER_MAX_REQUESTS_PER_DECODE: requests in flight (admitted, not yet ended) this
     router takes for each alive decode instance; beyond that a new request is refused at
@@ -87,7 +88,7 @@ class Config:
             worker_timeout_s=env_float("ROUTER_WORKER_TIMEOUT_S", 30.0, env),
             decode_idle_timeout_s=env_float("ROUTER_DECODE_IDLE_TIMEOUT_S", 10.0, env),
             control_timeout_s=env_float("ROUTER_CONTROL_TIMEOUT_S", 2.0, env),
-            recovery_wait_s=env_float("ROUTER_RECOVERY_WAIT_S", 5.0, env),
+            instance_wait_s=env_float("ROUTER_INSTANCE_WAIT_S", 5.0, env),
             max_requests_per_decode=env_int("ROUTER_MAX_REQUESTS_PER_DECODE", 0, env),
             batch_window_s=env_float("ROUTER_BATCH_WINDOW_S", 0.05, env),
             view_refresh_s=env_float("ROUTER_VIEW_REFRESH_S", 0.2, env),
@@ -111,8 +112,8 @@ class Config:
             raise ConfigError(
                 f"ROUTER_MAX_REQUESTS_PER_DECODE must be >= 0, got {self.max_requests_per_decode}"
             )
-        if self.recovery_wait_s < 0:
-            raise ConfigError(f"ROUTER_RECOVERY_WAIT_S must be >= 0, got {self.recovery_wait_s}")
+        if self.instance_wait_s < 0:
+            raise ConfigError(f"ROUTER_INSTANCE_WAIT_S must be >= 0, got {self.instance_wait_s}")
         for name, make, value in (
             ("ROUTER_PLACEMENT_POLICY", make_placement_policy, self.placement_policy),
             ("ROUTER_RECOVERY_POLICY", make_recovery_policy, self.recovery_policy),

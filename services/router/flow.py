@@ -28,9 +28,9 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from opentelemetry.trace import Span, Tracer
 
@@ -105,8 +105,11 @@ class Control(Protocol):
     async def report_outcome(self, outcome: Outcome) -> None: ...
 
 
-TARGET_POLL_S = 0.25
-"""How often a recovery with nothing to recover to asks the scheduler again."""
+_T = TypeVar("_T")
+
+INSTANCE_POLL_S = 0.25
+"""How often a request with no instance to use (to prefill, place or recover on) looks
+again."""
 
 
 class Aborted(Exception):
@@ -128,7 +131,7 @@ class RouterSettings:
     block_tokens: int = 512
     decode_idle_timeout_s: float = 10.0
     batch_window_s: float = 0.05
-    recovery_wait_s: float = 5.0
+    instance_wait_s: float = 5.0
     max_requests_per_decode: int = 0
 
 
@@ -286,7 +289,15 @@ class Router:
         tried: set[str] = set()
         last_error: KvrsError | None = None
         for _ in range(PREFILL_ATTEMPTS):
-            at, estimate_s = self._prefill_instance(request, hashes, tried)
+            try:
+                at, estimate_s = await self._until_an_instance(
+                    lambda first: self._prefill_instance(request, hashes, tried),
+                    request.deadline_unix_ms,
+                    run.span,
+                    "kvrs.prefill.waiting",
+                )
+            except FailedPrecondition as exc:
+                raise Unavailable(str(exc)) from None
             tried.add(at.instance_id)
             if request.max_new_tokens > 1:
                 tasks.append(asyncio.create_task(self._select(request, at, hashes)))
@@ -325,9 +336,11 @@ class Router:
             return prefilled.first_token_id
         raise Unavailable(f"prefill failed on {', '.join(sorted(tried))}: {last_error}")
 
-    def _prefill_instance(
+    async def _prefill_instance(
         self, request: GenerateInput, hashes: Sequence[int], tried: set[str]
     ) -> tuple[Endpoint, float]:
+        """The prefill instance to try next, and its predicted finish (s from now);
+        FailedPrecondition while there is none (every one down or tried already)."""
         if request.prefill_instance_id:
             known = self.membership.instance(request.prefill_instance_id)
             if known is None:
@@ -341,7 +354,7 @@ class Router:
             )
         candidates = [i for i in self.membership.alive("prefill") if i.instance_id not in tried]
         if not candidates:
-            raise Unavailable(
+            raise FailedPrecondition(
                 "no alive prefill instance"
                 + (f" besides {', '.join(sorted(tried))}" if tried else "")
             )
@@ -394,14 +407,21 @@ class Router:
                 excluded,
             )
 
-        with self.tracer.start_as_current_span("router.select_decode"):
+        async def place(first: bool) -> Placement:
             try:
-                placement = await select(avoided)
-            except ResourceExhausted:
+                return await select(avoided)
+            except (ResourceExhausted, FailedPrecondition):
                 if not avoided:
                     raise
                 # Nothing else can take it: the instances avoided are tried after all.
-                placement = await select(())
+                return await select(())
+
+        with self.tracer.start_as_current_span("router.select_decode") as span:
+            # No decode instance at all (every one lost, suspect or restarting): the
+            # prefilled KV waits for one to come back.
+            placement = await self._until_an_instance(
+                place, request.deadline_unix_ms, span, "kvrs.placement.waiting"
+            )
         return placement, decided_unix_s
 
     async def _place(self, run: Run, selecting: asyncio.Task) -> Lost | None:
@@ -783,21 +803,18 @@ class Router:
             prefix_hashes=tuple(prefix_block_hashes(request.prompt, self.settings.block_tokens)),
         )
         started = time.monotonic()
-        give_up_s = started + self._wait_bound_s(request.deadline_unix_ms)
+
+        def ask(first: bool) -> Awaitable[Decision]:
+            # Only the first ask joins a batch: the others of it were decided meanwhile.
+            return self._ask(run, item, lost, first and batchable and not exclude)
+
         try:
             with self.tracer.start_as_current_span("router.recover.decide") as span:
-                while True:
-                    try:
-                        decision = await self._ask(run, item, lost, batchable and not exclude)
-                        break
-                    except FailedPrecondition as exc:
-                        # Nothing to recover to right now (every decode instance lost or
-                        # suspect): one may come back within the wait.
-                        if time.monotonic() + TARGET_POLL_S > give_up_s:
-                            raise
-                        span.add_event("kvrs.recovery.waiting", {"kvrs.reason": str(exc)})
-                        await asyncio.sleep(TARGET_POLL_S)
-                        batchable = False
+                # Nothing to recover to right now (every decode instance lost or suspect):
+                # one may come back within the wait.
+                decision = await self._until_an_instance(
+                    ask, request.deadline_unix_ms, span, "kvrs.recovery.waiting"
+                )
         except InvalidArgument:
             raise
         except KvrsError as exc:
@@ -820,13 +837,34 @@ class Router:
             return await self.batcher.decide(item, lost.instance_id, run.policy, expected)
         return await self.control.recover(item, lost.instance_id, run.policy)
 
-    def _wait_bound_s(self, deadline_unix_ms: int) -> float:
-        """How long a recovery may wait for an instance to recover to: the configured wait,
-        cut to what is left before the request's deadline."""
-        wait_s = self.settings.recovery_wait_s
+    async def _until_an_instance(
+        self,
+        ask: Callable[[bool], Awaitable[_T]],
+        deadline_unix_ms: int,
+        span: Span | None,
+        event: str,
+    ) -> _T:
+        """`ask(first)`'s answer (`first`: no ask before it). While it fails for want of
+        an instance (FAILED_PRECONDITION: none alive, or every one lost, suspect or
+        excluded), asks again every `INSTANCE_POLL_S` for up to the configured wait, never
+        past the request's deadline, recording each wait as `event` on `span`: a suspect
+        instance is refuted or a restarted one registers within seconds, and the request
+        goes on there instead of failing."""
+        wait_s = self.settings.instance_wait_s
         if deadline_unix_ms:
             wait_s = min(wait_s, deadline_unix_ms / 1000.0 - time.time())
-        return wait_s
+        give_up_s = time.monotonic() + wait_s
+        first = True
+        while True:
+            try:
+                return await ask(first)
+            except FailedPrecondition as exc:
+                if time.monotonic() + INSTANCE_POLL_S > give_up_s:
+                    raise
+                if span is not None:
+                    span.add_event(event, {"kvrs.reason": str(exc)})
+                await asyncio.sleep(INSTANCE_POLL_S)
+                first = False
 
     async def _close(self, run: Run, tasks: list[asyncio.Task]) -> None:
         """Ends the request's background work, then releases every KV it created."""

@@ -92,7 +92,7 @@ async def build_server(
             block_tokens=block_tokens,
             decode_idle_timeout_s=config.decode_idle_timeout_s,
             batch_window_s=config.batch_window_s,
-            recovery_wait_s=config.recovery_wait_s,
+            instance_wait_s=config.instance_wait_s,
             max_requests_per_decode=config.max_requests_per_decode,
         ),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 
 import grpc
 
@@ -16,7 +17,12 @@ from services.router.flow import Router
 from services.router.records import GenerateInput, RecoveryRecord, Summary, Token
 
 
-def generate_from_pb(request: router_pb2.GenerateRequest) -> GenerateInput:
+def generate_from_pb(
+    request: router_pb2.GenerateRequest, call_remaining_s: float | None = None
+) -> GenerateInput:
+    """The request as the flow takes it. A call with a gRPC deadline (`call_remaining_s`
+    seconds left) is done by then whatever `deadline_unix_ms` says, so the earlier of the
+    two is the request's deadline: recovery ABORTs against it, and waits end by it."""
     sampling = sampling_from_pb(request.sampling)
     if not sampling.seed:
         # Every worker the request reaches draws with this seed: recoveries agree.
@@ -26,13 +32,20 @@ def generate_from_pb(request: router_pb2.GenerateRequest) -> GenerateInput:
         prompt=tuple(request.prompt_token_ids),
         max_new_tokens=request.max_new_tokens,
         ttft_slo_s=request.ttft_slo_s,
-        deadline_unix_ms=request.deadline_unix_ms,
+        deadline_unix_ms=_deadline_unix_ms(request.deadline_unix_ms, call_remaining_s),
         placement_policy=request.placement_policy,
         recovery_policy=request.recovery_policy,
         prefill_instance_id=request.prefill_instance_id,
         decode_instance_id=request.decode_instance_id,
         sampling=sampling,
     )
+
+
+def _deadline_unix_ms(requested_unix_ms: int, call_remaining_s: float | None) -> int:
+    if call_remaining_s is None:
+        return requested_unix_ms
+    call_unix_ms = math.floor((time.time() + max(0.0, call_remaining_s)) * 1000)
+    return call_unix_ms if requested_unix_ms == 0 else min(requested_unix_ms, call_unix_ms)
 
 
 def recovery_to_pb(record: RecoveryRecord) -> router_pb2.RecoveryReport:
@@ -101,7 +114,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         # the client hangs up (the HTTP adapter does right after the summary) the
         # cancellation lands here, and closing the flow's generator releases the request's
         # KV at once. A suspended generator would wait for the garbage collector.
-        domain = generate_from_pb(request)
+        domain = generate_from_pb(request, context.time_remaining())
         last_index = domain.max_new_tokens - 1
         held: Token | None = None
         async with contextlib.aclosing(self._router.generate(domain)) as items:

@@ -111,7 +111,7 @@ def recovery_services(profile_file: Path) -> tuple[ServiceSpec, ...]:
         "router": {
             "KVRS_PROFILE_FILE": str(profile_file),
             "ROUTER_BATCH_WINDOW_S": "0.2",
-            "ROUTER_RECOVERY_WAIT_S": "60",
+            "ROUTER_INSTANCE_WAIT_S": "60",
         },
     }
     for worker in WORKERS:

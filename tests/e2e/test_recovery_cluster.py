@@ -366,7 +366,7 @@ async def test_a_prefill_worker_starved_past_its_ttl_keeps_the_kv_a_migration_re
 
 async def test_a_recovery_with_no_decode_worker_left_waits_for_one_to_come_back(cluster):
     """decode-1 is down when decode-0 dies: the recovery finds nothing to recover to, waits
-    (ROUTER_RECOVERY_WAIT_S) while decode-1 restarts, and resumes the stream there."""
+    (ROUTER_INSTANCE_WAIT_S) while decode-1 restarts, and resumes the stream there."""
     cluster.kill("decode-1")
     await _wait_state(cluster, "decode-1", "failed")
     stream = Stream(request("waits-for-decode-1", seed=50, max_new_tokens=3000))

@@ -82,23 +82,10 @@ class Plane:
             ),
             self.provider,
         )
-        for name, role in workers:
-            self.handles[name] = await build_worker(
-                WorkerConfig(
-                    instance_id=name,
-                    role=role,
-                    listen_addr="127.0.0.1:0",
-                    transfer_host="127.0.0.1",
-                    transfer_timeout_s=10.0,
-                    canary_interval_s=30.0,
-                    gossip_addr=self.address("gossip"),
-                    heartbeat_interval_s=0.1,
-                    **(worker_overrides or {}),
-                ),
-                self.provider,
-            )
         self.gossip = GossipClient(self.address("gossip"), timeout_s=5)
         self.closers.append(self.gossip.close)
+        for name, role in workers:
+            await self.add_worker(name, role, wait=False, **(worker_overrides or {}))
         await self.wait_for_heartbeats([name for name, _ in workers])
         if router:
             self.metrics = Metrics()
@@ -112,6 +99,25 @@ class Plane:
                 **router_overrides,
             )
             self.handles["router"] = await build_router(config, self.provider, self.metrics)
+
+    async def add_worker(self, name: str, role: str, wait: bool = True, **overrides) -> None:
+        """Starts a tiny worker; with `wait`, until the scheduler can place work on it."""
+        self.handles[name] = await build_worker(
+            WorkerConfig(
+                instance_id=name,
+                role=role,
+                listen_addr="127.0.0.1:0",
+                transfer_host="127.0.0.1",
+                transfer_timeout_s=10.0,
+                canary_interval_s=30.0,
+                gossip_addr=self.address("gossip"),
+                heartbeat_interval_s=0.1,
+                **overrides,
+            ),
+            self.provider,
+        )
+        if wait:
+            await self.wait_for_heartbeats([name])
 
     async def wait_for_heartbeats(self, names, timeout_s: float = 10.0) -> None:
         """Until gossip lists every named worker with free KV memory to place work on."""
@@ -130,7 +136,9 @@ class Plane:
             await close()
         # The scheduler stops before the workers: their "left" events would otherwise
         # arrive while it cancels its view refresh.
-        for name in ("router", "scheduler", *(n for n, _ in WORKERS), "slot-broker", "gossip"):
+        services = ("router", "scheduler", "slot-broker", "gossip")
+        workers = [name for name in self.handles if name not in services]
+        for name in ("router", "scheduler", *workers, "slot-broker", "gossip"):
             handle = self.handles.pop(name, None)
             if handle is not None:
                 await handle.stop(0)

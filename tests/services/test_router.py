@@ -15,7 +15,7 @@ from kvrs.tokenizer import prefix_block_hashes
 from kvrs.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.redis_store import Keys
 from services.scheduler.outcomes import OutcomeLog
-from tests.services.router_plane import Plane
+from tests.services.router_plane import WORKERS, Plane
 from tests.tiny_reference import reference
 
 pytestmark = pytest.mark.timeout(90)
@@ -235,6 +235,53 @@ async def test_no_decode_instance_left_ends_the_stream_unavailable_after_the_sum
     assert tokens == reference(PROMPT, 1500)[: len(tokens)]
     assert await plane.resident_requests("prefill-0") == 0
     assert await plane.resident_requests("prefill-1") == 0
+
+
+@pytest.mark.parametrize(
+    ("missing", "span_name", "event"),
+    [
+        ("decode", "router.select_decode", "kvrs.placement.waiting"),
+        ("prefill", "router.generate", "kvrs.prefill.waiting"),
+    ],
+)
+async def test_a_request_with_no_instance_to_use_waits_for_one_to_register(
+    redis_url, redis_prefix, missing, span_name, event
+):
+    """No decode (or no prefill) worker is up when the request arrives: it waits
+    (ROUTER_INSTANCE_WAIT_S) while one starts, then streams the reference tokens."""
+    plane = Plane(redis_url, redis_prefix)
+    await plane.start(workers=[w for w in WORKERS if w[1] != missing], instance_wait_s=30.0)
+    try:
+        task = asyncio.create_task(collect(router(plane), generate("r-waits")))
+        await asyncio.sleep(1.0)
+        assert not task.done(), task.result()
+        await plane.add_worker(f"{missing}-0", missing)
+        tokens, summary, error = await task
+        assert error is None, error.details()
+        assert tokens == reference(PROMPT, 24)
+        assert getattr(summary, f"{missing}_instance_id") == f"{missing}-0"
+        (span,) = [s for s in plane.exporter.get_finished_spans() if s.name == span_name]
+        assert event in [e.name for e in span.events]
+    finally:
+        await plane.stop()
+
+
+async def test_the_calls_grpc_deadline_bounds_the_wait_for_an_instance(redis_url, redis_prefix):
+    """No prefill worker and a 60 s instance wait, but the call has 3 s: the router gives
+    up before the call's deadline, saying why, instead of the call timing out."""
+    plane = Plane(redis_url, redis_prefix)
+    await plane.start(workers=[w for w in WORKERS if w[1] == "decode"], instance_wait_s=60.0)
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in router(plane).Generate(generate("r-deadline"), timeout=3.0):
+                pass
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value.details()
+        assert "no alive prefill instance" in raised.value.details()
+        waited_s = asyncio.get_running_loop().time() - started
+        assert 2.0 < waited_s < 3.0, f"gave up after {waited_s:.2f} s"
+    finally:
+        await plane.stop()
 
 
 async def test_a_request_beyond_the_admission_limit_is_shed_at_once(redis_url, redis_prefix):
