@@ -240,7 +240,11 @@ async def test_a_decode_worker_a_lost_registry_forgot_keeps_its_streams_and_kv(c
         assert stream.summary is not None and not stream.summary.recoveries, stream.describe()
         assert stream.summary.final_decode_instance_id == "decode-0", stream.describe()
     assert parked == reference(tuple(parked_prompt), 16)
-    assert [kind for kind, _ in events] == ["joined"], events
+    # Registered again once, never declared failed. On a loaded machine one beat can come
+    # late (a suspicion its next beat refutes): that moves no stream, as asserted above.
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("joined") == 1 and not {"failed", "left"} & set(kinds), events
+    assert kinds.count("suspect") == kinds.count("refuted"), events
 
 
 @pytest.mark.slow
