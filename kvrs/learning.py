@@ -40,7 +40,7 @@ from typing import Any
 from kvrs.costmodel import CostModel
 from kvrs.errors import InvalidArgument
 from kvrs.placement import Placement
-from kvrs.profile import BatchCost, ComputeProfile
+from kvrs.profile import ComputeProfile
 from kvrs.recovery import Action, RecoveryDecision, RecoveryRequest, chosen_option
 from kvrs.units import BITS_PER_BYTE
 
@@ -293,25 +293,7 @@ class Corrections:
 
     def compute_profile(self, base: ComputeProfile) -> ComputeProfile:
         """`base` scaled by `compute_factor` (prefill and extend alike)."""
-        if self.compute_factor == 1.0:
-            return base
-        f = self.compute_factor
-        batch = base.batch
-        return ComputeProfile(
-            model=base.model,
-            table=tuple((tokens, seconds * f) for tokens, seconds in base.table),
-            a_s=base.a_s * f,
-            b_s_per_token=base.b_s_per_token * f,
-            c_s_per_token2=base.c_s_per_token2 * f,
-            batch=None
-            if batch is None
-            else BatchCost(
-                a_s=batch.a_s * f,
-                b_s_per_token=batch.b_s_per_token * f,
-                c_s_per_token2=batch.c_s_per_token2 * f,
-                d_s_per_sequence=batch.d_s_per_sequence * f,
-            ),
-        )
+        return base.scaled(self.compute_factor)
 
     def margins(self, min_samples: int = 3, cap: float = 1.0) -> dict[str, float]:
         """The relative error each recovery action's decisions must win by (the p90 error

@@ -231,6 +231,30 @@ class ComputeProfile:
             return self.prefill_s(new_tokens)
         return self.prefill_s(cached_tokens + new_tokens) - self.prefill_s(cached_tokens) + self.a_s
 
+    def scaled(self, factor: float) -> ComputeProfile:
+        """This profile with every time `factor` times as long: the same model on
+        hardware (or under a load) that runs it `factor` times slower."""
+        if not factor > 0.0:
+            raise InvalidArgument("factor", f"must be > 0, got {factor!r}")
+        if factor == 1.0:
+            return self
+        batch = self.batch
+        return ComputeProfile(
+            model=self.model,
+            table=tuple((tokens, seconds * factor) for tokens, seconds in self.table),
+            a_s=self.a_s * factor,
+            b_s_per_token=self.b_s_per_token * factor,
+            c_s_per_token2=self.c_s_per_token2 * factor,
+            batch=None
+            if batch is None
+            else BatchCost(
+                a_s=batch.a_s * factor,
+                b_s_per_token=batch.b_s_per_token * factor,
+                c_s_per_token2=batch.c_s_per_token2 * factor,
+                d_s_per_sequence=batch.d_s_per_sequence * factor,
+            ),
+        )
+
     def batch_cost(self) -> BatchCost:
         """The cost of a batched pass: measured, else the single-pass fit (no d term)."""
         if self.batch is not None:

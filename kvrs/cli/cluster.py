@@ -382,6 +382,7 @@ def _node(node: Any) -> dict[str, Any]:
         "age_s": round(node.age_s, 3),
         "queue_depth": node.queue_depth,
         "queued_work_s": round(node.queued_work_s, 6),
+        "compute_factor": round(node.compute_factor, 3),
         "running_requests": node.running_requests,
         "free_kv_blocks": node.free_kv_blocks,
         "kv_capacity_blocks": node.kv_capacity_blocks,
@@ -519,6 +520,7 @@ def _render(report: dict[str, Any]) -> str:
                 f"{n['age_s']:.2f}",
                 str(n["queue_depth"]),
                 f"{n['queued_work_s']:.3f}",
+                f"{n['compute_factor']:.2f}" if n["compute_factor"] else "-",
                 str(n["running_requests"]),
                 f"{n['free_kv_blocks']}/{n['kv_capacity_blocks']}",
             ]
@@ -535,6 +537,7 @@ def _render(report: dict[str, Any]) -> str:
                     "AGE_S",
                     "QUEUE",
                     "QUEUED_WORK_S",
+                    "PACE",
                     "RUNNING",
                     "FREE_KV_BLOCKS",
                 ],

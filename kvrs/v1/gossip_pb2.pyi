@@ -65,7 +65,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes", "load_unchanged", "prefix_hashes_unchanged")
+    __slots__ = ("request_id", "instance_id", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes", "load_unchanged", "prefix_hashes_unchanged", "compute_factor")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class HeartbeatRequest(_message.Message):
     RESIDENT_PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     LOAD_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASHES_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     queue_depth: int
@@ -84,7 +85,8 @@ class HeartbeatRequest(_message.Message):
     resident_prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
     load_unchanged: bool
     prefix_hashes_unchanged: bool
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., load_unchanged: _Optional[bool] = ..., prefix_hashes_unchanged: _Optional[bool] = ...) -> None: ...
+    compute_factor: float
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., load_unchanged: _Optional[bool] = ..., prefix_hashes_unchanged: _Optional[bool] = ..., compute_factor: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("expires_unix_ms",)
@@ -119,7 +121,7 @@ class DeregisterNodeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "location", "model", "kv_capacity_blocks", "transfer_address", "state", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes", "age_s", "last_seen_unix_ms", "heartbeat_ttl_s")
+    __slots__ = ("instance_id", "role", "address", "location", "model", "kv_capacity_blocks", "transfer_address", "state", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes", "age_s", "last_seen_unix_ms", "heartbeat_ttl_s", "compute_factor")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +138,7 @@ class NodeInfo(_message.Message):
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: _common_pb2.Role
     address: str
@@ -152,7 +155,8 @@ class NodeInfo(_message.Message):
     age_s: float
     last_seen_unix_ms: int
     heartbeat_ttl_s: float
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., model: _Optional[str] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., age_s: _Optional[float] = ..., last_seen_unix_ms: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ...) -> None: ...
+    compute_factor: float
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., model: _Optional[str] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., age_s: _Optional[float] = ..., last_seen_unix_ms: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., compute_factor: _Optional[float] = ...) -> None: ...
 
 class ReportLinkSampleRequest(_message.Message):
     __slots__ = ("request_id", "src_instance_id", "dst_instance_id", "bandwidth_bps", "sample_bandwidth_bps", "rtt_s", "probe_bytes", "samples")

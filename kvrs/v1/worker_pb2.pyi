@@ -212,7 +212,7 @@ class GetWorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerStatsResponse(_message.Message):
-    __slots__ = ("instance_id", "role", "model", "dtype", "location", "transfer_address", "protocol_version", "resident_requests", "block_tokens", "kv_capacity_blocks", "free_kv_blocks", "used_kv_bytes", "kv_capacity_bytes", "queued_work_s", "queue_depth", "running_requests", "evicted_requests", "expired_requests", "resident_prefix_hashes")
+    __slots__ = ("instance_id", "role", "model", "dtype", "location", "transfer_address", "protocol_version", "resident_requests", "block_tokens", "kv_capacity_blocks", "free_kv_blocks", "used_kv_bytes", "kv_capacity_bytes", "queued_work_s", "queue_depth", "running_requests", "evicted_requests", "expired_requests", "resident_prefix_hashes", "compute_factor")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class GetWorkerStatsResponse(_message.Message):
     EVICTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: _common_pb2.Role
     model: str
@@ -251,4 +252,5 @@ class GetWorkerStatsResponse(_message.Message):
     evicted_requests: int
     expired_requests: int
     resident_prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., transfer_address: _Optional[str] = ..., protocol_version: _Optional[int] = ..., resident_requests: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., used_kv_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., running_requests: _Optional[int] = ..., evicted_requests: _Optional[int] = ..., expired_requests: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    compute_factor: float
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., transfer_address: _Optional[str] = ..., protocol_version: _Optional[int] = ..., resident_requests: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., used_kv_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., queue_depth: _Optional[int] = ..., running_requests: _Optional[int] = ..., evicted_requests: _Optional[int] = ..., expired_requests: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., compute_factor: _Optional[float] = ...) -> None: ...

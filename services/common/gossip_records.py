@@ -74,6 +74,8 @@ class NodeLoad:
     free_kv_blocks: int = 0
     resident_prefix_hashes: tuple[int, ...] = ()
     """Hashes of the prefix blocks resident on the instance."""
+    compute_factor: float = 0.0
+    """Measured / profile seconds of its recent forward passes; 0 = not measured."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,7 @@ def validate_load(load: NodeLoad) -> None:
     require_non_negative("queued_work_s", load.queued_work_s)
     require_non_negative("running_requests", load.running_requests)
     require_non_negative("free_kv_blocks", load.free_kv_blocks)
+    require_non_negative("compute_factor", load.compute_factor)
     if len(load.resident_prefix_hashes) > MAX_PREFIX_HASHES:
         raise InvalidArgument(
             "resident_prefix_hashes",

@@ -290,6 +290,8 @@ WORK_THRESHOLD_S = 0.001
 """A change of `queued_work_s` below this is not worth a load update (W(x) within 1 ms)."""
 FREE_KV_THRESHOLD = 0.01
 """A change of free KV blocks below this share of the capacity is not worth an update."""
+COMPUTE_FACTOR_THRESHOLD = 0.05
+"""A change of `compute_factor` below this share of it is not worth an update."""
 FULL_LOAD_EVERY = 10
 """Every this many beats the whole load is sent, whatever changed: what the thresholds
 held back reaches the registry within this many intervals."""
@@ -303,6 +305,8 @@ def load_changed(sent: NodeLoad, load: NodeLoad, kv_capacity_blocks: int) -> boo
         or abs(load.queued_work_s - sent.queued_work_s) >= WORK_THRESHOLD_S
         or abs(load.free_kv_blocks - sent.free_kv_blocks)
         > FREE_KV_THRESHOLD * max(0, kv_capacity_blocks)
+        or abs(load.compute_factor - sent.compute_factor)
+        > COMPUTE_FACTOR_THRESHOLD * max(1.0, sent.compute_factor)
     )
 
 
@@ -422,6 +426,7 @@ class HeartbeatLoop:
                 ),
                 free_kv_blocks=sent.free_kv_blocks if load_unchanged else load.free_kv_blocks,
                 resident_prefix_hashes=load.resident_prefix_hashes,
+                compute_factor=sent.compute_factor if load_unchanged else load.compute_factor,
             )
         self._sent = load
 

@@ -103,6 +103,7 @@ def heartbeat_to_pb(
         request.queued_work_s = load.queued_work_s
         request.running_requests = load.running_requests
         request.free_kv_blocks = load.free_kv_blocks
+        request.compute_factor = load.compute_factor
     if not prefix_hashes_unchanged:
         request.resident_prefix_hashes.extend(load.resident_prefix_hashes)
     return request
@@ -115,6 +116,7 @@ def load_from_pb(message: gossip_pb2.HeartbeatRequest | gossip_pb2.NodeInfo) -> 
         running_requests=message.running_requests,
         free_kv_blocks=message.free_kv_blocks,
         resident_prefix_hashes=tuple(message.resident_prefix_hashes),
+        compute_factor=message.compute_factor,
     )
 
 
@@ -139,6 +141,7 @@ def node_to_pb(record: NodeRecord) -> gossip_pb2.NodeInfo:
         running_requests=load.running_requests,
         free_kv_blocks=load.free_kv_blocks,
         resident_prefix_hashes=load.resident_prefix_hashes,
+        compute_factor=load.compute_factor,
         age_s=record.age_s,
         last_seen_unix_ms=record.last_seen_unix_ms,
         heartbeat_ttl_s=record.heartbeat_ttl_s,

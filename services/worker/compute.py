@@ -11,7 +11,8 @@ One thread, because a CPU worker gains nothing from running two forward passes a
 (they would share the same cores). What gossip reports as queued work is honest under
 batching: the estimated seconds until work submitted now would start, i.e. the rest of
 the running step plus the steps the queued work fills ahead of it, each priced by the
-profile's batch cost (`kvrs.profile.ComputeProfile.batch_s`).
+profile's batch cost (`kvrs.profile.ComputeProfile.batch_s`) and scaled by how much
+slower than that profile this worker's recent passes ran (`services.worker.pace`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvrs.profile import ComputeProfile, compute_profile
 from services.common.metrics import Metrics
 from services.worker.config import DEFAULT_MAX_BATCH_TOKENS
 from services.worker.model import KvCache, Transformer
+from services.worker.pace import PassPace
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,8 @@ class ComputeQueue:
         self.profile = profile
         self.max_batch_tokens = max_batch_tokens
         self.counts = BatchCounts()
+        self.pace = PassPace()
+        """Measured / profile seconds of the recent passes (the heartbeat's compute_factor)."""
         self._metrics = metrics
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="forward")
         self._queue: list[Job] = []
@@ -134,12 +138,14 @@ class ComputeQueue:
     @property
     def queued_work_s(self) -> float:
         """Estimated seconds until work submitted now would start: the rest of the
-        running pass plus the passes the queued work fills ahead of it."""
-        total = self._ahead_s
+        running pass plus the passes the queued work fills ahead of it, at the pace this
+        worker's recent passes ran."""
+        factor = self.pace.factor
+        total = self._ahead_s * factor
         running = self._running
         if running is not None:
             started, estimate = running
-            total += max(0.0, estimate - (time.monotonic() - started))
+            total += max(0.0, estimate * factor - (time.monotonic() - started))
         return total
 
     def _plan(self) -> list[list[tuple[int, int]]]:
@@ -285,7 +291,8 @@ class ComputeQueue:
                 if job.started_s is None:
                     job.started_s = started
             segments = [(job.cache.length, take) for job, take in batch if job.cache is not None]
-            self._running = (started, self.profile.batch_s(segments) if segments else 0.0)
+            estimate_s = self.profile.batch_s(segments) if segments else 0.0
+            self._running = (started, estimate_s)
             self._account()
             try:
                 outcome = await loop.run_in_executor(self._executor, self._compute, batch)
@@ -294,7 +301,9 @@ class ComputeQueue:
                 for job, _ in batch:
                     job.running = False
                     job.idle.set()
-            self._settle(batch, outcome, time.monotonic() - started)
+            elapsed_s = time.monotonic() - started
+            self.pace.observe(elapsed_s, estimate_s)
+            self._settle(batch, outcome, elapsed_s)
 
     def _compute(self, batch: list[tuple[Job, int]]) -> dict[Job, Any]:
         """On the compute thread: each job's logits, closure value, or exception."""

@@ -261,6 +261,7 @@ async def _join_gossip(
             running_requests=stats.running_requests,
             free_kv_blocks=stats.free_kv_blocks,
             resident_prefix_hashes=tuple(stats.resident_prefix_hashes),
+            compute_factor=stats.compute_factor,
         )
 
     def forget_requests(declared_failed: bool) -> None:

@@ -232,6 +232,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             used_kv_bytes=stats.used_kv_bytes,
             kv_capacity_bytes=stats.kv_capacity_bytes,
             queued_work_s=stats.queued_work_s,
+            compute_factor=stats.compute_factor,
             queue_depth=stats.queue_depth,
             running_requests=stats.running_requests,
             evicted_requests=stats.evicted_requests,

@@ -1,5 +1,6 @@
-"""The compute loop's books: queued work priced as the passes it will run, work longer
-than a pass chunked, results equal to the model run directly."""
+"""The compute loop's books: queued work priced as the passes it will run, at the pace
+the recent passes ran, work longer than a pass chunked, results equal to the model run
+directly."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from kvrs.profile import BatchCost, ComputeProfile
 from services.worker.compute import ComputeQueue
 from services.worker.model import Transformer
+from services.worker.pace import MAX_FACTOR, MIN_PASSES, PassPace
 
 COST = BatchCost(a_s=1.0, b_s_per_token=0.01, c_s_per_token2=1e-4, d_s_per_sequence=0.1)
 
@@ -53,6 +55,51 @@ async def test_queued_work_is_the_passes_ahead_priced_by_the_batch_cost(tiny):
     assert queue.counts.passes == 2
     assert queue.counts.tokens == 120
     assert queue.counts.max_sequences == 2
+
+
+def test_the_pace_is_the_median_ratio_of_the_recent_passes_within_the_band():
+    pace = PassPace(window=16, min_passes=4)
+    for measured_s in (0.02, 0.03):
+        pace.observe(measured_s, 0.01)
+    assert pace.factor == 1.0  # too few passes to say
+    for measured_s in (0.03, 0.03, 5.0):  # one pass stalled for seconds
+        pace.observe(measured_s, 0.01)
+    assert pace.factor == pytest.approx(3.0)
+    pace.observe(0.0, 0.01)  # nothing measured, or nothing estimated: not a sample
+    pace.observe(0.02, 0.0)
+    assert pace.passes == 5
+    for _ in range(16):
+        pace.observe(1.0, 1e-6)
+    assert pace.factor == MAX_FACTOR
+
+
+async def test_queued_work_is_reported_at_the_pace_the_passes_ran(tiny):
+    """A profile far faster than the passes really run: once enough passes were timed,
+    the queued work is reported at their measured pace (clipped to the band)."""
+    fast = BatchCost(a_s=1e-9, b_s_per_token=1e-12, c_s_per_token2=0.0, d_s_per_sequence=0.0)
+    queue = ComputeQueue(tiny, ComputeProfile("tiny", batch=fast), max_batch_tokens=64)
+    started, gate = threading.Event(), threading.Event()
+
+    def block() -> None:
+        started.set()
+        gate.wait()
+
+    try:
+        for i in range(MIN_PASSES):
+            await queue.forward(tiny.new_cache(), [i + 1, i + 2])
+        assert queue.pace.factor == MAX_FACTOR
+        blocker = asyncio.ensure_future(queue.run(block))
+        await asyncio.to_thread(started.wait)
+        prompts = [[(5 * p + i) % 250 for i in range(40)] for p in range(2)]
+        jobs = [queue.submit(tiny.new_cache(), prompt) for prompt in prompts]
+        assert queue.queued_work_s == pytest.approx(MAX_FACTOR * fast.batch_s([(0, 40), (0, 24)]))
+        gate.set()
+        await blocker
+        for job in jobs:
+            await queue.wait(job)
+    finally:
+        gate.set()
+        queue.close()
 
 
 async def test_a_withdrawn_job_never_touches_its_cache(tiny):

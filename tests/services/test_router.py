@@ -12,7 +12,15 @@ import pytest
 import redis.asyncio as redis_async
 
 from kvrs.tokenizer import prefix_block_hashes
-from kvrs.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvrs.v1 import (
+    common_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from services.common.redis_store import Keys
 from services.scheduler.outcomes import OutcomeLog
 from tests.services.router_plane import WORKERS, Plane
@@ -235,6 +243,24 @@ async def test_no_decode_instance_left_ends_the_stream_unavailable_after_the_sum
     assert tokens == reference(PROMPT, 1500)[: len(tokens)]
     assert await plane.resident_requests("prefill-0") == 0
     assert await plane.resident_requests("prefill-1") == 0
+
+
+async def test_a_workers_measured_pace_reaches_gossip(plane):
+    """After a request, the decode worker that ran it has timed its passes against its
+    profile (GetWorkerStats.compute_factor) and heartbeats the factor to gossip."""
+    _, summary, error = await collect(router(plane), generate("r-pace"))
+    assert error is None
+    name = summary.decode_instance_id
+    stub = worker_pb2_grpc.WorkerServiceStub(plane.channel(name))
+    stats = await stub.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=5)
+    assert stats.compute_factor > 0.0
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while True:
+        nodes = {n.registration.instance_id: n for n in await plane.gossip.list_nodes()}
+        if nodes[name].load.compute_factor > 0.0:
+            break
+        assert asyncio.get_running_loop().time() < deadline, "no compute_factor in gossip"
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize(
