@@ -27,6 +27,7 @@ from kvrs.client import KvrsClient
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "docker-compose.yml"
+COMPOSE_MTLS = ROOT / "deploy" / "mtls" / "compose.mtls.yml"
 DOT_ENV = ROOT / "deploy" / ".env"
 CONFIGURATION_DOC = ROOT / "docs" / "configuration.md"
 
@@ -213,6 +214,19 @@ def test_the_local_cluster_sets_only_variables_its_services_read(tmp_path):
         assert spec.listen_env == listen_env(spec.module)
         assert not set(spec.env(wiring)) - read - PROCESS_ENV, spec.name
     assert set(shared) - read_by_any == set()
+
+
+def test_the_mtls_override_gives_every_service_the_identity_kvrs_up_tls_gives_it(compose):
+    """Every kvrs service gets KVRS_TLS_* with client certificates required; each worker
+    presents its own certificate (gossip lets it speak only for itself), the others the
+    shared server one: the identities `kvrs up --tls` hands out, at the mounted path."""
+    override = yaml.safe_load(COMPOSE_MTLS.read_text())["services"]
+    assert set(override) == KVRS_SERVICES
+    certs = Path("/etc/kvrs/certs")
+    for name in KVRS_SERVICES:
+        worker = compose["services"][name]["command"][2] == "services.worker"
+        assert override[name]["environment"] == tls_env(certs, name if worker else "server")
+        assert override[name]["volumes"] == [f"./certs:{certs}:ro"], name
 
 
 def test_standard_ports_of_the_local_cluster_match_compose(compose):
