@@ -791,7 +791,7 @@ class WorkerEngine:
             used_kv_bytes=store.used_bytes,
             kv_capacity_bytes=store.capacity_blocks * store.block_tokens * store.bytes_per_token,
             queued_work_s=self.compute.queued_work_s,
-            compute_factor=self.compute.pace.factor if self.compute.pace.passes else 0.0,
+            compute_factor=self.compute.pace.factor if self.compute.pace.measured else 0.0,
             queue_depth=self.compute.depth,
             running_requests=self._running_decodes,
             evicted_requests=store.evicted,

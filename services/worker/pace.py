@@ -58,3 +58,8 @@ class PassPace:
     def passes(self) -> int:
         """Passes in the window."""
         return len(self._ratios)
+
+    @property
+    def measured(self) -> bool:
+        """Whether enough passes were timed for `factor` to say anything."""
+        return len(self._ratios) >= self._min_passes

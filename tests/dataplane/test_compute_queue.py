@@ -61,10 +61,10 @@ def test_the_pace_is_the_median_ratio_of_the_recent_passes_within_the_band():
     pace = PassPace(window=16, min_passes=4)
     for measured_s in (0.02, 0.03):
         pace.observe(measured_s, 0.01)
-    assert pace.factor == 1.0  # too few passes to say
+    assert pace.factor == 1.0 and not pace.measured  # too few passes to say
     for measured_s in (0.03, 0.03, 5.0):  # one pass stalled for seconds
         pace.observe(measured_s, 0.01)
-    assert pace.factor == pytest.approx(3.0)
+    assert pace.factor == pytest.approx(3.0) and pace.measured
     pace.observe(0.0, 0.01)  # nothing measured, or nothing estimated: not a sample
     pace.observe(0.02, 0.0)
     assert pace.passes == 5
