@@ -32,7 +32,6 @@ from kvrs._pathmatrix import FlowPlan
 from kvrs.cluster import ClusterView
 from kvrs.costmodel import CostModel
 from kvrs.errors import InvalidArgument
-from kvrs.profile import ComputeProfile
 from kvrs.recovery import (
     Action,
     OptionCost,
@@ -158,11 +157,9 @@ def _shared(
         if segment[1] > 0:  # a request with nothing generated has nothing to extend
             extends[decision.target_id].append(segment)
 
-    def batched_s(
-        segments: list[tuple[int, int]], alone_s: float, compute: ComputeProfile
-    ) -> float:
+    def batched_s(segments: list[tuple[int, int]], alone_s: float) -> float:
         """One batched pass over the plan's segments on an instance (alone: its own)."""
-        return alone_s if len(segments) <= 1 else compute.batch_s(segments)
+        return alone_s if len(segments) <= 1 else cost.compute.batch_s(segments)
 
     priced = list(decisions)
     for target_id, jobs in on_target.items():
@@ -173,13 +170,11 @@ def _shared(
             chosen = _chosen_option(decision)
             # The transfers share the target side by side; the extends join one pass.
             transfers_s = max(moved[i], sum(min(alone[j], alone[i]) for j in jobs))
-            target_s = (
-                target_wait + transfers_s + batched_s(extends[target_id], own_ext[i], cost.compute)
-            )
+            target_s = target_wait + transfers_s + batched_s(extends[target_id], own_ext[i])
             if decision.action is Action.RECOMPUTE:
                 source_id = decision.source_id
                 source = view.get(source_id)
-                prefill_s = batched_s(prefills[source_id], chosen.compute_s, cost.prefill_compute)
+                prefill_s = batched_s(prefills[source_id], chosen.compute_s)
                 source_wait = (source.wait_s if source is not None else 0.0) + max(
                     0.0, prefill_s - chosen.compute_s
                 )

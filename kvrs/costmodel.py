@@ -23,15 +23,9 @@ class CostModel:
         compute: ComputeProfile,
         network: NetworkModel,
         margins: Mapping[str, float] | None = None,
-        prefill_compute: ComputeProfile | None = None,
     ):
         self.model = model
         self.compute = compute
-        """What compute costs on a decode instance: a placement's first step, a
-        recovery's extend, HYBRID's recomputed prefix."""
-        self.prefill_compute = compute if prefill_compute is None else prefill_compute
-        """What compute costs on a prefill instance: RECOMPUTE's prefill. The two differ
-        where the instances run at different paces (decode streams beside the passes)."""
         self.network = network
         self.margins: Mapping[str, float] = dict(margins or {})
         """Measured relative error of each recovery action's predictions (by action value):

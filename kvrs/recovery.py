@@ -553,7 +553,7 @@ class _Options:
         waits = columns.wait if self.extra_wait is None else self.waits(columns)
         target_waits = self.decode.wait if self.extra_wait is None else self.waits(self.decode)
         tokens = request.prompt_tokens + request.generated_tokens
-        prefill_s = cost.prefill_compute.prefill_s(tokens)
+        prefill_s = cost.compute.prefill_s(tokens)
         bits = cost.kv_bits_per_token * tokens
         if self.extra_flows is not None and tokens:
             return self._recompute_priced(
@@ -875,7 +875,7 @@ class Rom:
                 request.source_prefill_id, ctx.decode.ids[target], now_s
             )
             migrate_s = cost.kv_bits_per_token * request.prompt_tokens / bps
-            if migrate_s < cost.prefill_compute.prefill_s(request.prompt_tokens):
+            if migrate_s < cost.prefill_s(request.prompt_tokens):
                 chosen, reason = options[0], "8·S(L)/B < T_pf(L)"
             else:
                 chosen, reason = options[1], "8·S(L)/B >= T_pf(L)"

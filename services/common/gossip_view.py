@@ -10,11 +10,7 @@ Each build applies what executed decisions taught (`kvrs.learning.Corrections`):
 decision has measured is priced with its fitted fixed cost and rate, the compute profile
 is scaled by the measured compute factor, and a decode instance's W(x) grows by its
 measured interference per decoding request plus the work this scheduler assigned to it
-after its last heartbeat (`AssignedWork`). Where the workers report how fast they
-compute now (the heartbeat's `compute_factor`: their recent passes' measured / profile
-seconds), that beats the factor fitted from outcomes: compute on decode instances is
-priced at the median pace of the alive decode instances, RECOMPUTE's prefill at that of
-the prefill instances.
+after its last heartbeat (`AssignedWork`).
 
 Gossip keeps failed and departed instances listed for minutes, so an alive instance that
 vanishes from a listing without a trace was lost by the registry (a Redis restart
@@ -28,7 +24,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -122,12 +117,9 @@ class ViewCache:
         clock: Callable[[], float] = time.time,
         corrections: Callable[[], Corrections] = Corrections,
         assigned: AssignedWork | None = None,
-        reported_pace: bool = True,
     ) -> None:
         self.inputs = inputs
         self.corrections = corrections
-        self.reported_pace = reported_pace
-        """Price compute at the pace the workers report (off: the profile as it is)."""
         self.assigned = assigned
         self.refresh_s = refresh_s
         self.stale_after_s = stale_after_s
@@ -389,10 +381,6 @@ class ViewCache:
             if self._in_topology(link.sample.src_instance_id)
             and self._in_topology(link.sample.dst_instance_id)
         )
-        decode_pace = prefill_pace = 0.0
-        if self.reported_pace:
-            decode_pace = _reported_pace(self._alive, Role.DECODE)
-            prefill_pace = _reported_pace(self._alive, Role.PREFILL)
         key = (
             tuple(
                 (
@@ -406,21 +394,16 @@ class ViewCache:
                 for link in links
             ),
             tuple(sorted(snapshot.flows.items())),
-            (decode_pace, prefill_pace),
             corrections.key(),
         )
         if previous is not None and previous.telemetry_key == key:
             cost = previous.cost
         else:
-            fitted = corrections.compute_profile(self.inputs.compute)
             cost = CostModel(
                 self.inputs.model,
-                self.inputs.compute.scaled(decode_pace) if decode_pace else fitted,
+                corrections.compute_profile(self.inputs.compute),
                 self._network(snapshot, links, corrections),
                 margins=corrections.margins(),
-                prefill_compute=self.inputs.compute.scaled(prefill_pace)
-                if prefill_pace
-                else fitted,
             )
         prepare_candidates(cluster, None if previous is None else previous.cluster)
         return DecisionState(
@@ -538,17 +521,6 @@ class ViewCache:
             for link in topology.path_links(src_id, dst_id):
                 flows[link] = flows.get(link, 0) + count
         return flows
-
-
-def _reported_pace(alive: Mapping[str, NodeRecord], role: Role) -> float:
-    """The median compute factor the alive instances of `role` report, to two decimals
-    (the cost model is rebuilt only when it moves); 0 when none of them reports one."""
-    factors = [
-        node.load.compute_factor
-        for node in alive.values()
-        if node.registration.role == role.value and node.load.compute_factor > 0.0
-    ]
-    return round(statistics.median(factors), 2) if factors else 0.0
 
 
 def _instance_spec(registration: Registration) -> InstanceSpec:

@@ -79,8 +79,7 @@ class Config:
     """KVRS_METRICS_ADDR: host:port of the Prometheus endpoint; empty = off."""
     learning: bool = True
     """SCHEDULER_LEARNING: price decisions with the corrections fitted from reported
-    outcomes and compute at the pace the workers report (1, the default), or with the
-    base model alone (0)."""
+    outcomes (1, the default) or with the base model alone (0)."""
     learning_refresh_s: float = 1.0
     """SCHEDULER_LEARNING_REFRESH_S: how often the shared outcome log is re-read and refitted."""
     outcome_capacity: int = 2048

@@ -85,7 +85,6 @@ async def build_server(
         config.view_stale_after_s,
         corrections=(lambda: learning.corrections) if config.learning else Corrections,
         assigned=assigned if config.learning else None,
-        reported_pace=config.learning,
     )
     await learning.refresh()
     if not await view.refresh():

@@ -856,22 +856,6 @@ async def test_recover_splits_its_prediction_into_terms(plane):
     assert terms.source_wait_s == terms.prefill_s == 0.0
 
 
-async def test_compute_is_priced_at_the_pace_the_workers_report(plane):
-    """Decode workers whose passes run 3x their profile and prefill workers at 2x (the
-    heartbeat's compute_factor): the extend and RECOMPUTE's prefill are priced so."""
-    paces = {"prefill-0": 2.0, "prefill-1": 2.0, "decode-rack": 3.0, "decode-far": 3.0}
-    await plane.register(loads={i: NodeLoad(compute_factor=f) for i, f in paces.items()})
-    reported = {
-        n.registration.instance_id: n.load.compute_factor for n in await plane.gossip.list_nodes()
-    }
-    assert {i: reported[i] for i in paces} == paces
-    stub = await plane.scheduler()
-    reply = await stub.Recover(recover(), timeout=5)
-    options = {o.action: o for o in reply.options}
-    assert options[MIGRATE].compute_s == pytest.approx(3.0 * PROFILE.extend_s(1000, 20))
-    assert options[RECOMPUTE].compute_s == pytest.approx(2.0 * PROFILE.prefill_s(1020))
-
-
 async def test_replicas_share_reported_outcomes_and_fit_the_same_corrections(plane):
     await plane.register()
     first = await plane.scheduler(learning_refresh_s=0.05)
