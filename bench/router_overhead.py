@@ -67,8 +67,15 @@ async def via_router(stub, prompt: list[int], tokens: int) -> tuple[float, float
 
 
 async def direct(
-    prefill, decode, prefill_addr: str, prompt: list[int], tokens: int
+    prefill,
+    decode,
+    prefill_addr: str,
+    prompt: list[int],
+    tokens: int,
+    prefill_id: str = "prefill-0",
 ) -> tuple[float, float, list[float]]:
+    """Prefill on `prefill` (instance `prefill_id` at `prefill_addr`), PullKv and Decode on
+    `decode`, as the router would: (TTFT, token 1, mean time between tokens)."""
     request_id = f"bench-{uuid.uuid4().hex[:10]}"
     started = time.perf_counter()
     first = await prefill.Prefill(
@@ -78,7 +85,7 @@ async def direct(
     await decode.PullKv(
         worker_pb2.PullKvRequest(
             request_id=request_id,
-            source_instance_id="prefill-0",
+            source_instance_id=prefill_id,
             source_address=prefill_addr,
             token_start=0,
             token_end=len(prompt),
