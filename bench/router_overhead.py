@@ -25,12 +25,13 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
 
 from bench.report import add_json_argument, write_json
-from kvrs.cli.launcher import SERVICES, ClusterOptions, start_cluster, stop_cluster
+from kvrs.cli.launcher import SERVICES, ClusterOptions, ClusterState, start_cluster, stop_cluster
 from kvrs.client import KvrsClient
 from kvrs.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -44,6 +45,18 @@ BENCH_SERVICES = (
     "decode-1",
     "router",
 )
+
+
+def on_bench_cluster(run: Callable[[ClusterState], Awaitable[dict]]) -> dict:
+    """Starts the bench cluster (BENCH_SERVICES on the tiny model, in a temporary
+    directory), runs `run` on it and stops it; `run`'s figures."""
+    run_dir = Path(tempfile.mkdtemp(prefix="kvrs-bench-")) / "cluster"
+    services = [spec for spec in SERVICES if spec.name in BENCH_SERVICES]
+    state = start_cluster(ClusterOptions(run_dir=run_dir, workers_model="tiny"), services)
+    try:
+        return asyncio.run(run(state))
+    finally:
+        stop_cluster(run_dir, grace_s=5.0)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -206,13 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     add_json_argument(parser)
     args = parser.parse_args(argv)
-    run_dir = Path(tempfile.mkdtemp(prefix="kvrs-bench-")) / "cluster"
-    services = [spec for spec in SERVICES if spec.name in BENCH_SERVICES]
-    state = start_cluster(ClusterOptions(run_dir=run_dir, workers_model="tiny"), services)
-    try:
-        figures = asyncio.run(bench(state, args.rounds, args.tokens, args.prompt_tokens))
-    finally:
-        stop_cluster(run_dir, grace_s=5.0)
+    figures = on_bench_cluster(
+        lambda state: bench(state, args.rounds, args.tokens, args.prompt_tokens)
+    )
     write_json(args.json, "router_overhead", figures)
     return 0
 

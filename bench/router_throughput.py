@@ -19,17 +19,14 @@ import argparse
 import asyncio
 import os
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import grpc
 
 from bench.report import add_json_argument, write_json
-from bench.router_overhead import BENCH_SERVICES, direct
-from kvrs.cli.launcher import SERVICES, ClusterOptions, start_cluster, stop_cluster
+from bench.router_overhead import direct, on_bench_cluster
 from kvrs.v1 import router_pb2, router_pb2_grpc, worker_pb2_grpc
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -146,13 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.streams) < 1 or args.tokens < 2 or args.rounds < 1:
         parser.error("--streams must be >= 1, --tokens >= 2 and --rounds >= 1")
-    run_dir = Path(tempfile.mkdtemp(prefix="kvrs-bench-")) / "cluster"
-    services = [spec for spec in SERVICES if spec.name in BENCH_SERVICES]
-    state = start_cluster(ClusterOptions(run_dir=run_dir, workers_model="tiny"), services)
-    try:
-        figures = asyncio.run(bench(state, args.streams, args.tokens, args.rounds))
-    finally:
-        stop_cluster(run_dir, grace_s=5.0)
+    figures = on_bench_cluster(lambda state: bench(state, args.streams, args.tokens, args.rounds))
     write_json(args.json, "router_throughput", figures)
     return 0
 
