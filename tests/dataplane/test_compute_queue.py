@@ -23,17 +23,29 @@ def tiny() -> Transformer:
     return Transformer.load("tiny")
 
 
+class Blocker:
+    """Work that holds the queue's compute thread until released, so that what is
+    submitted meanwhile stays queued."""
+
+    def __init__(self) -> None:
+        self.started, self.gate = threading.Event(), threading.Event()
+
+    def __call__(self) -> None:
+        self.started.set()
+        self.gate.wait()
+
+    async def hold(self, queue: ComputeQueue) -> asyncio.Future:
+        """Runs on the compute thread from now on; the future of its end."""
+        running = asyncio.ensure_future(queue.run(self))
+        await asyncio.to_thread(self.started.wait)
+        return running
+
+
 async def test_queued_work_is_the_passes_ahead_priced_by_the_batch_cost(tiny):
     queue = ComputeQueue(tiny, ComputeProfile("tiny", batch=COST), max_batch_tokens=64)
-    started, gate = threading.Event(), threading.Event()
-
-    def block() -> None:
-        started.set()
-        gate.wait()
-
+    block = Blocker()
     try:
-        blocker = asyncio.ensure_future(queue.run(block))
-        await asyncio.to_thread(started.wait)
+        blocker = await block.hold(queue)
         prompts = [[(7 * p + i) % 250 for i in range(40)] for p in range(3)]
         caches = [tiny.new_cache() for _ in prompts]
         jobs = [queue.submit(cache, prompt) for cache, prompt in zip(caches, prompts, strict=True)]
@@ -41,13 +53,13 @@ async def test_queued_work_is_the_passes_ahead_priced_by_the_batch_cost(tiny):
         # 120 tokens at 64 a pass: [40, 24 of the second], then [its last 16, 40] — the
         # last pass has room, so new work would join it: only the first is ahead.
         assert queue.queued_work_s == pytest.approx(COST.batch_s([(0, 40), (0, 24)]))
-        gate.set()
+        block.gate.set()
         await blocker
         results = [await queue.wait(job) for job in jobs]
         assert queue.depth == 0
         assert queue.queued_work_s == 0.0
     finally:
-        gate.set()
+        block.gate.set()
         queue.close()
     for prompt, result in zip(prompts, results, strict=True):
         torch.testing.assert_close(result.value, tiny.prefill(prompt)[1], rtol=1e-12, atol=1e-12)
@@ -78,27 +90,21 @@ async def test_queued_work_is_reported_at_the_pace_the_passes_ran(tiny):
     the queued work is reported at their measured pace (clipped to the band)."""
     fast = BatchCost(a_s=1e-9, b_s_per_token=1e-12, c_s_per_token2=0.0, d_s_per_sequence=0.0)
     queue = ComputeQueue(tiny, ComputeProfile("tiny", batch=fast), max_batch_tokens=64)
-    started, gate = threading.Event(), threading.Event()
-
-    def block() -> None:
-        started.set()
-        gate.wait()
-
+    block = Blocker()
     try:
         for i in range(MIN_PASSES):
             await queue.forward(tiny.new_cache(), [i + 1, i + 2])
         assert queue.pace.factor == MAX_FACTOR
-        blocker = asyncio.ensure_future(queue.run(block))
-        await asyncio.to_thread(started.wait)
+        blocker = await block.hold(queue)
         prompts = [[(5 * p + i) % 250 for i in range(40)] for p in range(2)]
         jobs = [queue.submit(tiny.new_cache(), prompt) for prompt in prompts]
         assert queue.queued_work_s == pytest.approx(MAX_FACTOR * fast.batch_s([(0, 40), (0, 24)]))
-        gate.set()
+        block.gate.set()
         await blocker
         for job in jobs:
             await queue.wait(job)
     finally:
-        gate.set()
+        block.gate.set()
         queue.close()
 
 
