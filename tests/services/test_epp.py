@@ -140,12 +140,14 @@ async def cluster(redis_url, redis_prefix):
         ),
         provider,
     )
+    # `state`, not `current()`: on a loaded machine the scheduler's first refresh may time
+    # out, and `current()` raises until one succeeds.
     await until(
         lambda: (
-            scheduler.view.current() is not None
+            scheduler.view.state is not None
             and any(
                 state.instance_id == "decode-b" and state.resident_blocks
-                for state in scheduler.view.current().cluster.decode_instances()
+                for state in scheduler.view.state.cluster.decode_instances()
             )
         )
     )
