@@ -28,7 +28,15 @@ from libkvxfer._errors import (
 )
 from libkvxfer._interface import KvReceiver, KvSender
 from libkvxfer._protocol import PROTOCOL_HISTORY, PROTOCOL_VERSION
-from libkvxfer._types import KvLayers, KvLayout, ReceivedKv, TransferStats, TransferTicket
+from libkvxfer._types import (
+    KvLayers,
+    KvLayout,
+    KvPage,
+    KvPages,
+    ReceivedKv,
+    TransferStats,
+    TransferTicket,
+)
 
 __all__ = [
     "PROTOCOL_HISTORY",
@@ -38,6 +46,8 @@ __all__ = [
     "ChecksumMismatch",
     "KvLayers",
     "KvLayout",
+    "KvPage",
+    "KvPages",
     "KvReceiver",
     "KvSender",
     "KvXferError",

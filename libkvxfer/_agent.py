@@ -64,7 +64,17 @@ from libkvxfer._protocol import (
     tensor_bytes,
     trailer_bytes,
 )
-from libkvxfer._types import KvLayers, KvLayout, ReceivedKv, TransferStats, TransferTicket
+from libkvxfer._types import (
+    KvLayers,
+    KvLayout,
+    KvPage,
+    KvPages,
+    ReceivedKv,
+    TransferStats,
+    TransferTicket,
+    as_pages,
+    page_rows,
+)
 
 __all__ = ["AgentConfig", "TransferAgent"]
 
@@ -224,21 +234,25 @@ class TransferAgent(KvSender, KvReceiver):
         self._inbound.close_pair(ticket.sender_id, ticket.group_generation)
 
     def recv(
-        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None = None
+        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | KvPages | None = None
     ) -> ReceivedKv:
         if ticket.receiver_incarnation != self.incarnation:
             raise InvalidArgument("ticket", "was not issued by this agent")
+        pages = None
         if out is not None:
-            _check_out(out, layout, ticket.tokens)
+            pages = as_pages(out, ticket.token_start, ticket.token_end)
+            _check_out(pages, layout)
         with self._span("kvxfer.recv", ticket) as span:
             try:
-                received = self._recv(ticket, layout, out)
+                received = self._recv(ticket, layout, pages)
             finally:
                 self._abandoned.discard(ticket.transfer_id)
             _record(span, received.stats)
             return received
 
-    def _recv(self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None) -> ReceivedKv:
+    def _recv(
+        self, ticket: TransferTicket, layout: KvLayout, out: list[KvPage] | None
+    ) -> ReceivedKv:
         def cancelled() -> bool:
             return ticket.transfer_id in self._abandoned
 
@@ -256,10 +270,11 @@ class TransferAgent(KvSender, KvReceiver):
             _check_header(header, ticket, layout)
             if out is None:
                 shape = (ticket.tokens, layout.kv_heads, layout.head_dim)
-                out = [
+                layers = [
                     (torch.empty(shape, dtype=layout.dtype), torch.empty(shape, dtype=layout.dtype))
                     for _ in range(layout.layers)
                 ]
+                out = [KvPage(ticket.token_start, ticket.token_end, layers)]
             chunks = plan_chunks(header)
             self._recv_chunks(group, ticket, header, header_mac, chunks, out, issued.key)
         except TransferRejected:
@@ -280,7 +295,7 @@ class TransferAgent(KvSender, KvReceiver):
             len(chunks),
             time.monotonic() - issued.at_s,
         )
-        return ReceivedKv(layers=list(out), stats=stats, sender_id=header.sender_id)
+        return ReceivedKv(pages=out, stats=stats, sender_id=header.sender_id)
 
     def _recv_header(
         self, group: PairGroup, ticket: TransferTicket, key: bytes
@@ -309,10 +324,13 @@ class TransferAgent(KvSender, KvReceiver):
         header: TransferHeader,
         header_mac: bytes,
         chunks: list[tuple[int, int, int]],
-        out: KvLayers,
+        out: list[KvPage],
         key: bytes,
     ) -> None:
-        """Receive every chunk into `out`, hash each once it lands, check the trailer."""
+        """Receive every chunk into `out`, hash each once it lands, check the trailer.
+
+        A chunk that lies in one page lands there in place; one that crosses pages lands
+        in a buffer of its own and is copied out once it has arrived."""
         posted: deque = deque()
         trailer = torch.empty(trailer_bytes(len(chunks)), dtype=torch.uint8)
         trailer_work: list[Any] = []
@@ -326,9 +344,14 @@ class TransferAgent(KvSender, KvReceiver):
                     trailer_work.append(group.recv(trailer, ticket.tag))
                 return
             layer, start, end = chunks[next_index]
-            rows = slice(start - header.token_start, end - header.token_start)
-            key_bytes = tensor_bytes(out[layer][0][rows])
-            value_bytes = tensor_bytes(out[layer][1][rows])
+            rows = page_rows(out, layer, start, end)
+            if len(rows) == 1:
+                (key_rows, value_rows), spread = rows[0], None
+            else:
+                like = rows[0][0]
+                key_rows = like.new_empty((end - start, *like.shape[1:]))
+                value_rows, spread = torch.empty_like(key_rows), rows
+            key_bytes, value_bytes = tensor_bytes(key_rows), tensor_bytes(value_rows)
             posted.append(
                 (
                     next_index,
@@ -336,6 +359,7 @@ class TransferAgent(KvSender, KvReceiver):
                     value_bytes,
                     group.recv(key_bytes, ticket.tag),
                     group.recv(value_bytes, ticket.tag),
+                    (key_rows, value_rows, spread),
                 )
             )
             next_index += 1
@@ -344,7 +368,7 @@ class TransferAgent(KvSender, KvReceiver):
             post_next()
         sums: list[int] = []
         while posted:
-            index, key_bytes, value_bytes, key_work, value_work = posted.popleft()
+            index, key_bytes, value_bytes, key_work, value_work, landed = posted.popleft()
             post_next()
             group.wait(key_work, f"chunk {index} key")
             if header.checksums:
@@ -352,6 +376,7 @@ class TransferAgent(KvSender, KvReceiver):
             group.wait(value_work, f"chunk {index} value")
             if header.checksums:
                 sums.append(checksum(value_bytes))
+            _spread(*landed)
         post_next()
         group.wait(trailer_work[0], "trailer")
         sent = decode_trailer(key, header_mac, trailer.numpy().tobytes(), len(chunks))
@@ -364,43 +389,35 @@ class TransferAgent(KvSender, KvReceiver):
             )
 
     async def recv_async(
-        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None = None
+        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | KvPages | None = None
     ) -> ReceivedKv:
         return await self._in_thread(self.recv, ticket, layout, out)
 
     # -- sender -----------------------------------------------------------------------
 
     def send(
-        self, ticket: TransferTicket, kv: KvLayers, pacing_bps: float | None = None
+        self, ticket: TransferTicket, kv: KvLayers | KvPages, pacing_bps: float | None = None
     ) -> TransferStats:
         if ticket.protocol_version != _protocol.PROTOCOL_VERSION:
             raise ProtocolVersionMismatch(
                 _protocol.PROTOCOL_VERSION, ticket.protocol_version, "ticket"
             )
-        layout = KvLayout.of(kv)
-        for layer, (key, value) in enumerate(kv):
-            for name, tensor in (("key", key), ("value", value)):
-                if (
-                    tuple(tensor.shape) != (ticket.tokens, layout.kv_heads, layout.head_dim)
-                    or tensor.dtype != layout.dtype
-                    or tensor.device.type != "cpu"
-                ):
-                    raise InvalidArgument(
-                        f"kv[{layer}].{name}",
-                        "must be a CPU tensor of "
-                        f"[{ticket.tokens}, {layout.kv_heads}, "
-                        f"{layout.head_dim}] {dtype_name(layout.dtype)}, "
-                        f"got {tuple(tensor.shape)} {tensor.dtype} "
-                        f"on {tensor.device}",
-                    )
+        pages = as_pages(kv, ticket.token_start, ticket.token_end)
+        layout = KvLayout.of(pages[0].layers)
+        for page in pages:
+            _check_page(page, layout, "kv", contiguous=False)
         pacing = self.config.pacing_bps if pacing_bps is None else pacing_bps
         with self._span("kvxfer.send", ticket) as span:
-            stats = self._send(ticket, kv, layout, pacing or None)
+            stats = self._send(ticket, pages, layout, pacing or None)
             _record(span, stats)
             return stats
 
     def _send(
-        self, ticket: TransferTicket, kv: KvLayers, layout: KvLayout, pacing_bps: float | None
+        self,
+        ticket: TransferTicket,
+        kv: list[KvPage],
+        layout: KvLayout,
+        pacing_bps: float | None,
     ) -> TransferStats:
         started = time.monotonic()
         group = self._group_for(ticket)
@@ -428,7 +445,7 @@ class TransferAgent(KvSender, KvReceiver):
         self,
         group: PairGroup,
         ticket: TransferTicket,
-        kv: KvLayers,
+        kv: list[KvPage],
         header: TransferHeader,
         pacer: _Pacer,
         started: float,
@@ -443,9 +460,9 @@ class TransferAgent(KvSender, KvReceiver):
         limit = 2 * max(1, self.config.window_chunks) + 2
         sums: list[int] = []
         for index, (layer, start, end) in enumerate(chunks):
-            rows = slice(start - ticket.token_start, end - ticket.token_start)
-            key = tensor_bytes(kv[layer][0][rows].contiguous())
-            value = tensor_bytes(kv[layer][1][rows].contiguous())
+            rows = page_rows(kv, layer, start, end)
+            key = tensor_bytes(torch.cat([k for k, _ in rows]) if len(rows) > 1 else rows[0][0])
+            value = tensor_bytes(torch.cat([v for _, v in rows]) if len(rows) > 1 else rows[0][1])
             pacer.account(key.numel() + value.numel())
             self._post(group, ticket, in_flight, key, value)
             # Hashed while gloo sends them (both only read the bytes).
@@ -500,7 +517,7 @@ class TransferAgent(KvSender, KvReceiver):
                 group.wait(in_flight.popleft()[0], "reject")
 
     async def send_async(
-        self, ticket: TransferTicket, kv: KvLayers, pacing_bps: float | None = None
+        self, ticket: TransferTicket, kv: KvLayers | KvPages, pacing_bps: float | None = None
     ) -> TransferStats:
         return await self._in_thread(self.send, ticket, kv, pacing_bps)
 
@@ -619,19 +636,40 @@ def _check_header(header: TransferHeader, ticket: TransferTicket, layout: KvLayo
         )
 
 
-def _check_out(out: KvLayers, layout: KvLayout, tokens: int) -> None:
-    if len(out) != layout.layers:
-        raise InvalidArgument("out", f"needs {layout.layers} layers, got {len(out)}")
-    shape = (tokens, layout.kv_heads, layout.head_dim)
-    for layer, pair in enumerate(out):
-        for name, tensor in zip(("key", "value"), pair, strict=True):
+def _check_out(pages: list[KvPage], layout: KvLayout) -> None:
+    for page in pages:
+        _check_page(page, layout, "out", contiguous=True)
+
+
+def _check_page(page: KvPage, layout: KvLayout, name: str, contiguous: bool) -> None:
+    """Each of the page's tensors must hold its rows in the layout's shape and dtype, on
+    the CPU (and, to receive into, contiguously)."""
+    if len(page.layers) != layout.layers:
+        raise InvalidArgument(name, f"needs {layout.layers} layers, got {len(page.layers)}")
+    shape = (page.end - page.start, layout.kv_heads, layout.head_dim)
+    for layer, pair in enumerate(page.layers):
+        for part, tensor in zip(("key", "value"), pair, strict=True):
             if (
                 tuple(tensor.shape) != shape
                 or tensor.dtype != layout.dtype
-                or not tensor.is_contiguous()
+                or (contiguous and not tensor.is_contiguous())
                 or tensor.device.type != "cpu"
             ):
                 raise InvalidArgument(
-                    f"out[{layer}].{name}",
-                    f"must be a contiguous CPU tensor of {shape} {dtype_name(layout.dtype)}",
+                    f"{name}[{layer}].{part}",
+                    f"must be a {'contiguous ' if contiguous else ''}CPU tensor of {shape} "
+                    f"{dtype_name(layout.dtype)}, got {tuple(tensor.shape)} {tensor.dtype} "
+                    f"on {tensor.device}",
                 )
+
+
+def _spread(key_rows: torch.Tensor, value_rows: torch.Tensor, spread: list | None) -> None:
+    """Copy a chunk received into a buffer of its own out to the pages it spans."""
+    if spread is None:
+        return
+    offset = 0
+    for key, value in spread:
+        rows = slice(offset, offset + key.shape[0])
+        key.copy_(key_rows[rows])
+        value.copy_(value_rows[rows])
+        offset = rows.stop

@@ -26,8 +26,10 @@ chunk checksum, so the payload itself is authenticated too (when checksums are o
 Checksums run while the wire moves the next chunks: the sender posts a chunk first and
 hashes it while gloo sends it, the receiver hashes each chunk once it has landed.
 
-Chunks follow layer order; a chunk covers one layer and a token sub-range of at most
-`chunk_tokens` tokens.
+Chunks follow layer order; a chunk covers one layer and a token sub-range cut at the
+multiples of `chunk_tokens` (counted from token 0, not from the range's start), so with
+`chunk_tokens` equal to the block size of paged caches every chunk lies in one block on
+both sides and moves in place.
 
 Version history (PROTOCOL_HISTORY keeps it machine-readable):
     1  first version: 16-byte preamble, JSON header, per chunk 1 KiB of JSON metadata
@@ -38,6 +40,8 @@ Version history (PROTOCOL_HISTORY keeps it machine-readable):
        data, so neither side hashes on the wire's critical path; a fixed-size header
        (posted together with the preamble); HMAC-SHA256 with the ticket's key over the
        ticket and header, and over every chunk checksum.
+    4  chunks cut at absolute multiples of chunk_tokens (3 cut them from the range's
+       start), so they line up with the blocks of paged KV on both sides.
 """
 
 from __future__ import annotations
@@ -77,12 +81,13 @@ __all__ = [
     "trailer_bytes",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 PROTOCOL_HISTORY: dict[int, str] = {
     1: "16-byte preamble, JSON header, per-chunk JSON metadata + key/value bytes, crc32",
     2: "as 1, with an xxh3-64 checksum of the key and of the value bytes per chunk",
     3: "16-byte preamble, fixed-size HMAC'd header, raw key/value chunks, one trailer "
     "of xxh3-64 checksums under an HMAC-SHA256 with the ticket's key",
+    4: "as 3, with chunks cut at absolute multiples of chunk_tokens (aligned with blocks)",
 }
 
 MAGIC = b"KVXF"
@@ -93,8 +98,8 @@ MAC_BYTES = 32
 AUTH_KEY_BYTES = 32
 FLAG_DATA = 0
 FLAG_REJECT = 1
-_HEADER_CONTEXT = b"libkvxfer/3 header\n"
-_TRAILER_CONTEXT = b"libkvxfer/3 trailer\n"
+_HEADER_CONTEXT = b"libkvxfer/4 header\n"
+_TRAILER_CONTEXT = b"libkvxfer/4 trailer\n"
 
 _DTYPES = {
     "float64": torch.float64,
@@ -218,13 +223,15 @@ class TransferHeader:
 
 
 def plan_chunks(header: TransferHeader) -> list[tuple[int, int, int]]:
-    """(layer, token_start, token_end) of every chunk, in the order they travel."""
-    step = max(1, header.chunk_tokens or header.tokens)
-    chunks = []
-    for layer in range(header.layers):
-        for start in range(header.token_start, header.token_end, step):
-            chunks.append((layer, start, min(start + step, header.token_end)))
-    return chunks
+    """(layer, token_start, token_end) of every chunk, in the order they travel: per
+    layer, the range cut at the multiples of chunk_tokens (whole when it is 0)."""
+    cuts = [header.token_start]
+    step = header.chunk_tokens
+    if step > 0:
+        cuts += range((header.token_start // step + 1) * step, header.token_end, step)
+    cuts.append(header.token_end)
+    ranges = list(zip(cuts, cuts[1:], strict=False))
+    return [(layer, start, end) for layer in range(header.layers) for start, end in ranges]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,71 @@ import torch
 
 from kvrs.errors import InvalidArgument
 
-__all__ = ["KvLayers", "KvLayout", "ReceivedKv", "TransferStats", "TransferTicket"]
+__all__ = [
+    "KvLayers",
+    "KvLayout",
+    "KvPage",
+    "KvPages",
+    "ReceivedKv",
+    "TransferStats",
+    "TransferTicket",
+    "as_pages",
+    "page_rows",
+]
 
 KvLayers = Sequence[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, (key, value) tensors of shape [tokens, kv_heads, head_dim]."""
+
+
+@dataclass(frozen=True)
+class KvPage:
+    """KV of positions [start, end) kept contiguously: one block of a paged cache.
+
+    A transfer's range given as pages is sent from, or received into, the pages
+    themselves; a chunk that crosses from one page into the next goes through a copy."""
+
+    start: int
+    end: int
+    layers: KvLayers
+    """Per layer, (key, value) of shape [end - start, kv_heads, head_dim]."""
+
+
+KvPages = Sequence[KvPage]
+"""The pages that make up a range, in position order, each starting where the last ended."""
+
+
+def as_pages(kv: KvLayers | KvPages, start: int, end: int) -> list[KvPage]:
+    """`kv` as pages of [start, end): per-layer tensors of the whole range are one page;
+    InvalidArgument when the pages do not tile the range exactly."""
+    if kv and isinstance(kv[0], KvPage):
+        pages = [page for page in kv if isinstance(page, KvPage)]
+    else:
+        pages = [KvPage(start, end, kv)]  # type: ignore[arg-type]
+    position = start
+    for index, page in enumerate(pages):
+        if page.start != position or page.end <= page.start:
+            raise InvalidArgument(
+                f"kv[{index}]", f"covers [{page.start}, {page.end}), expected one from {position}"
+            )
+        position = page.end
+    if position != end:
+        raise InvalidArgument("kv", f"pages end at {position}, the range at {end}")
+    return pages
+
+
+def page_rows(
+    pages: Sequence[KvPage], layer: int, start: int, end: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (key, value) row slices of `layer` that hold positions [start, end), in order:
+    one when the range lies in one page."""
+    rows = []
+    for page in pages:
+        if page.end <= start or page.start >= end:
+            continue
+        cut = slice(max(start, page.start) - page.start, min(end, page.end) - page.start)
+        key, value = page.layers[layer]
+        rows.append((key[cut], value[cut]))
+    return rows
 
 
 @dataclass(frozen=True)
@@ -132,12 +193,26 @@ class TransferStats:
 
 @dataclass(frozen=True)
 class ReceivedKv:
-    """KV of [token_start, token_end) as received (or written into the caller's views)."""
+    """KV of [token_start, token_end) as received (or written into the caller's pages)."""
 
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    pages: list[KvPage]
     stats: TransferStats
     sender_id: str
 
     @property
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, (key, value) of the whole range (copied together when it came in
+        several pages)."""
+        if len(self.pages) == 1:
+            return list(self.pages[0].layers)
+        return [
+            (
+                torch.cat([page.layers[layer][0] for page in self.pages]),
+                torch.cat([page.layers[layer][1] for page in self.pages]),
+            )
+            for layer in range(len(self.pages[0].layers))
+        ]
+
+    @property
     def layout(self) -> KvLayout:
-        return KvLayout.of(self.layers)
+        return KvLayout.of(self.pages[0].layers)

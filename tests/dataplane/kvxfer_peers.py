@@ -59,6 +59,18 @@ def expected_digest(spec: KvSpec, start: int, end: int) -> str:
     return digest([(k[start:end], v[start:end]) for k, v in make_kv(spec)])
 
 
+def pages(start: int, end: int, page_tokens: int, kv):
+    """[start, end) of `kv` as pages cut at the multiples of `page_tokens` (views, as the
+    blocks of a paged cache)."""
+    from libkvxfer import KvPage
+
+    cuts = [start, *range((start // page_tokens + 1) * page_tokens, end, page_tokens), end]
+    return [
+        KvPage(first, last, [(k[first:last], v[first:last]) for k, v in kv])
+        for first, last in zip(cuts, cuts[1:], strict=False)
+    ]
+
+
 def _patch_wire(mode: str) -> None:
     """Make this process misbehave on the wire the way `mode` says (tests only)."""
     from libkvxfer import _agent, _protocol
@@ -100,19 +112,27 @@ def peer_main(conn, instance_id: str, config: dict, wire: str) -> None:
         except KvrsError as exc:
             reply("error", call_id, (type(exc).__name__, exc.code, str(exc)))
 
-    def send(ticket: dict, spec: KvSpec, pacing_bps: float | None) -> dict:
+    def send(ticket: dict, spec: KvSpec, pacing_bps: float | None, page_tokens: int) -> dict:
         t = TransferTicket.from_dict(ticket)
-        kv = [
-            (k[t.token_start : t.token_end], v[t.token_start : t.token_end])
-            for k, v in make_kv(spec)
-        ]
-        stats = agent.send(t, kv, pacing_bps)
+        kv = make_kv(spec)
+        if page_tokens:
+            source = pages(t.token_start, t.token_end, page_tokens, kv)
+        else:
+            source = [
+                (k[t.token_start : t.token_end], v[t.token_start : t.token_end]) for k, v in kv
+            ]
+        stats = agent.send(t, source, pacing_bps)
         return {"kv_bytes": stats.kv_bytes, "seconds": stats.seconds, "chunks": stats.chunks}
 
-    def recv(ticket: dict, spec: KvSpec) -> dict:
+    def recv(ticket: dict, spec: KvSpec, page_tokens: int) -> dict:
         layout = KvLayout(spec.layers, spec.kv_heads, spec.head_dim, DTYPES[spec.dtype])
+        t = TransferTicket.from_dict(ticket)
+        out = None
+        if page_tokens:
+            empty = [(torch.empty_like(k), torch.empty_like(v)) for k, v in make_kv(spec)]
+            out = pages(t.token_start, t.token_end, page_tokens, empty)
         started = time.monotonic()
-        got = agent.recv(TransferTicket.from_dict(ticket), layout)
+        got = agent.recv(t, layout, out)
         return {
             "digest": digest(got.layers),
             "seconds": time.monotonic() - started,
@@ -241,10 +261,13 @@ def transfer(
     start: int = 0,
     end: int | None = None,
     pacing_bps: float | None = None,
+    send_page_tokens: int = 0,
+    recv_page_tokens: int = 0,
 ) -> tuple[Future, Future]:
-    """Start one transfer; returns the (send, recv) futures."""
+    """Start one transfer; returns the (send, recv) futures. With page sizes, a side
+    sends from or receives into pages cut at their multiples (else one tensor a layer)."""
     end = spec.tokens if end is None else end
     ticket = receiver.prepare(sender, request_id, start, end)
-    received = receiver.call("recv", ticket, spec)
-    sent = sender.call("send", ticket, spec, pacing_bps)
+    received = receiver.call("recv", ticket, spec, recv_page_tokens)
+    sent = sender.call("send", ticket, spec, pacing_bps, send_page_tokens)
     return sent, received

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from kvxfer_peers import KvSpec, Peer, PeerError, expected_digest, make_kv, transfer
+from kvxfer_peers import KvSpec, Peer, PeerError, expected_digest, make_kv, pages, transfer
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -61,6 +61,39 @@ def test_token_range_moves_only_that_range(peers):
     assert got["kv_bytes"] == 50 * 2 * 3 * 2 * 16 * 4
 
 
+@pytest.mark.parametrize(
+    ("send_pages", "recv_pages"),
+    [(24, 24), (16, 0), (0, 16), (16, 40)],
+    ids=["blocks-of-the-chunk-size", "paged-sender", "paged-receiver", "pages-across-chunks"],
+)
+def test_kv_moves_exactly_between_paged_caches(peers, send_pages, recv_pages):
+    """Pages are blocks of a paged cache: chunks cut at multiples of 24 tokens (the
+    peers' chunk size) land in place in 24-token blocks, and through a copy where they
+    cross the blocks of another size."""
+    a, b, _ = peers
+    spec = KvSpec(seed=21, tokens=100)
+    sent, received = transfer(
+        a, b, spec, f"req-pages-{send_pages}-{recv_pages}", 10, 97, None, send_pages, recv_pages
+    )
+    got = received.result(RESULT_TIMEOUT_S)
+    assert got["digest"] == expected_digest(spec, 10, 97)
+    # Cut at 24, 48, 72 and 96 (not at 10 + 24k): five chunks a layer.
+    assert got["chunks"] == sent.result(RESULT_TIMEOUT_S)["chunks"] == 3 * 5
+
+
+def test_pages_that_do_not_tile_the_range_are_refused(peers):
+    agent = TransferAgent(AgentConfig("paging-check"))
+    try:
+        layout = KvLayout(3, 2, 16, torch.float64)
+        ticket = agent.prepare("peer-a", "req-bad-pages", 0, 32)
+        kv = make_kv(KvSpec(seed=1, tokens=32))
+        gap = pages(0, 32, 16, kv)[1:]
+        with pytest.raises(InvalidArgument, match="expected one from 0"):
+            agent.recv(ticket, layout, gap)
+    finally:
+        agent.close()
+
+
 def test_concurrent_transfers_on_one_pair_do_not_mix(peers):
     a, b, _ = peers
     specs = [KvSpec(seed=10 + i, tokens=40 + 8 * i) for i in range(4)]
@@ -84,7 +117,7 @@ def test_rejection_carries_the_senders_status_code(peers):
     a, b, _ = peers
     spec = KvSpec(seed=4)
     ticket = b.prepare(a, "req-unknown", 0, 8)
-    received = b.call("recv", ticket, spec)
+    received = b.call("recv", ticket, spec, 0)
     a.call("reject", ticket, "request req-unknown is not resident").result(RESULT_TIMEOUT_S)
     with pytest.raises(PeerError) as info:
         received.result(RESULT_TIMEOUT_S)
@@ -98,8 +131,8 @@ def test_rejection_carries_the_senders_status_code(peers):
 def test_layout_mismatch_fails_both_sides_and_the_pair_recovers(peers):
     a, b, _ = peers
     ticket = b.prepare(a, "req-layout", 0, 16)
-    received = b.call("recv", ticket, KvSpec(seed=5, tokens=16, dtype="float32"))
-    sent = a.call("send", ticket, KvSpec(seed=5, tokens=16, dtype="float64"), None)
+    received = b.call("recv", ticket, KvSpec(seed=5, tokens=16, dtype="float32"), 0)
+    sent = a.call("send", ticket, KvSpec(seed=5, tokens=16, dtype="float64"), None, 0)
     with pytest.raises(PeerError) as info:
         received.result(RESULT_TIMEOUT_S)
     assert info.value.kind == "LayoutMismatch"

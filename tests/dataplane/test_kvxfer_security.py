@@ -77,7 +77,7 @@ def test_a_rogue_on_the_receivers_store_cannot_inject_kv_and_changes_nothing():
         spec = KvSpec(seed=21, tokens=48)
         ticket = receiver.prepare(sender, "req-victim", 0, 48)
         received = receiver.call("recv_into", ticket, spec, 77)
-        injected = rogue.call("send", ticket, KvSpec(seed=666, tokens=48), None)
+        injected = rogue.call("send", ticket, KvSpec(seed=666, tokens=48), None, 0)
         got = received.result(RESULT_TIMEOUT_S)
         assert got["error"][:2] == ("AuthenticationFailed", "UNAUTHENTICATED"), got["error"]
         assert got["digest"] == expected_digest(KvSpec(seed=77, tokens=48), 0, 48)
