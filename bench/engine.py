@@ -33,7 +33,8 @@ from kvrs.v1 import worker_pb2_grpc
 from services.common import GrpcSettings, open_channel, setup_tracing
 from services.worker.compute import BatchCounts
 from services.worker.config import Config
-from services.worker.model import KvCache, Transformer
+from services.worker.model import Transformer
+from services.worker.paged_kv import KvCache
 from services.worker.server import build_server
 
 

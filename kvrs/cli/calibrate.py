@@ -246,10 +246,6 @@ def _measure_batches(model, sweep: list[int], sizes: list[int], repeats: int, pr
 def _copy(model, cache):
     """A cache holding the same KV as `cache`, with room for one more token."""
     copy = model.new_cache(cache.length + 1)
-    for (key, value), (src_key, src_value) in zip(
-        copy.views(0, cache.length), cache.layers_kv(), strict=True
-    ):
-        key.copy_(src_key)
-        value.copy_(src_value)
+    copy.write_layers(0, cache.layers_kv())
     copy.commit(cache.length)
     return copy

@@ -33,8 +33,9 @@ from kvrs.errors import InvalidArgument
 from kvrs.profile import ComputeProfile, compute_profile
 from services.common.metrics import Metrics
 from services.worker.config import DEFAULT_MAX_BATCH_TOKENS
-from services.worker.model import KvCache, Transformer
+from services.worker.model import Transformer
 from services.worker.pace import PassPace
+from services.worker.paged_kv import KvCache
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ class Job:
 
     cache: KvCache | None
     token_ids: list[int]
-    before: Callable[[], None] | None
-    """Runs on the compute thread just before the first chunk (prefix-block copies)."""
     fn: Callable[[], Any] | None
     future: asyncio.Future
     submitted_s: float
@@ -178,33 +177,22 @@ class ComputeQueue:
 
     # -- submitting -------------------------------------------------------------------
 
-    def submit(
-        self,
-        cache: KvCache,
-        token_ids: list[int],
-        before: Callable[[], None] | None = None,
-    ) -> Job:
+    def submit(self, cache: KvCache, token_ids: list[int]) -> Job:
         """Queue `token_ids` to be appended to `cache`; `wait` gives the logits of the
         last one. Call on the event loop."""
-        if before is None:
-            # Refused here, alone, rather than failing the pass it would have joined.
-            self.model.check_extend(cache.length, token_ids)
-        job = Job(cache, list(token_ids), before, None, self._future(), time.monotonic())
+        # Refused here, alone, rather than failing the pass it would have joined.
+        self.model.check_extend(cache.length, token_ids)
+        job = Job(cache, list(token_ids), None, self._future(), time.monotonic())
         return self._enqueue(job)
 
-    async def forward(
-        self,
-        cache: KvCache,
-        token_ids: list[int],
-        before: Callable[[], None] | None = None,
-    ) -> Timed[torch.Tensor]:
+    async def forward(self, cache: KvCache, token_ids: list[int]) -> Timed[torch.Tensor]:
         """Append `token_ids` to `cache` in the next passes; the last one's logits."""
-        return await self.wait(self.submit(cache, token_ids, before))
+        return await self.wait(self.submit(cache, token_ids))
 
     async def run(self, fn: Callable[[], T]) -> Timed[T]:
         """Run `fn` alone on the compute thread (work that is not a forward pass)."""
         context = contextvars.copy_context()
-        job = Job(None, [], None, lambda: context.run(fn), self._future(), time.monotonic())
+        job = Job(None, [], lambda: context.run(fn), self._future(), time.monotonic())
         return await self.wait(self._enqueue(job))
 
     async def wait(self, job: Job) -> Timed:
@@ -315,25 +303,16 @@ class ComputeQueue:
             except BaseException as exc:  # noqa: BLE001 - handed to the job's waiter
                 outcome[head] = _Failed(exc)
             return outcome
-        work = []
-        for job, take in batch:
-            if job.done_tokens == 0 and job.before is not None:
-                try:
-                    job.before()
-                except BaseException as exc:  # noqa: BLE001 - handed to the job's waiter
-                    outcome[job] = _Failed(exc)
-                    continue
-            work.append((job, take))
         pieces: list[tuple[KvCache, Sequence[int]]] = []
-        for job, take in work:
+        for job, take in batch:
             assert job.cache is not None, "a batched job has a cache"
             pieces.append((job.cache, job.token_ids[job.done_tokens : job.done_tokens + take]))
         try:
             outcome.update(
-                zip((job for job, _ in work), self.model.forward_batch(pieces), strict=True)
+                zip((job for job, _ in batch), self.model.forward_batch(pieces), strict=True)
             )
         except Exception:  # noqa: BLE001 - one at a time, so only the bad one fails
-            for (job, _), piece in zip(work, pieces, strict=True):
+            for (job, _), piece in zip(batch, pieces, strict=True):
                 try:
                     outcome[job] = self.model.forward_batch([piece])[0]
                 except Exception as exc:  # noqa: BLE001 - handed to the job's waiter

@@ -60,7 +60,8 @@ class Config:
     transfer_pacing_bps: float = 0.0
     """WORKER_TRANSFER_PACING_BPS: cap on this worker's send rate (emulated link); 0 = none."""
     transfer_chunk_tokens: int = 0
-    """WORKER_TRANSFER_CHUNK_TOKENS: tokens per transfer chunk within a layer; 0 = a layer."""
+    """WORKER_TRANSFER_CHUNK_TOKENS: tokens per transfer chunk within a layer; 0 = a KV
+    block, so every chunk moves in place between the two workers' blocks."""
     transfer_checksums: bool = True
     """WORKER_TRANSFER_CHECKSUMS: send an xxh3-64 checksum of every chunk
     (receivers verify what they get); a fast pass over the bytes on each side."""

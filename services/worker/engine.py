@@ -24,6 +24,7 @@ from kvrs.tokenizer import validate_token_ids
 from libkvxfer import (
     PROTOCOL_VERSION,
     KvLayout,
+    KvPage,
     PeerLost,
     ProtocolVersionMismatch,
     TransferAgent,
@@ -31,7 +32,7 @@ from libkvxfer import (
     TransferTicket,
 )
 from services.worker.compute import ComputeQueue, Job
-from services.worker.kvstore import KvStore, PrefixReuse, Resident
+from services.worker.kvstore import KvStore, Resident
 from services.worker.model import Transformer
 from services.worker.sampling import choose
 
@@ -248,30 +249,25 @@ class WorkerEngine:
                         field="request_id",
                     )
                 return self._prefill_result(existing, 0.0, 0.0)
-        entry = self.store.add(
-            request_id,
-            self.model.new_cache(len(prompt), self.store.block_tokens),
-            len(prompt),
-            lease,
-            prompt_tokens=prompt_tokens,
-        )
-        entry.sampling = sampling or Sampling()
-        # Resident prefix blocks are copied in, not computed; at least the last token is
+        # Resident prefix blocks are shared, not computed; at least the last token is
         # computed, since its logits give the first generated token.
         block = self.store.block_tokens
-        reuse = self.store.reusable_prefix(prompt, (len(prompt) - 1) // block * block)
-        hit = len(reuse.blocks) * block
+        shared = self.store.reusable_prefix(prompt, (len(prompt) - 1) // block * block)
+        entry = self.store.add(
+            request_id, len(prompt), lease, prompt_tokens=prompt_tokens, shared=shared
+        )
+        entry.sampling = sampling or Sampling()
+        hit = entry.prefix_hit_tokens
         try:
             async with entry.lock:
-                timed = await self._fill(entry.cache, prompt, reuse)
+                timed = await self.compute.forward(entry.cache, prompt[hit:])
                 entry.token_ids = prompt
                 entry.first_token_id = entry.next_token_id = _choose(entry, timed.value)
-                entry.prefix_hit_tokens = hit
+                self.store.publish(entry)
         except BaseException:
             self.store.discard(entry)
             raise
         finally:
-            self.store.release_prefix(reuse)
             self.store.unpin(entry)
         trace.get_current_span().set_attributes(
             {
@@ -281,29 +277,6 @@ class WorkerEngine:
             }
         )
         return self._prefill_result(entry, timed.compute_s, timed.queued_s)
-
-    async def _fill(self, cache, tokens: list[int], reuse: PrefixReuse):
-        """The resident blocks of `reuse` copied into `cache` (on the compute thread, just
-        before the pass) and the rest of `tokens` computed on top, batched with other
-        work; the last position's logits (None when the blocks covered every token)."""
-        blocks = reuse.blocks
-        block = self.store.block_tokens
-        hit = len(blocks) * block
-
-        def copy() -> None:
-            cache.reserve(len(tokens))
-            for index, layers in enumerate(blocks):
-                views = cache.views(index * block, (index + 1) * block)
-                for (key, value), (cached_key, cached_value) in zip(views, layers, strict=True):
-                    key.copy_(cached_key)
-                    value.copy_(cached_value)
-            cache.commit(hit)
-
-        if hit == len(tokens):
-            return await self.compute.run(copy)
-        if not hit:
-            return await self.compute.forward(cache, tokens)
-        return await self.compute.forward(cache, tokens[hit:], before=copy)
 
     def _prefill_result(self, entry: Resident, prefill_s: float, queued_s: float) -> PrefillResult:
         expires_unix_ms = int((time.time() + entry.lease_s) * 1000)
@@ -535,6 +508,7 @@ class WorkerEngine:
                     source_instance_id,
                     source_address,
                     [],
+                    token_start,
                     token_end,
                     prompt_tokens,
                     pacing_bps,
@@ -548,9 +522,8 @@ class WorkerEngine:
                 "give prefix_token_ids to recompute [0, token_start)",
                 field="token_start",
             )
-        entry = self.store.add(
-            request_id, self.model.new_cache(token_end, self.store.block_tokens), token_end, lease
-        )
+        shared = self.store.reusable_prefix(prefix, len(prefix))
+        entry = self.store.add(request_id, token_end, lease, shared=shared)
         try:
             async with entry.lock:
                 return await self._pull_into(
@@ -558,6 +531,7 @@ class WorkerEngine:
                     source_instance_id,
                     source_address,
                     prefix,
+                    token_start,
                     token_end,
                     prompt_tokens,
                     pacing_bps,
@@ -577,6 +551,7 @@ class WorkerEngine:
         source_id: str,
         source_address: str,
         prefix: list[int],
+        start: int,
         token_end: int,
         prompt_tokens: int,
         pacing_bps: float,
@@ -584,17 +559,14 @@ class WorkerEngine:
         deadline_s: float | None,
         started: float,
     ) -> PullResult:
-        start = entry.resident_tokens + len(prefix)
         self.store.grow(entry, token_end)
-        entry.cache.reserve(token_end)
+        reused = entry.resident_tokens if prefix else 0
         recompute = None
-        reuse = self.store.reusable_prefix(prefix, len(prefix))
-        reused = len(reuse.blocks) * self.store.block_tokens
-        if prefix:
-            # The prefix [0, start) is filled here — from resident prefix blocks where this
-            # worker holds them, computed otherwise (HYBRID) — while the rest is received
-            # into [start, token_end) of the same buffers.
-            recompute = asyncio.ensure_future(self._fill(entry.cache, prefix, reuse))
+        if reused < len(prefix):
+            # The prefix [0, start) comes from the resident prefix blocks the entry shares
+            # and is computed past them (HYBRID), while the rest is received into
+            # [start, token_end) of the same sequence.
+            recompute = asyncio.ensure_future(self.compute.forward(entry.cache, prefix[reused:]))
         try:
             sent, stats = await self._receive(
                 entry,
@@ -608,17 +580,11 @@ class WorkerEngine:
             )
         except BaseException:
             if recompute is not None:
-                # The recompute writes into the same buffers: let it finish first.
+                # The recompute writes into the same blocks: let it finish first.
                 with contextlib.suppress(KvrsError):
                     await recompute
-            self.store.release_prefix(reuse)
             raise
-        recompute_s = 0.0
-        try:
-            if recompute is not None:
-                recompute_s = (await recompute).compute_s
-        finally:
-            self.store.release_prefix(reuse)
+        recompute_s = 0.0 if recompute is None else (await recompute).compute_s
         if len(sent.token_ids) != token_end - start:
             raise FailedPrecondition(
                 f"source sent {len(sent.token_ids)} token ids for {token_end - start} positions",
@@ -630,6 +596,7 @@ class WorkerEngine:
         entry.next_token_id = None
         entry.prefix_hit_tokens = reused
         self.store.touch(entry)
+        self.store.publish(entry)
         trace.get_current_span().set_attributes(
             {
                 "kvrs.request_id": entry.request_id,
@@ -699,7 +666,7 @@ class WorkerEngine:
         deadline_s: float | None,
     ):
         ticket = self.agent.prepare(source_id, entry.request_id, start, end, traceparent)
-        out = entry.cache.views(start, end)
+        out = _pages(entry, start, end)
         received = asyncio.ensure_future(self.agent.recv_async(ticket, self.layout, out))
         deadline = (
             self._send_kv_deadline_s
@@ -766,7 +733,7 @@ class WorkerEngine:
             raise
         self.store.pin(entry)
         try:
-            kv = entry.cache.layers_kv(ticket.token_start, ticket.token_end)
+            kv = _pages(entry, ticket.token_start, ticket.token_end)
             token_ids = entry.token_ids[ticket.token_start : ticket.token_end]
             stats = await self.agent.send_async(ticket, kv, pacing_bps or self._pacing_bps or None)
         finally:
@@ -801,7 +768,7 @@ class WorkerEngine:
 
     async def canary(self) -> None:
         """A one-token forward pass: health means the model really runs."""
-        await self.compute.forward(self.model.new_cache(1), [0])
+        await self.compute.forward(self.model.new_cache(), [0])
 
     async def expire_forever(self, interval_s: float) -> None:
         """Drop expired leases every `interval_s` (freeing memory before it is needed)."""
@@ -810,6 +777,11 @@ class WorkerEngine:
             gone = self.store.expire()
             if gone:
                 log.info("leases expired: %s", ", ".join(gone))
+
+
+def _pages(entry: Resident, start: int, end: int) -> list[KvPage]:
+    """Positions [start, end) of the entry's KV as the blocks hold them (views, in place)."""
+    return [KvPage(s, e, layers) for s, e, layers in entry.cache.pages(start, end)]
 
 
 def _require_pacing(pacing_bps: float) -> None:

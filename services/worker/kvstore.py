@@ -1,16 +1,16 @@
-"""Resident KV of one worker: leases, a memory budget in blocks, prefix blocks, eviction.
+"""Resident KV of one worker: leases, eviction, and the prefix blocks prompts share.
 
 A request's KV stays here after hand-off (the prefill side keeps it for a possible
 migration) until it is released, its lease runs out, or memory is needed: then
 expired entries go first, least recently used next. Entries in use (a decode step, a
 transfer) are pinned and never evicted.
 
-Besides the requests, the store keeps prefix blocks: copies of the KV of every full
-prompt block a request computed or received, under its chained prefix hash
-(`kvrs.prefix_blocks` decides which live). A later prompt starting with those blocks
-reuses them; they share the budget and are the first thing given up when memory is
-needed, least recently used first, never one a request is reading. Lives on the event
-loop; only the tensors are touched from compute threads.
+The memory is the worker's `KvPool`, in blocks. Every full prompt block a request
+computed or received is published under its chained prefix hash, so a later prompt
+that starts the same way shares those blocks instead of computing them; when the last
+request holding such a block goes, the block stays cached for later prompts until its
+room is needed (`kvrs.block_manager` decides). Lives on the event loop; only the
+tensors are touched from compute and transfer threads.
 """
 
 from __future__ import annotations
@@ -21,26 +21,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from kvrs.errors import NotFound, ResourceExhausted
-from kvrs.prefix_blocks import PrefixBlocks
 from kvrs.sampling import Sampling
 from kvrs.tokenizer import prefix_block_hashes
-from services.worker.model import KvCache
+from services.worker.paged_kv import KvCache, KvPool
 
 Clock = Callable[[], float]
-
-
-@dataclass
-class PrefixReuse:
-    """Resident KV a new request starts from: per block, per layer (key, value)."""
-
-    blocks: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
-    kept: list[int] = field(default_factory=list)
-    """Kept prefix blocks pinned for the copy."""
-    entries: list[Resident] = field(default_factory=list)
-    """Resident requests pinned for the copy."""
 
 
 @dataclass(eq=False)
@@ -64,8 +50,6 @@ class Resident:
     """Leading tokens whose KV came from this worker's resident prefix blocks."""
     sampling: Sampling = field(default_factory=Sampling)
     """How this request's tokens are drawn (the last Prefill, Decode or Extend's say)."""
-    reserved_tokens: int = 0
-    """Tokens the budget holds for this entry (>= resident, while it grows)."""
     pins: int = 0
     release_pending: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -86,22 +70,15 @@ class Resident:
 
 
 class KvStore:
-    """The resident requests and the block budget they share."""
+    """The resident requests and the pool of blocks they share."""
 
-    def __init__(
-        self,
-        capacity_bytes: int,
-        bytes_per_token: int,
-        block_tokens: int,
-        clock: Clock = time.monotonic,
-    ) -> None:
-        self.block_tokens = block_tokens
-        self.bytes_per_token = bytes_per_token
-        self.capacity_blocks = capacity_bytes // (block_tokens * bytes_per_token)
+    def __init__(self, pool: KvPool, clock: Clock = time.monotonic) -> None:
+        self.pool = pool
+        self.block_tokens = pool.block_tokens
+        self.bytes_per_token = pool.bytes_per_token
+        self.capacity_blocks = pool.num_blocks
         self._clock = clock
         self._entries: dict[str, Resident] = {}
-        self.prefix = PrefixBlocks()
-        self._prefix_kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.evicted = 0
         self.expired = 0
 
@@ -109,19 +86,14 @@ class KvStore:
         return math.ceil(tokens / self.block_tokens)
 
     @property
-    def used_blocks(self) -> int:
-        return len(self.prefix) + sum(
-            self.blocks(e.reserved_tokens) for e in self._entries.values()
-        )
-
-    @property
     def free_blocks(self) -> int:
-        return max(0, self.capacity_blocks - self.used_blocks)
+        """Blocks a new request can have: free ones and cached prefix blocks."""
+        return self.pool.available_blocks()
 
     @property
     def used_bytes(self) -> int:
-        blocks = len(self.prefix) * self.block_tokens * self.bytes_per_token
-        return blocks + sum(e.cache.resident_bytes() for e in self._entries.values())
+        """Memory of the blocks requests hold."""
+        return (self.capacity_blocks - self.free_blocks) * self.pool.block_bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -146,13 +118,21 @@ class KvStore:
     def add(
         self,
         request_id: str,
-        cache: KvCache,
         reserved_tokens: int,
         lease_s: float,
         prompt_tokens: int = 0,
+        shared: list[int] | None = None,
     ) -> Resident:
-        """A new, pinned entry holding `reserved_tokens` of the budget (evicting for it)."""
-        self._make_room(self.blocks(reserved_tokens), exclude=None)
+        """A new, pinned entry with room for `reserved_tokens` positions (evicting others
+        for it), starting with the `shared` resident blocks (`reusable_prefix`)."""
+        shared = shared or []
+        cache = self.pool.new_cache(0, shared)  # shared first: cached ones are no room
+        try:
+            self._make_room(self.blocks(reserved_tokens) - len(shared), exclude=None)
+            cache.reserve(reserved_tokens)
+        except BaseException:
+            cache.free()
+            raise
         now = self._clock()
         entry = Resident(
             request_id=request_id,
@@ -162,19 +142,18 @@ class KvStore:
             lease_s=lease_s,
             expires_at_s=now + lease_s,
             last_used_s=now,
-            reserved_tokens=reserved_tokens,
+            prefix_hit_tokens=cache.length,
             pins=1,
         )
         self._entries[request_id] = entry
         return entry
 
     def grow(self, entry: Resident, tokens: int) -> None:
-        """Reserve room for `entry` to reach `tokens` positions (evicting others for it)."""
-        if tokens <= entry.reserved_tokens:
-            return
-        extra = self.blocks(tokens) - self.blocks(entry.reserved_tokens)
-        self._make_room(extra, exclude=entry)
-        entry.reserved_tokens = tokens
+        """Room for `entry` to reach `tokens` positions (evicting others for it)."""
+        missing = self.blocks(tokens) - len(entry.cache.blocks)
+        if missing > 0:
+            self._make_room(missing, exclude=entry)
+        entry.cache.reserve(tokens)
 
     def pin(self, entry: Resident) -> None:
         entry.pins += 1
@@ -185,7 +164,7 @@ class KvStore:
         entry.pins -= 1
         self.touch(entry)
         if entry.pins == 0 and entry.release_pending:
-            self._remove(entry, retain=True)
+            self._remove(entry)
 
     def touch(self, entry: Resident) -> None:
         entry.last_used_s = self._clock()
@@ -205,7 +184,7 @@ class KvStore:
         if entry.pins:
             entry.release_pending = True
         else:
-            self._remove(entry, retain=True)
+            self._remove(entry)
         return freed
 
     def expire(self) -> list[str]:
@@ -213,15 +192,17 @@ class KvStore:
         now = self._clock()
         gone = [e for e in self._entries.values() if not e.pins and e.expires_at_s <= now]
         for entry in gone:
-            self._remove(entry, retain=True)
+            self._remove(entry)
         self.expired += len(gone)
         return [e.request_id for e in gone]
 
     def _make_room(self, blocks: int, exclude: Resident | None) -> None:
+        """At least `blocks` blocks available: expired entries go first, then unpinned
+        ones, least recently used first (cached prefix blocks count as available: the
+        pool takes them, least recently used first, before it runs out)."""
         if blocks <= self.free_blocks:
             return
         self.expire()
-        self._drop_prefix_blocks(blocks - self.free_blocks)
         candidates = sorted(
             (e for e in self._entries.values() if not e.pins and e is not exclude),
             key=lambda e: e.last_used_s,
@@ -236,75 +217,24 @@ class KvStore:
                 "rest in use"
             )
 
-    def _remove(self, entry: Resident, retain: bool = False) -> None:
-        """Forget `entry`; with `retain`, its full prompt blocks stay as prefix blocks as
-        far as the memory it frees allows (an eviction for memory keeps nothing)."""
+    def _remove(self, entry: Resident) -> None:
+        """Forget `entry` and give its blocks back (published ones stay cached)."""
         self._entries.pop(entry.request_id, None)
-        if not retain:
-            return
-        tokens = min(entry.prompt_tokens, entry.resident_tokens, len(entry.token_ids))
-        for index, block_hash in enumerate(entry.block_hashes(self.block_tokens)):
-            if (index + 1) * self.block_tokens > tokens or self.free_blocks < 1:
-                break
-            if not self.prefix.insert(block_hash):
-                continue
-            start = index * self.block_tokens
-            self._prefix_kv[block_hash] = [
-                (k.clone(), v.clone())
-                for k, v in entry.cache.layers_kv(start, start + self.block_tokens)
-            ]
+        entry.cache.free()
 
     # -- prefix blocks ----------------------------------------------------------------
 
-    def _drop_prefix_blocks(self, count: int) -> None:
-        for block_hash in self.prefix.evict(count):
-            del self._prefix_kv[block_hash]
+    def publish(self, entry: Resident) -> None:
+        """Offer `entry`'s full prompt blocks to later prompts that start the same way."""
+        full = min(entry.prompt_tokens, entry.resident_tokens) // self.block_tokens
+        entry.cache.publish(entry.block_hashes(self.block_tokens)[:full])
 
-    def reusable_prefix(self, token_ids: list[int], limit_tokens: int) -> PrefixReuse:
-        """The leading blocks of `token_ids` (within `limit_tokens`) whose KV this worker
-        holds — kept prefix blocks, or blocks of a resident request with the same prefix —
-        pinned until `release_prefix`."""
-        hashes = prefix_block_hashes(token_ids[:limit_tokens], self.block_tokens)
-        live: dict[int, tuple[Resident, int]] = {}
-        for entry in self._entries.values():
-            if entry.release_pending:
-                continue
-            full = min(entry.prompt_tokens, entry.resident_tokens) // self.block_tokens
-            for index, block_hash in enumerate(entry.block_hashes(self.block_tokens)[:full]):
-                live.setdefault(block_hash, (entry, index))
-        reuse = PrefixReuse()
-        for block_hash in hashes:
-            if block_hash in self.prefix:
-                self.prefix.acquire([block_hash])
-                reuse.kept.append(block_hash)
-                reuse.blocks.append(self._prefix_kv[block_hash])
-            elif block_hash in live:
-                entry, index = live[block_hash]
-                if entry not in reuse.entries:
-                    self.pin(entry)
-                    reuse.entries.append(entry)
-                start = index * self.block_tokens
-                reuse.blocks.append(entry.cache.layers_kv(start, start + self.block_tokens))
-            else:
-                break
-        return reuse
-
-    def release_prefix(self, reuse: PrefixReuse) -> None:
-        """Unpin what `reusable_prefix` pinned (once its KV has been copied)."""
-        self.prefix.release(reuse.kept)
-        for entry in reuse.entries:
-            self.unpin(entry)
-        reuse.kept, reuse.entries = [], []
+    def reusable_prefix(self, token_ids: list[int], limit_tokens: int) -> list[int]:
+        """The resident blocks of the leading full blocks of `token_ids` (within
+        `limit_tokens`), for `add` to share. Take them before the next await: until an
+        entry shares them, cached ones may be given to others."""
+        return self.pool.lookup(prefix_block_hashes(token_ids[:limit_tokens], self.block_tokens))
 
     def prefix_hashes(self, limit: int = 4096) -> list[int]:
         """Hashes of the full prefix blocks resident here (most recently used first)."""
-        hashes: list[int] = list(self.prefix.hashes()[:limit])
-        seen: set[int] = set(hashes)
-        for entry in sorted(self._entries.values(), key=lambda e: -e.last_used_s):
-            for block_hash in entry.block_hashes(self.block_tokens):
-                if block_hash not in seen:
-                    seen.add(block_hash)
-                    hashes.append(block_hash)
-                    if len(hashes) >= limit:
-                        return hashes
-        return hashes
+        return self.pool.hashes(limit)

@@ -6,17 +6,18 @@ follows the reference implementation (`transformers`) step for step, including w
 computes in float32 (RMSNorm, rotary angles), so logits agree to rounding and greedy
 tokens agree exactly.
 
-KV layout, per layer: key and value tensors of shape ``[tokens, kv_heads, head_dim]``,
-keys stored after the rotary embedding. Position ``i``'s KV depends only on tokens
-``≤ i`` (causal attention), so KV ``[0, k)`` computed in one place joined with KV
-``[k, L)`` computed elsewhere is the KV of the whole sequence.
+KV lives in blocks of a pool (`services.worker.paged_kv`): each pass writes its new
+positions' keys and values into their sequences' blocks and attends over the blocks'
+slots. Position ``i``'s KV depends only on tokens ``≤ i`` (causal attention), so KV
+``[0, k)`` computed in one place joined with KV ``[k, L)`` computed elsewhere is the KV
+of the whole sequence.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +32,13 @@ from services.worker.checkpoint import (
     read_architecture,
     resolve_checkpoint,
 )
+from services.worker.paged_kv import KvCache, KvPool
 
-__all__ = ["DTYPES", "KvCache", "Transformer", "resolve_dtype"]
+__all__ = ["DTYPES", "Transformer", "resolve_dtype"]
 
-DEFAULT_CACHE_BLOCK_TOKENS = 16
-"""Allocation block of a cache made outside a worker (a worker uses its store's block)."""
+SCRATCH_BLOCK_TOKENS = 16
+"""Block size of the pool behind caches made outside a worker (tests, calibration, the
+health canary); a worker's own pool uses the cluster's block size."""
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -46,110 +49,6 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise InvalidArgument(
             "dtype", f"unknown dtype {name!r} (known: {', '.join(DTYPES)})"
         ) from None
-
-
-class KvCache:
-    """The KV of one sequence: per layer, contiguous key and value buffers.
-
-    Buffers are allocated in whole blocks of `block_tokens` positions (the unit the KV
-    store budgets in) and grow a block at a time, so the memory a request holds is the
-    blocks it is charged for. They stay contiguous per layer because attention (SDPA on
-    CPU) reads a sequence's keys as one tensor and a transfer receives straight into
-    `views`; paging them would cost a gather per step on CPU.
-    """
-
-    def __init__(
-        self,
-        layers: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        capacity_tokens: int = 0,
-        block_tokens: int = DEFAULT_CACHE_BLOCK_TOKENS,
-    ) -> None:
-        if block_tokens <= 0:
-            raise InvalidArgument("block_tokens", f"must be > 0, got {block_tokens}")
-        self.block_tokens = block_tokens
-        capacity_tokens = self._whole_blocks(capacity_tokens)
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.length = 0
-        shape = (capacity_tokens, kv_heads, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(layers)]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.keys)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.keys[0].shape[0] if self.keys else 0
-
-    @property
-    def bytes_per_token(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * element
-
-    def reserve(self, tokens: int) -> None:
-        """Make room for `tokens` positions in total (existing views become stale)."""
-        if tokens <= self.capacity_tokens:
-            return
-        capacity = self._whole_blocks(tokens)
-        for buffers in (self.keys, self.values):
-            for i, old in enumerate(buffers):
-                new = torch.empty(
-                    (capacity, self.kv_heads, self.head_dim), dtype=self.dtype, device=self.device
-                )
-                new[: self.length] = old[: self.length]
-                buffers[i] = new
-
-    def _whole_blocks(self, tokens: int) -> int:
-        return -(-tokens // self.block_tokens) * self.block_tokens
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value of layer `index` over the resident positions `[0, length)`."""
-        return self.keys[index][: self.length], self.values[index][: self.length]
-
-    def layers_kv(
-        self, start: int = 0, end: int | None = None
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (key, value) views of positions `[start, end)` (default: all resident)."""
-        end = self.length if end is None else end
-        if not 0 <= start <= end <= self.length:
-            raise InvalidArgument("token_range", f"[{start}, {end}) is outside [0, {self.length})")
-        return [(k[start:end], v[start:end]) for k, v in zip(self.keys, self.values, strict=True)]
-
-    def views(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Writable per-layer views of positions `[start, end)`, which may lie past `length`.
-
-        Call `reserve(end)` first; writing the views and then `commit(end)` appends KV
-        computed or received elsewhere without a copy.
-        """
-        if not 0 <= start <= end <= self.capacity_tokens:
-            raise InvalidArgument(
-                "token_range",
-                f"[{start}, {end}) is outside the reserved [0, {self.capacity_tokens})",
-            )
-        return [(k[start:end], v[start:end]) for k, v in zip(self.keys, self.values, strict=True)]
-
-    def commit(self, length: int) -> None:
-        """Declare positions `[0, length)` resident (after writing them through `views`)."""
-        if not 0 <= length <= self.capacity_tokens:
-            raise InvalidArgument("length", f"{length} is outside [0, {self.capacity_tokens}]")
-        self.length = length
-
-    def truncate(self, length: int) -> None:
-        """Forget positions from `length` on (the buffers keep their capacity)."""
-        if not 0 <= length <= self.length:
-            raise InvalidArgument("length", f"{length} is outside [0, {self.length}]")
-        self.length = length
-
-    def resident_bytes(self) -> int:
-        return self.length * self.bytes_per_token
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -269,6 +168,7 @@ class Transformer:
         self.name = arch.name
         self.dtype = dtype
         self.device = torch.device(device)
+        self._scratch: KvPool | None = None
         self._act = _ACTIVATIONS[arch.activation]
         tensors = _Tensors(path or arch.name, weights, self.device)
         if arch.family == "opt":
@@ -371,19 +271,33 @@ class Transformer:
 
     # -- requests ---------------------------------------------------------------------
 
-    def new_cache(
-        self, capacity_tokens: int = 0, block_tokens: int = DEFAULT_CACHE_BLOCK_TOKENS
-    ) -> KvCache:
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Key and value bytes of one position over every layer, in this model's dtype."""
         config = self.config
-        return KvCache(
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * config.layers * config.kv_heads * config.head_dim * element
+
+    def new_pool(self, num_blocks: int, block_tokens: int, growable: bool = False) -> KvPool:
+        """A pool of `num_blocks` KV blocks of this model's shape (a worker's KV memory)."""
+        config = self.config
+        return KvPool(
             config.layers,
             config.kv_heads,
             config.head_dim,
             self.dtype,
-            self.device,
-            capacity_tokens,
             block_tokens,
+            num_blocks,
+            self.device,
+            growable,
         )
+
+    def new_cache(self, capacity_tokens: int = 0) -> KvCache:
+        """A sequence in this model's own growable pool, for forward passes outside a
+        worker's budget (tests, calibration, the health canary)."""
+        if self._scratch is None:
+            self._scratch = self.new_pool(0, SCRATCH_BLOCK_TOKENS, growable=True)
+        return self._scratch.new_cache(capacity_tokens)
 
     @torch.inference_mode()
     def prefill(
@@ -391,8 +305,8 @@ class Transformer:
     ) -> tuple[KvCache, torch.Tensor]:
         """KV of every prompt position and the logits of the last one.
 
-        `cache`, when given, must be empty; it may have capacity reserved beyond the
-        prompt (HYBRID receives the rest of the sequence into the same buffers).
+        `cache`, when given, must be empty; it may have blocks reserved beyond the
+        prompt (HYBRID receives the rest of the sequence into the same blocks).
         """
         cache = self.new_cache(len(token_ids)) if cache is None else cache
         if cache.length:
@@ -506,73 +420,81 @@ class Transformer:
             mask &= cols > rows - window
         return mask
 
+    def _plan(self, spans: list[_Span], window: int | None) -> _AttentionPlan:
+        """How this pass attends, for layers of one attention window: sequences with
+        several new positions (or a window cutting their view) attend one by one;
+        decode steps that see their whole cache attend together, in one SDPA call per
+        pool over their blocks' slots padded to the longest (on CPU the fixed cost of an
+        SDPA call outweighs gathering a step's keys)."""
+        plan = _AttentionPlan()
+        steps: dict[int, list[tuple[int, _Span]]] = {}
+        row = 0
+        for span in spans:
+            count = span.end - span.start
+            mask = self._mask(span.start, span.end, window)
+            if count == 1 and mask is None:
+                steps.setdefault(id(span.cache.pool), []).append((row, span))
+            else:
+                plan.alone.append((slice(row, row + count), span, mask))
+            row += count
+        for group in steps.values():
+            if len(group) == 1:
+                row, span = group[0]
+                plan.alone.append((slice(row, row + 1), span, None))
+                continue
+            pool = group[0][1].cache.pool
+            longest = max(span.end for _, span in group)
+            slots = torch.full((len(group), longest), pool.zero_slot, device=self.device)
+            for i, (_, span) in enumerate(group):
+                slots[i, : span.end] = span.cache.slots(0, span.end)
+            lengths = torch.tensor([span.end for _, span in group], device=self.device)
+            visible = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]
+            rows = torch.tensor([row for row, _ in group], device=self.device)
+            plan.together.append(_Steps(pool, rows, slots, visible[:, None, None, :]))
+        return plan
+
     def _attend(
         self,
         spans: list[_Span],
+        plan: _AttentionPlan,
         index: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        masks: list[torch.Tensor | None],
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Store each sequence's new K/V in its cache and attend over its whole cache.
-
-        Sequences with several new positions attend one by one; those with one new
-        position and nothing masked (decode steps) attend together, in one SDPA call
-        over their caches padded to the longest, since on CPU the fixed cost of an SDPA
-        call outweighs copying a step's keys."""
+        """Store each sequence's new K/V in its blocks and attend over its whole KV."""
         gqa = self.config.kv_heads != self.config.heads
-        out = q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
-        steps: list[tuple[int, _Span]] = []
         row = 0
-        for span, mask in zip(spans, masks, strict=True):
+        for span in spans:
             count = span.end - span.start
-            cache, rows = span.cache, slice(row, row + count)
-            cache.keys[index][span.start : span.end] = k[rows]
-            cache.values[index][span.start : span.end] = v[rows]
-            if count == 1 and mask is None:
-                steps.append((row, span))
-            else:
-                attended = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1),
-                    cache.keys[index][: span.end].transpose(0, 1),
-                    cache.values[index][: span.end].transpose(0, 1),
-                    attn_mask=mask,
-                    scale=scale,
-                    enable_gqa=gqa,
-                )
-                out[rows] = attended.transpose(0, 1).reshape(count, -1)
+            span.cache.write(index, span.start, k[row : row + count], v[row : row + count])
             row += count
-        if len(steps) == 1:
-            (row, span), cache = steps[0], steps[0][1].cache
+        out = q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+        for rows, span, mask in plan.alone:
+            if span.start == 0:  # nothing cached: the new KV is the whole KV
+                keys, values = k[rows], v[rows]
+            else:
+                keys, values = span.cache.gather(index, span.end)
             attended = F.scaled_dot_product_attention(
-                q[row : row + 1].transpose(0, 1),
-                cache.keys[index][: span.end].transpose(0, 1),
-                cache.values[index][: span.end].transpose(0, 1),
+                q[rows].transpose(0, 1),
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                attn_mask=mask,
                 scale=scale,
                 enable_gqa=gqa,
             )
-            out[row] = attended.reshape(-1)
-        elif steps:
-            longest = max(span.end for _, span in steps)
-            shape = (len(steps), longest, *k.shape[1:])
-            keys, values = k.new_zeros(shape), v.new_zeros(shape)
-            for i, (_, span) in enumerate(steps):
-                keys[i, : span.end] = span.cache.keys[index][: span.end]
-                values[i, : span.end] = span.cache.values[index][: span.end]
-            lengths = torch.tensor([span.end for _, span in steps], device=self.device)
-            mask = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]
-            rows_index = torch.tensor([row for row, _ in steps], device=self.device)
+            out[rows] = attended.transpose(0, 1).reshape(rows.stop - rows.start, -1)
+        for steps in plan.together:
             attended = F.scaled_dot_product_attention(
-                q[rows_index][:, :, None, :],  # [steps, heads, 1, head_dim]
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=mask[:, None, None, :],
+                q[steps.rows][:, :, None, :],  # [steps, heads, 1, head_dim]
+                steps.pool.flat_keys(index)[steps.slots].transpose(1, 2),
+                steps.pool.flat_values(index)[steps.slots].transpose(1, 2),
+                attn_mask=steps.visible,
                 scale=scale,
                 enable_gqa=gqa,
             )
-            out[rows_index] = attended.reshape(len(steps), -1)
+            out[steps.rows] = attended.reshape(len(steps.rows), -1)
         return out
 
     def _forward_llama(self, spans: list[_Span], ids: torch.Tensor) -> torch.Tensor:
@@ -583,19 +505,19 @@ class Transformer:
         angles = torch.cat((angles, angles), dim=-1)
         cos = angles.cos().to(self.dtype)[:, None, :]
         sin = angles.sin().to(self.dtype)[:, None, :]
-        masks: dict[int | None, list[torch.Tensor | None]] = {}
+        plans: dict[int | None, _AttentionPlan] = {}
         hidden = self.embed[ids]
         for index, block in enumerate(self.blocks):
             window = a.sliding_windows[index] if a.sliding_windows else None
-            if window not in masks:
-                masks[window] = [self._mask(s.start, s.end, window) for s in spans]
+            if window not in plans:
+                plans[window] = self._plan(spans, window)
             normed = _rms_norm(hidden, block.norm1, a.norm_eps)
             q = F.linear(normed, block.q, block.q_bias).view(count, a.heads, a.head_dim)
             k = F.linear(normed, block.k, block.k_bias).view(count, a.kv_heads, a.head_dim)
             v = F.linear(normed, block.v, block.v_bias).view(count, a.kv_heads, a.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            attended = self._attend(spans, index, q, k, v, masks[window])
+            attended = self._attend(spans, plans[window], index, q, k, v)
             hidden = hidden + F.linear(attended, block.o, block.o_bias)
             normed = _rms_norm(hidden, block.norm2, a.norm_eps)
             assert block.gate is not None, "a gated MLP loads its gate"
@@ -614,7 +536,7 @@ class Transformer:
             hidden = F.linear(hidden, self.project_in)
         # OPT's learned positions are offset by two rows.
         hidden = hidden + self.positions[self._positions(spans) + 2]
-        masks = [self._mask(s.start, s.end, None) for s in spans]
+        plan = self._plan(spans, None)
         for index, block in enumerate(self.blocks):
             residual = hidden
             if a.pre_norm:
@@ -624,7 +546,7 @@ class Transformer:
             q = q.view(count, a.heads, a.head_dim)
             k = F.linear(hidden, block.k, block.k_bias).view(count, a.heads, a.head_dim)
             v = F.linear(hidden, block.v, block.v_bias).view(count, a.heads, a.head_dim)
-            attended = self._attend(spans, index, q, k, v, masks, scale=1.0)
+            attended = self._attend(spans, plan, index, q, k, v, scale=1.0)
             hidden = residual + F.linear(attended, block.o, block.o_bias)
             if not a.pre_norm:
                 hidden = F.layer_norm(hidden, width, block.norm1, block.norm1_bias)
@@ -650,3 +572,22 @@ class _Span:
     cache: KvCache
     start: int
     end: int
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """Decode steps of one pool attended together: their rows in the batch, each one's
+    slots padded with the pool's zero slot, and which of them it sees."""
+
+    pool: KvPool
+    rows: torch.Tensor
+    slots: torch.Tensor
+    visible: torch.Tensor
+
+
+@dataclass
+class _AttentionPlan:
+    """Which sequences of a pass attend alone (rows, span, mask) and which together."""
+
+    alone: list[tuple[slice, _Span, torch.Tensor | None]] = field(default_factory=list)
+    together: list[_Steps] = field(default_factory=list)

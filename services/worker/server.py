@@ -148,9 +148,8 @@ async def build_server(
     except KvrsError as exc:
         raise ConfigError(f"WORKER_PROFILE_PATH {config.profile_path}: {exc}") from None
     compute = ComputeQueue(model, profile, config.max_batch_tokens, metrics)
-    store = KvStore(
-        config.kv_capacity_bytes, model.new_cache().bytes_per_token, config.block_tokens
-    )
+    blocks = config.kv_capacity_bytes // (config.block_tokens * model.kv_bytes_per_token)
+    store = KvStore(model.new_pool(blocks, config.block_tokens))
     host = config.transfer_host or _advertise(config, 0).rpartition(":")[0]
     agent = TransferAgent(
         AgentConfig(
@@ -159,7 +158,7 @@ async def build_server(
             port=config.transfer_port,
             timeout_s=config.transfer_timeout_s,
             pacing_bps=config.transfer_pacing_bps or None,
-            chunk_tokens=config.transfer_chunk_tokens,
+            chunk_tokens=config.transfer_chunk_tokens or config.block_tokens,
             checksums=config.transfer_checksums,
         ),
         provider,

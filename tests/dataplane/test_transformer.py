@@ -10,7 +10,8 @@ from kvrs.errors import InvalidArgument
 from kvrs.model import EMBEDDED_CHECKPOINTS, model_spec
 from kvrs.tokenizer import encode
 from services.worker.checkpoint import resolve_checkpoint
-from services.worker.model import KvCache, Transformer
+from services.worker.model import Transformer
+from services.worker.paged_kv import KvCache
 
 PROMPT = encode("Disaggregated inference moves KV caches across the network.")
 TIGHT = {"rtol": 1e-12, "atol": 1e-12}
@@ -56,12 +57,9 @@ def test_kv_split_from_two_computations_joins(tiny):
     full, full_logits = tiny.prefill(PROMPT)
     k = 23
     prefix, _ = tiny.prefill(PROMPT[:k])
-    joined = tiny.new_cache(len(PROMPT))
-    for (dk, dv), (pk, pv), (fk, fv) in zip(
-        joined.views(0, len(PROMPT)), prefix.layers_kv(), full.layers_kv(), strict=True
-    ):
-        dk[:k], dv[:k] = pk, pv
-        dk[k:], dv[k:] = fk[k:], fv[k:]
+    joined = tiny.new_cache()
+    joined.write_layers(0, prefix.layers_kv())
+    joined.write_layers(k, full.layers_kv(k, len(PROMPT)))
     joined.commit(len(PROMPT))
     assert_close_kv(full, joined)
     first = int(torch.argmax(full_logits))
@@ -87,7 +85,7 @@ def test_bf16_extend_matches_prefill_to_rounding():
     full, _ = model.prefill(PROMPT)
     cache, _ = model.prefill(PROMPT[:20])
     model.extend(cache, PROMPT[20:])
-    assert cache.keys[0].dtype == torch.bfloat16
+    assert cache.gather(0)[0].dtype == torch.bfloat16
     for (fk, _), (ck, _) in zip(full.layers_kv(), cache.layers_kv(), strict=True):
         torch.testing.assert_close(ck, fk, rtol=0.05, atol=0.05)
 
@@ -107,7 +105,7 @@ def test_the_cost_models_kv_shape_is_the_checkpoints(name):
 
 def test_kv_layout_and_bytes_per_token(tiny):
     cache, _ = tiny.prefill(PROMPT)
-    key, value = cache.layer(1)
+    key, value = cache.gather(1)
     assert key.shape == value.shape == (len(PROMPT), 2, 16)
     assert cache.bytes_per_token == model_spec("tiny").kv_bytes_per_token
     assert cache.resident_bytes() == model_spec("tiny").kv_bytes(len(PROMPT))

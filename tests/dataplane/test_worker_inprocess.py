@@ -19,7 +19,7 @@ from services.gossip.config import Config as GossipConfig
 from services.gossip.server import build_server as build_gossip
 from services.worker.config import Config
 from services.worker.kvstore import KvStore
-from services.worker.model import KvCache
+from services.worker.paged_kv import KvPool
 from services.worker.server import build_server
 
 
@@ -155,6 +155,8 @@ async def test_a_worker_allocates_budgets_and_hashes_kv_in_its_configured_blocks
         again = await stub.Prefill(
             pb.PrefillRequest(request_id="r-b", prompt_token_ids=[*prompt[:32], 99, 98])
         )
+        sharing = await stub.GetWorkerStats(pb.GetWorkerStatsRequest())
+        shared_cache = worker.engine.store.get("r-b").cache
     finally:
         await channel.close()
         await worker.stop(0)
@@ -164,21 +166,19 @@ async def test_a_worker_allocates_budgets_and_hashes_kv_in_its_configured_blocks
     assert cache.capacity_tokens == 48
     assert set(prefix_block_hashes(prompt, 16)) <= set(stats.resident_prefix_hashes)
     assert again.prefix_hit_tokens == 32
+    # The second prompt shares the first's two leading blocks, and only its third is new.
+    assert shared_cache.blocks[:2] == cache.blocks[:2]
+    assert sharing.free_kv_blocks == stats.free_kv_blocks - 1
 
 
 def test_kv_store_evicts_expired_first_then_least_recently_used():
     now = [0.0]
-    bytes_per_token = 1024
-    store = KvStore(
-        capacity_bytes=4 * 16 * bytes_per_token,
-        bytes_per_token=bytes_per_token,
-        block_tokens=16,
-        clock=lambda: now[0],
-    )
-    assert store.capacity_blocks == 4
+    pool = KvPool(2, 2, 16, torch.float64, block_tokens=16, num_blocks=4)
+    store = KvStore(pool, clock=lambda: now[0])
+    assert store.capacity_blocks == 4 and store.bytes_per_token == 1024
 
     def add(request_id: str, tokens: int, lease_s: float):
-        entry = store.add(request_id, KvCache(2, 2, 16, torch.float64), tokens, lease_s)
+        entry = store.add(request_id, tokens, lease_s)
         store.unpin(entry)
         return entry
 
@@ -200,7 +200,7 @@ def test_kv_store_evicts_expired_first_then_least_recently_used():
     assert store.find("busy") is not None
     assert store.evicted == 1
     with pytest.raises(ResourceExhausted, match="needs 5 KV blocks"):
-        store.add("huge", KvCache(2, 2, 16, torch.float64), 80, 10.0)
+        store.add("huge", 80, 10.0)
     store.release("busy")
     assert store.find("busy") is not None, "a pinned entry is released when its user is done"
     store.unpin(busy)
