@@ -4,7 +4,7 @@
 
 One real worker (gRPC server, KV store, compute thread) in this process. A cold request
 has a prefix no earlier request shared; a hit request repeats a resident prefix with a
-new suffix, so its prefill copies the prefix's KV blocks and computes only the suffix.
+new suffix, so its prefill shares the prefix's KV blocks and computes only the suffix.
 The time is the Prefill RPC's (the first generated token is its answer). Cold and hit
 runs are interleaved (load on a shared machine drifts); each figure is a median.
 """
