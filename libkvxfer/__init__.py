@@ -29,6 +29,7 @@ from libkvxfer._errors import (
 from libkvxfer._interface import KvReceiver, KvSender
 from libkvxfer._protocol import PROTOCOL_HISTORY, PROTOCOL_VERSION
 from libkvxfer._types import (
+    ChunkReady,
     KvLayers,
     KvLayout,
     KvPage,
@@ -43,6 +44,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AgentConfig",
     "AuthenticationFailed",
+    "ChunkReady",
     "ChecksumMismatch",
     "KvLayers",
     "KvLayout",

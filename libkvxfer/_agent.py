@@ -65,6 +65,7 @@ from libkvxfer._protocol import (
     trailer_bytes,
 )
 from libkvxfer._types import (
+    ChunkReady,
     KvLayers,
     KvLayout,
     KvPage,
@@ -396,7 +397,11 @@ class TransferAgent(KvSender, KvReceiver):
     # -- sender -----------------------------------------------------------------------
 
     def send(
-        self, ticket: TransferTicket, kv: KvLayers | KvPages, pacing_bps: float | None = None
+        self,
+        ticket: TransferTicket,
+        kv: KvLayers | KvPages,
+        pacing_bps: float | None = None,
+        ready: ChunkReady | None = None,
     ) -> TransferStats:
         if ticket.protocol_version != _protocol.PROTOCOL_VERSION:
             raise ProtocolVersionMismatch(
@@ -408,7 +413,7 @@ class TransferAgent(KvSender, KvReceiver):
             _check_page(page, layout, "kv", contiguous=False)
         pacing = self.config.pacing_bps if pacing_bps is None else pacing_bps
         with self._span("kvxfer.send", ticket) as span:
-            stats = self._send(ticket, pages, layout, pacing or None)
+            stats = self._send(ticket, pages, layout, pacing or None, ready)
             _record(span, stats)
             return stats
 
@@ -418,6 +423,7 @@ class TransferAgent(KvSender, KvReceiver):
         kv: list[KvPage],
         layout: KvLayout,
         pacing_bps: float | None,
+        ready: ChunkReady | None,
     ) -> TransferStats:
         started = time.monotonic()
         group = self._group_for(ticket)
@@ -436,7 +442,8 @@ class TransferAgent(KvSender, KvReceiver):
             traceparent=ticket.traceparent,
         )
         try:
-            return self._send_chunks(group, ticket, kv, header, _Pacer(pacing_bps), started)
+            pacer = _Pacer(pacing_bps)
+            return self._send_chunks(group, ticket, kv, header, pacer, ready, started)
         except BaseException:
             group.close()
             raise
@@ -448,6 +455,7 @@ class TransferAgent(KvSender, KvReceiver):
         kv: list[KvPage],
         header: TransferHeader,
         pacer: _Pacer,
+        ready: ChunkReady | None,
         started: float,
     ) -> TransferStats:
         body = header.to_bytes()
@@ -460,6 +468,8 @@ class TransferAgent(KvSender, KvReceiver):
         limit = 2 * max(1, self.config.window_chunks) + 2
         sums: list[int] = []
         for index, (layer, start, end) in enumerate(chunks):
+            if ready is not None:
+                ready(layer, end)
             rows = page_rows(kv, layer, start, end)
             key = tensor_bytes(torch.cat([k for k, _ in rows]) if len(rows) > 1 else rows[0][0])
             value = tensor_bytes(torch.cat([v for _, v in rows]) if len(rows) > 1 else rows[0][1])
@@ -517,9 +527,13 @@ class TransferAgent(KvSender, KvReceiver):
                 group.wait(in_flight.popleft()[0], "reject")
 
     async def send_async(
-        self, ticket: TransferTicket, kv: KvLayers | KvPages, pacing_bps: float | None = None
+        self,
+        ticket: TransferTicket,
+        kv: KvLayers | KvPages,
+        pacing_bps: float | None = None,
+        ready: ChunkReady | None = None,
     ) -> TransferStats:
-        return await self._in_thread(self.send, ticket, kv, pacing_bps)
+        return await self._in_thread(self.send, ticket, kv, pacing_bps, ready)
 
     async def reject_async(self, ticket: TransferTicket, error: KvrsError) -> None:
         await self._in_thread(self.reject, ticket, error)

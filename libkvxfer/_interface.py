@@ -18,7 +18,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from kvrs.errors import KvrsError
-from libkvxfer._types import KvLayers, KvLayout, ReceivedKv, TransferStats, TransferTicket
+from libkvxfer._types import (
+    ChunkReady,
+    KvLayers,
+    KvLayout,
+    KvPages,
+    ReceivedKv,
+    TransferStats,
+    TransferTicket,
+)
 
 __all__ = ["KvReceiver", "KvSender"]
 
@@ -28,15 +36,23 @@ class KvSender(ABC):
 
     @abstractmethod
     def send(
-        self, ticket: TransferTicket, kv: KvLayers, pacing_bps: float | None = None
+        self,
+        ticket: TransferTicket,
+        kv: KvLayers | KvPages,
+        pacing_bps: float | None = None,
+        ready: ChunkReady | None = None,
     ) -> TransferStats:
-        """Push `kv` — exactly the ticket's token range, one (key, value) per layer.
+        """Push `kv` — exactly the ticket's token range, one (key, value) per layer, or
+        the pages (blocks) that hold it.
 
         Called on the sender once the receiver's ticket arrives. Blocks until every
         chunk has been handed to the peer, layer by layer; joins the pair group first
         if this is the pair's first transfer. `pacing_bps` caps the rate (emulates a
-        slower link). Raises ProtocolVersionMismatch for a ticket of another version
-        (before sending anything), PeerLost / TransferTimeout when the receiver goes away.
+        slower link). With `ready`, KV still being computed streams: each chunk goes
+        once `ready(layer, token_end)` returns (a prefill computing layer by layer).
+        Raises ProtocolVersionMismatch for a ticket of another version (before sending
+        anything), PeerLost / TransferTimeout when the receiver goes away, and whatever
+        `ready` raises (the receiver then sees the pair close).
         """
 
     @abstractmethod
@@ -50,7 +66,11 @@ class KvSender(ABC):
 
     @abstractmethod
     async def send_async(
-        self, ticket: TransferTicket, kv: KvLayers, pacing_bps: float | None = None
+        self,
+        ticket: TransferTicket,
+        kv: KvLayers | KvPages,
+        pacing_bps: float | None = None,
+        ready: ChunkReady | None = None,
     ) -> TransferStats:
         """`send` on a worker thread; awaiting it never blocks the event loop."""
 
@@ -79,7 +99,7 @@ class KvReceiver(ABC):
 
     @abstractmethod
     def recv(
-        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None = None
+        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | KvPages | None = None
     ) -> ReceivedKv:
         """Receive the ticket's KV, verifying the version first and every chunk's checksum.
 
@@ -87,7 +107,8 @@ class KvReceiver(ABC):
         sender sends). Blocks until the last chunk is verified. `layout` is the KV shape
         this receiver's model uses; a sender describing another raises LayoutMismatch.
         `out`, when given, holds contiguous per-layer views of [tokens, kv_heads,
-        head_dim] that are filled in place (no copy); otherwise tensors are allocated.
+        head_dim], or the pages (blocks) of the range, that are filled in place (no
+        copy where a chunk lies in one page); otherwise tensors are allocated.
         """
 
     @abstractmethod
@@ -101,6 +122,6 @@ class KvReceiver(ABC):
 
     @abstractmethod
     async def recv_async(
-        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | None = None
+        self, ticket: TransferTicket, layout: KvLayout, out: KvLayers | KvPages | None = None
     ) -> ReceivedKv:
         """`recv` on a worker thread; awaiting it never blocks the event loop."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -12,6 +12,7 @@ import torch
 from kvrs.errors import InvalidArgument
 
 __all__ = [
+    "ChunkReady",
     "KvLayers",
     "KvLayout",
     "KvPage",
@@ -42,6 +43,11 @@ class KvPage:
 
 KvPages = Sequence[KvPage]
 """The pages that make up a range, in position order, each starting where the last ended."""
+
+ChunkReady = Callable[[int, int], None]
+"""(layer, token_end) -> returns once that layer's rows up to token_end hold their final
+values: a sender streaming KV that is still being computed waits on it before each chunk
+(and raises to abandon the transfer)."""
 
 
 def as_pages(kv: KvLayers | KvPages, start: int, end: int) -> list[KvPage]:

@@ -8,6 +8,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -79,6 +80,44 @@ def test_kv_moves_exactly_between_paged_caches(peers, send_pages, recv_pages):
     assert got["digest"] == expected_digest(spec, 10, 97)
     # Cut at 24, 48, 72 and 96 (not at 10 + 24k): five chunks a layer.
     assert got["chunks"] == sent.result(RESULT_TIMEOUT_S)["chunks"] == 3 * 5
+
+
+def test_a_layer_streams_while_the_next_one_is_still_being_computed():
+    """`ready` holds each chunk until its rows are final: layer 0 lands at the receiver
+    while layer 1 is still held back (a prefill computing it)."""
+    receiver = TransferAgent(AgentConfig("stream-recv"))
+    sender = TransferAgent(AgentConfig("stream-send", chunk_tokens=16))
+    kv = make_kv(KvSpec(seed=31, tokens=32))
+    out = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in kv]
+    computed = threading.Event()
+    asked: list[tuple[int, int]] = []
+
+    def ready(layer: int, end: int) -> None:
+        asked.append((layer, end))
+        if layer == 1:
+            computed.wait(RESULT_TIMEOUT_S)
+
+    try:
+        ticket = receiver.prepare("stream-send", "req-stream", 0, 32)
+        forwarded = TransferTicket.from_dict(ticket.to_dict())
+        with ThreadPoolExecutor(2) as pool:
+            received = pool.submit(receiver.recv, ticket, KvLayout.of(kv), out)
+            sent = pool.submit(sender.send, forwarded, kv, None, ready)
+            deadline = time.monotonic() + RESULT_TIMEOUT_S
+            while not torch.equal(out[0][1], kv[0][1]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert torch.equal(out[0][0], kv[0][0]) and torch.equal(out[0][1], kv[0][1])
+            assert not torch.equal(out[1][0], kv[1][0]), "layer 1 is not computed yet"
+            computed.set()
+            received.result(RESULT_TIMEOUT_S)
+            sent.result(RESULT_TIMEOUT_S)
+    finally:
+        computed.set()
+        receiver.close()
+        sender.close()
+    assert asked == [(layer, end) for layer in range(3) for end in (16, 32)]
+    for (k, v), (got_k, got_v) in zip(kv, out, strict=True):
+        assert torch.equal(k, got_k) and torch.equal(v, got_v)
 
 
 def test_pages_that_do_not_tile_the_range_are_refused(peers):
