@@ -98,7 +98,7 @@ class ExtendResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., next_token_id: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., extend_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
-    __slots__ = ("request_id", "source_instance_id", "source_address", "token_start", "token_end", "prompt_tokens", "prefix_token_ids", "lease_s", "pacing_bps")
+    __slots__ = ("request_id", "source_instance_id", "source_address", "token_start", "token_end", "prompt_tokens", "prefix_token_ids", "lease_s", "pacing_bps", "while_prefilling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class PullKvRequest(_message.Message):
     PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     PACING_BPS_FIELD_NUMBER: _ClassVar[int]
+    WHILE_PREFILLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     source_instance_id: str
     source_address: str
@@ -117,7 +118,8 @@ class PullKvRequest(_message.Message):
     prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
     pacing_bps: float
-    def __init__(self, request_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., source_address: _Optional[str] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., pacing_bps: _Optional[float] = ...) -> None: ...
+    while_prefilling: bool
+    def __init__(self, request_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., source_address: _Optional[str] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., pacing_bps: _Optional[float] = ..., while_prefilling: _Optional[bool] = ...) -> None: ...
 
 class PullKvResponse(_message.Message):
     __slots__ = ("request_id", "resident_tokens", "transferred_kv_bytes", "transfer_s", "transfer_bps", "recomputed_tokens", "recompute_s", "total_s", "transfer_id")
@@ -172,14 +174,16 @@ class KvTransferTicket(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., transfer_id: _Optional[str] = ..., tag: _Optional[int] = ..., receiver_instance_id: _Optional[str] = ..., receiver_incarnation: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., group_generation: _Optional[int] = ..., sender_instance_id: _Optional[str] = ..., request_id: _Optional[str] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., traceparent: _Optional[str] = ..., auth_key: _Optional[bytes] = ...) -> None: ...
 
 class SendKvRequest(_message.Message):
-    __slots__ = ("request_id", "ticket", "pacing_bps")
+    __slots__ = ("request_id", "ticket", "pacing_bps", "while_prefilling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     PACING_BPS_FIELD_NUMBER: _ClassVar[int]
+    WHILE_PREFILLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ticket: KvTransferTicket
     pacing_bps: float
-    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[_Union[KvTransferTicket, _Mapping]] = ..., pacing_bps: _Optional[float] = ...) -> None: ...
+    while_prefilling: bool
+    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[_Union[KvTransferTicket, _Mapping]] = ..., pacing_bps: _Optional[float] = ..., while_prefilling: _Optional[bool] = ...) -> None: ...
 
 class SendKvResponse(_message.Message):
     __slots__ = ("request_id", "kv_bytes", "transfer_s", "token_ids")

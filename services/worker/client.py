@@ -171,6 +171,7 @@ class WorkerPool:
         prompt_tokens: int,
         prefix_token_ids: Sequence[int] = (),
         pacing_bps: float = 0.0,
+        while_prefilling: bool = False,
     ) -> Pulled:
         request = worker_pb2.PullKvRequest(
             request_id=kv_id,
@@ -181,6 +182,7 @@ class WorkerPool:
             prompt_tokens=prompt_tokens,
             prefix_token_ids=list(prefix_token_ids),
             pacing_bps=pacing_bps,
+            while_prefilling=while_prefilling,
         )
         try:
             reply = await self._stub(at.address).PullKv(request, timeout=self.timeout_s)

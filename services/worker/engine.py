@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -34,6 +35,7 @@ from libkvxfer import (
 from services.worker.compute import ComputeQueue, Job
 from services.worker.kvstore import KvStore, Resident
 from services.worker.model import Transformer
+from services.worker.paged_kv import FillProgress
 from services.worker.sampling import choose
 
 log = logging.getLogger(__name__)
@@ -58,8 +60,22 @@ class SendResult:
     token_ids: list[int]
 
 
-SendKvCall = Callable[[str, TransferTicket, float, float], Awaitable[SendResult]]
-"""(source_address, ticket, pacing_bps, deadline_s) -> the source's SendKv answer."""
+SendKvCall = Callable[[str, TransferTicket, float, float, bool], Awaitable[SendResult]]
+"""(source_address, ticket, pacing_bps, deadline_s, while_prefilling) -> the source's
+SendKv answer."""
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a pull's KV comes from, and how it is asked for."""
+
+    instance_id: str
+    address: str
+    pacing_bps: float
+    traceparent: str
+    deadline_s: float | None
+    while_prefilling: bool
+    """Layer-wise streaming: the source may still be prefilling the request."""
 
 
 @dataclass(frozen=True)
@@ -257,17 +273,22 @@ class WorkerEngine:
             request_id, len(prompt), lease, prompt_tokens=prompt_tokens, shared=shared
         )
         entry.sampling = sampling or Sampling()
+        entry.token_ids = prompt
         hit = entry.prefix_hit_tokens
+        # A pull sent with this prefill streams each layer as soon as it is computed.
+        filling = entry.cache.filling = FillProgress(self.model.config.layers, hit, len(prompt))
         try:
             async with entry.lock:
                 timed = await self.compute.forward(entry.cache, prompt[hit:])
-                entry.token_ids = prompt
                 entry.first_token_id = entry.next_token_id = _choose(entry, timed.value)
+                filling.finish()
                 self.store.publish(entry)
-        except BaseException:
+        except BaseException as exc:
+            filling.fail(repr(exc))
             self.store.discard(entry)
             raise
         finally:
+            entry.cache.filling = None
             self.store.unpin(entry)
         trace.get_current_span().set_attributes(
             {
@@ -446,8 +467,10 @@ class WorkerEngine:
         pacing_bps: float = 0.0,
         traceparent: str = "",
         deadline_s: float | None = None,
+        while_prefilling: bool = False,
     ) -> PullResult:
-        """Receive [token_start, token_end) of a request's KV from `source_instance_id`."""
+        """Receive [token_start, token_end) of a request's KV from `source_instance_id`
+        (with `while_prefilling`, layer by layer as the source computes it)."""
         _check_request_id(request_id)
         if not source_instance_id:
             raise InvalidArgument("source_instance_id", "must not be empty")
@@ -490,6 +513,14 @@ class WorkerEngine:
             )
         lease = self._lease(lease_s)
         started = time.monotonic()
+        source = _Source(
+            source_instance_id,
+            source_address,
+            pacing_bps,
+            traceparent,
+            deadline_s,
+            while_prefilling,
+        )
         entry = self.store.find(request_id)
         if entry is not None:
             async with self._using(entry):
@@ -504,17 +535,7 @@ class WorkerEngine:
                         field="token_start",
                     )
                 return await self._pull_into(
-                    entry,
-                    source_instance_id,
-                    source_address,
-                    [],
-                    token_start,
-                    token_end,
-                    prompt_tokens,
-                    pacing_bps,
-                    traceparent,
-                    deadline_s,
-                    started,
+                    entry, source, [], token_start, token_end, prompt_tokens, started
                 )
         if token_start > 0 and not prefix:
             raise FailedPrecondition(
@@ -527,17 +548,7 @@ class WorkerEngine:
         try:
             async with entry.lock:
                 return await self._pull_into(
-                    entry,
-                    source_instance_id,
-                    source_address,
-                    prefix,
-                    token_start,
-                    token_end,
-                    prompt_tokens,
-                    pacing_bps,
-                    traceparent,
-                    deadline_s,
-                    started,
+                    entry, source, prefix, token_start, token_end, prompt_tokens, started
                 )
         except BaseException:
             self.store.discard(entry)
@@ -548,15 +559,11 @@ class WorkerEngine:
     async def _pull_into(
         self,
         entry: Resident,
-        source_id: str,
-        source_address: str,
+        source: _Source,
         prefix: list[int],
         start: int,
         token_end: int,
         prompt_tokens: int,
-        pacing_bps: float,
-        traceparent: str,
-        deadline_s: float | None,
         started: float,
     ) -> PullResult:
         self.store.grow(entry, token_end)
@@ -568,16 +575,7 @@ class WorkerEngine:
             # [start, token_end) of the same sequence.
             recompute = asyncio.ensure_future(self.compute.forward(entry.cache, prefix[reused:]))
         try:
-            sent, stats = await self._receive(
-                entry,
-                source_id,
-                source_address,
-                start,
-                token_end,
-                pacing_bps,
-                traceparent,
-                deadline_s,
-            )
+            sent, stats = await self._receive(entry, source, start, token_end)
         except BaseException:
             if recompute is not None:
                 # The recompute writes into the same blocks: let it finish first.
@@ -601,7 +599,7 @@ class WorkerEngine:
             {
                 "kvrs.request_id": entry.request_id,
                 "kvrs.kv_bytes": stats.kv_bytes,
-                "kvrs.source_instance_id": source_id,
+                "kvrs.source_instance_id": source.instance_id,
                 "kvrs.recomputed_tokens": len(prefix) - reused,
                 "kvrs.prefix_hit_tokens": reused,
             }
@@ -617,30 +615,11 @@ class WorkerEngine:
             transfer_id=stats.transfer_id,
         )
 
-    async def _receive(
-        self,
-        entry: Resident,
-        source_id: str,
-        source_address: str,
-        start: int,
-        end: int,
-        pacing_bps: float,
-        traceparent: str,
-        deadline_s: float | None,
-    ):
+    async def _receive(self, entry: Resident, source: _Source, start: int, end: int):
         """One pull attempt, retried once when the pair with the source was stale."""
         for attempt in (1, 2):
             try:
-                return await self._receive_once(
-                    entry,
-                    source_id,
-                    source_address,
-                    start,
-                    end,
-                    pacing_bps,
-                    traceparent,
-                    deadline_s,
-                )
+                return await self._receive_once(entry, source, start, end)
             except PeerLost as exc:
                 # A source that restarted answers the old pair's ticket with PeerLost; the
                 # failed attempt closed that pair, so a second ticket gets a fresh one.
@@ -649,32 +628,24 @@ class WorkerEngine:
                 log.info(
                     "pull of %s from %s: %s; retrying on a new pair",
                     entry.request_id,
-                    source_id,
+                    source.instance_id,
                     exc,
                 )
         raise AssertionError("unreachable")
 
-    async def _receive_once(
-        self,
-        entry: Resident,
-        source_id: str,
-        source_address: str,
-        start: int,
-        end: int,
-        pacing_bps: float,
-        traceparent: str,
-        deadline_s: float | None,
-    ):
-        ticket = self.agent.prepare(source_id, entry.request_id, start, end, traceparent)
+    async def _receive_once(self, entry: Resident, source: _Source, start: int, end: int):
+        ticket = self.agent.prepare(
+            source.instance_id, entry.request_id, start, end, source.traceparent
+        )
         out = _pages(entry, start, end)
         received = asyncio.ensure_future(self.agent.recv_async(ticket, self.layout, out))
-        deadline = (
-            self._send_kv_deadline_s
-            if deadline_s is None
-            else min(deadline_s, self._send_kv_deadline_s)
-        )
+        deadline = self._send_kv_deadline_s
+        if source.deadline_s is not None:
+            deadline = min(source.deadline_s, deadline)
         try:
-            sent = await self._send_kv(source_address, ticket, pacing_bps, deadline)
+            sent = await self._send_kv(
+                source.address, ticket, source.pacing_bps, deadline, source.while_prefilling
+            )
         except KvrsError as send_error:
             error = await self._pull_failure(ticket, received, send_error)
             raise _as_pull_error(error) from send_error
@@ -707,8 +678,15 @@ class WorkerEngine:
             return PeerLost(str(send_error))
         return send_error
 
-    async def send_kv(self, ticket: TransferTicket, pacing_bps: float = 0.0) -> SendResult:
-        """Push the ticket's range of a resident request to the receiver it names."""
+    async def send_kv(
+        self, ticket: TransferTicket, pacing_bps: float = 0.0, while_prefilling: bool = False
+    ) -> SendResult:
+        """Push the ticket's range of a resident request to the receiver it names.
+
+        With `while_prefilling` the request may still be prefilling here, or not have
+        arrived yet (its Prefill and the receiver's pull were sent together): the send
+        waits for it, then streams each layer's chunks as soon as the prefill has
+        computed that layer (layer-wise streaming)."""
         _require_pacing(pacing_bps)
         if ticket.sender_id != self.instance_id:
             # The receiver waits on a pair named after the worker it meant: unreachable.
@@ -716,26 +694,34 @@ class WorkerEngine:
                 "ticket.sender_instance_id",
                 f"names {ticket.sender_id!r}, this is {self.instance_id!r}",
             )
+        timeout_s = self.agent.config.timeout_s
         try:
             if ticket.protocol_version != PROTOCOL_VERSION:
                 raise ProtocolVersionMismatch(PROTOCOL_VERSION, ticket.protocol_version, "ticket")
             _check_request_id(ticket.request_id)
+            if while_prefilling:
+                await self.store.arrival(ticket.request_id, timeout_s)
             entry = self.store.get(ticket.request_id)
-            if ticket.token_end > entry.resident_tokens:
+            filling = entry.cache.filling if while_prefilling else None
+            sendable = entry.resident_tokens if filling is None else filling.end
+            if ticket.token_end > sendable:
                 raise InvalidArgument(
                     "token_end",
                     f"{ticket.token_end} is beyond the "
-                    f"{entry.resident_tokens} tokens resident on "
+                    f"{sendable} tokens resident on "
                     f"{self.instance_id}",
                 )
         except KvrsError as exc:
             await self.agent.reject_async(ticket, exc)
             raise
+        ready = None if filling is None else functools.partial(filling.wait, timeout_s=timeout_s)
         self.store.pin(entry)
         try:
             kv = _pages(entry, ticket.token_start, ticket.token_end)
             token_ids = entry.token_ids[ticket.token_start : ticket.token_end]
-            stats = await self.agent.send_async(ticket, kv, pacing_bps or self._pacing_bps or None)
+            stats = await self.agent.send_async(
+                ticket, kv, pacing_bps or self._pacing_bps or None, ready
+            )
         finally:
             self.store.unpin(entry)
         return SendResult(kv_bytes=stats.kv_bytes, transfer_s=stats.seconds, token_ids=token_ids)

@@ -16,6 +16,7 @@ tensors are touched from compute and transfer threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -79,6 +80,8 @@ class KvStore:
         self.capacity_blocks = pool.num_blocks
         self._clock = clock
         self._entries: dict[str, Resident] = {}
+        self._added = asyncio.Event()
+        """Set (and replaced) whenever an entry is added."""
         self.evicted = 0
         self.expired = 0
 
@@ -146,6 +149,20 @@ class KvStore:
             pins=1,
         )
         self._entries[request_id] = entry
+        self._added.set()
+        self._added = asyncio.Event()
+        return entry
+
+    async def arrival(self, request_id: str, timeout_s: float) -> Resident | None:
+        """The entry of `request_id`, waiting up to `timeout_s` for it to be added (a
+        pull streamed from a prefill may reach this worker before the prefill does)."""
+        deadline = time.monotonic() + timeout_s
+        while (entry := self._entries.get(request_id)) is None:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._added.wait(), remaining_s)
         return entry
 
     def grow(self, entry: Resident, tokens: int) -> None:

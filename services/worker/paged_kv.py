@@ -28,9 +28,9 @@ from collections.abc import Sequence
 import torch
 
 from kvrs.block_manager import BlockManager
-from kvrs.errors import InvalidArgument
+from kvrs.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 
-__all__ = ["KvCache", "KvPool", "LayerKv"]
+__all__ = ["FillProgress", "KvCache", "KvPool", "LayerKv"]
 
 LayerKv = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, (key, value) tensors of shape [tokens, kv_heads, head_dim]."""
@@ -191,6 +191,52 @@ class KvPool:
         return self.values[layer].view(-1, self.kv_heads, self.head_dim)
 
 
+class FillProgress:
+    """How far a prefill has written each layer of its positions, so a transfer can
+    stream a layer's rows as soon as they are final instead of waiting for the whole
+    pass (layer-wise streaming). The compute thread advances it; transfer threads wait
+    on it."""
+
+    def __init__(self, layers: int, start: int, end: int) -> None:
+        self.end = end
+        self._written = [start] * layers
+        self._failure: str | None = None
+        self._changed = threading.Condition()
+
+    def advance(self, layer: int, end: int) -> None:
+        """Layer `layer` now holds positions up to `end`."""
+        with self._changed:
+            if end > self._written[layer]:
+                self._written[layer] = end
+                self._changed.notify_all()
+
+    def finish(self) -> None:
+        """Every layer is written to the end."""
+        with self._changed:
+            self._written = [self.end] * len(self._written)
+            self._changed.notify_all()
+
+    def fail(self, reason: str) -> None:
+        """The prefill will not finish: waiters give up at once."""
+        with self._changed:
+            self._failure = reason
+            self._changed.notify_all()
+
+    def wait(self, layer: int, end: int, timeout_s: float) -> None:
+        """Block until layer `layer` holds positions up to `end`; FailedPrecondition when
+        the prefill failed, DeadlineExceeded after `timeout_s`."""
+        with self._changed:
+            ready = self._changed.wait_for(
+                lambda: self._written[layer] >= end or self._failure is not None, timeout_s
+            )
+            if self._failure is not None:
+                raise FailedPrecondition(f"the prefill failed: {self._failure}")
+            if not ready:
+                raise DeadlineExceeded(
+                    f"layer {layer} was not computed up to position {end} within {timeout_s} s"
+                )
+
+
 class KvCache:
     """The KV of one sequence: its block table in a pool and its resident length.
 
@@ -212,6 +258,8 @@ class KvCache:
             self.blocks.extend(shared)
             self.length = len(shared) * self.block_tokens
         self._table: torch.Tensor | None = None
+        self.filling: FillProgress | None = None
+        """Set while a prefill writes this sequence (see FillProgress)."""
         self.reserve(capacity_tokens)
 
     @property
@@ -294,6 +342,8 @@ class KvCache:
         slots = self.slots(start, start + key.shape[0])
         self.pool.flat_keys(layer).index_copy_(0, slots, key)
         self.pool.flat_values(layer).index_copy_(0, slots, value)
+        if self.filling is not None:
+            self.filling.advance(layer, start + key.shape[0])
 
     def gather(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's key and value of positions `[0, end)` as contiguous tensors."""

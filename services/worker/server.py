@@ -67,10 +67,18 @@ class WorkerPeers:
         return stub
 
     async def send_kv(
-        self, address: str, ticket: TransferTicket, pacing_bps: float, deadline_s: float
+        self,
+        address: str,
+        ticket: TransferTicket,
+        pacing_bps: float,
+        deadline_s: float,
+        while_prefilling: bool,
     ) -> SendResult:
         request = worker_pb2.SendKvRequest(
-            request_id=ticket.request_id, ticket=ticket_to_pb(ticket), pacing_bps=pacing_bps
+            request_id=ticket.request_id,
+            ticket=ticket_to_pb(ticket),
+            pacing_bps=pacing_bps,
+            while_prefilling=while_prefilling,
         )
         try:
             reply = await self._stub(address).SendKv(request, timeout=deadline_s)

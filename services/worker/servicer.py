@@ -166,6 +166,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             request.pacing_bps,
             traceparent=traceparent(),
             deadline_s=context.time_remaining(),
+            while_prefilling=request.while_prefilling,
         )
         self._record_transfer("received", result.transferred_kv_bytes, result.transfer_s)
         return worker_pb2.PullKvResponse(
@@ -189,7 +190,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 "ticket.request_id",
                 f"{ticket.request_id!r} differs from request_id {request.request_id!r}",
             )
-        result = await self._engine.send_kv(ticket, request.pacing_bps)
+        result = await self._engine.send_kv(ticket, request.pacing_bps, request.while_prefilling)
         self._record_transfer("sent", result.kv_bytes, result.transfer_s)
         return worker_pb2.SendKvResponse(
             request_id=request.request_id,

@@ -4,14 +4,15 @@ and written only by their one holder, blocks back in the pool however a cache en
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
 
-from kvrs.errors import ResourceExhausted
+from kvrs.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted
 from kvrs.tokenizer import encode, prefix_block_hashes
 from services.worker.model import Transformer
-from services.worker.paged_kv import KvPool
+from services.worker.paged_kv import FillProgress, KvPool
 
 PROMPT = encode("Paged KV: a sequence is a table of blocks, and prompts share their prefixes.")
 BLOCK = 8
@@ -102,3 +103,28 @@ def test_a_worker_pool_is_bounded_and_a_scratch_pool_grows(tiny):
     scratch = tiny.new_pool(num_blocks=0, block_tokens=BLOCK, growable=True)
     cache, _ = tiny.prefill(PROMPT, scratch.new_cache())
     assert scratch.num_blocks >= len(cache.blocks)
+
+
+def test_a_fill_lets_each_layer_be_read_once_written_and_fails_its_waiters(tiny, pool):
+    cache = pool.new_cache(len(PROMPT))
+    cache.filling = FillProgress(tiny.config.layers, 0, len(PROMPT))
+    with pytest.raises(DeadlineExceeded, match="layer 0"):
+        cache.filling.wait(0, 8, timeout_s=0.01)
+    tiny.forward_batch([(cache, PROMPT)])  # writes every layer: the waits return at once
+    for layer in range(tiny.config.layers):
+        cache.filling.wait(layer, len(PROMPT), timeout_s=0.01)
+    failing = FillProgress(tiny.config.layers, 0, len(PROMPT))
+    errors: list[Exception | None] = []
+    waiter = threading.Thread(target=lambda: errors.append(_wait_error(failing)))
+    waiter.start()
+    failing.fail("the pass raised")
+    waiter.join(10)
+    assert isinstance(errors[0], FailedPrecondition) and "the pass raised" in str(errors[0])
+
+
+def _wait_error(progress: FillProgress) -> Exception | None:
+    try:
+        progress.wait(1, 4, timeout_s=10)
+    except Exception as exc:  # noqa: BLE001 - handed to the test
+        return exc
+    return None

@@ -112,6 +112,54 @@ async def test_handoff_decodes_exactly_what_one_process_would(workers, stubs, re
     assert not again.released
 
 
+async def test_a_pull_sent_with_the_prefill_streams_the_kv_as_it_is_computed(
+    workers, stubs, reference
+):
+    """Layer-wise streaming: the decode worker's pull leaves before the prefill has even
+    reached the prefill worker; each layer streams once computed, and the KV decodes
+    exactly as after a hand-off."""
+    _, expected = reference
+    a, b = stubs["prefill-a"], stubs["decode-b"]
+    pulling = asyncio.ensure_future(
+        pull(b, workers["prefill-a"], "r-streamed", 0, L, while_prefilling=True)
+    )
+    await asyncio.sleep(0.2)  # the SendKv waits on the prefill worker for the request
+    assert not pulling.done()
+    prefill = await a.Prefill(pb.PrefillRequest(request_id="r-streamed", prompt_token_ids=PROMPT))
+    pulled = await pulling
+    assert (pulled.resident_tokens, pulled.transferred_kv_bytes) == (L, L * 1024)
+    tokens = await decode(b, "r-streamed", [prefill.first_token_id], 12)
+    assert [prefill.first_token_id, *(t.token_id for t in tokens)] == expected[:13]
+
+
+async def test_a_streamed_pull_whose_prefill_never_comes_fails_and_keeps_nothing(workers, stubs):
+    a, b = stubs["prefill-a"], stubs["decode-b"]
+    before = await b.GetWorkerStats(pb.GetWorkerStatsRequest())
+    bad = pb.PullKvRequest(
+        request_id="r-never",
+        source_instance_id="prefill-a",
+        source_address=workers["prefill-a"].address,
+        token_start=0,
+        token_end=L,
+        while_prefilling=True,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        # Shorter than the source's wait for the request: the caller gives up first.
+        await b.PullKv(bad, timeout=1.0)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for _ in range(50):
+        after = await b.GetWorkerStats(pb.GetWorkerStatsRequest())
+        if after.resident_requests == before.resident_requests:
+            break
+        await asyncio.sleep(0.1)
+    assert after.resident_requests == before.resident_requests
+    assert after.free_kv_blocks == before.free_kv_blocks
+    # The pair between the two workers still works.
+    await a.Prefill(pb.PrefillRequest(request_id="r-after-never", prompt_token_ids=PROMPT))
+    pulled = await pull(b, workers["prefill-a"], "r-after-never", 0, L, while_prefilling=True)
+    assert pulled.resident_tokens == L
+
+
 def scrape(address: str) -> dict[str, float]:
     """Every sample of a Prometheus endpoint, by its line's name and labels."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
