@@ -11,7 +11,7 @@ from kvrs.profile import ComputeProfile
 from kvrs.topology import LinkId
 from kvrs.units import BITS_PER_BYTE
 
-__all__ = ["CostModel", "prefix_hit_tokens"]
+__all__ = ["CostModel", "prefix_hit_tokens", "streamed_tail_s"]
 
 
 class CostModel:
@@ -81,3 +81,22 @@ def prefix_hit_tokens(
             break
         blocks += 1
     return min(blocks * block_tokens, prompt_tokens)
+
+
+def streamed_tail_s(transfer_s: float, prefill_s: float, layers: int) -> float:
+    """What is left of a transfer once its prefill has ended, when each layer's KV leaves
+    as soon as the prefill has computed that layer (layer-wise streaming).
+
+    The prefill computes the layers one after another, prefill_s / layers each; layer i
+    leaves once it is computed and the link has carried layer i − 1, taking
+    transfer_s / layers. Its last byte lands at ((i + 1)·prefill_s + (layers − i)·
+    transfer_s) / layers at the latest, largest at one of the two ends: the last layer
+    (prefill_s + transfer_s / layers) or the first (prefill_s / layers + transfer_s).
+    Less prefill_s, that is max(transfer_s / layers, transfer_s − prefill_s·(layers −
+    1) / layers): a transfer faster than the prefill hides all but its last layer.
+    """
+    if layers < 1:
+        raise InvalidArgument("layers", f"must be >= 1, got {layers}")
+    if transfer_s < 0.0 or prefill_s < 0.0:
+        raise InvalidArgument("transfer_s", "times must be >= 0")
+    return max(transfer_s / layers, transfer_s - prefill_s * (layers - 1) / layers)

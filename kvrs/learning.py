@@ -184,6 +184,9 @@ class Outcome:
     target_jobs: int = 1
     """The most decisions it was carried out beside, itself included (what stretched its
     measured time)."""
+    streamed: bool = False
+    """Its transfer ran while the source prefilled (layer-wise streaming): the measured
+    transfer is only the part the prefill did not hide, so no link is fitted from it."""
 
     def __post_init__(self) -> None:
         if self.target_jobs < 1:
@@ -432,7 +435,8 @@ def fit(
         return Corrections()
     by_link: dict[tuple[str, str], list[Outcome]] = {}
     for o in recent:
-        if o.kv_bytes > 0 and o.measured.transfer_s > 0.0 and o.source_id and o.target_id:
+        on_a_link = o.source_id and o.target_id and not o.streamed
+        if o.kv_bytes > 0 and o.measured.transfer_s > 0.0 and on_a_link:
             by_link.setdefault((o.source_id, o.target_id), []).append(o)
     links = {}
     for key, samples in by_link.items():

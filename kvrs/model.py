@@ -100,6 +100,10 @@ class ModelSpec:
     (`model_spec` sets it from KVRS_BLOCK_TOKENS)."""
     params: int = 0
     """Parameter count (0 = unknown): what a profile estimated without calibration scales by."""
+    vocab_size: int = 0
+    """Token ids are below this (0 = unknown)."""
+    max_positions: int = 0
+    """Longest sequence the model takes (0 = unknown)."""
 
     @classmethod
     def from_hf_config(cls, name: str, config: Mapping[str, Any]) -> ModelSpec:
@@ -135,6 +139,8 @@ class ModelSpec:
             head_dim=head_dim,
             dtype_bytes=DTYPE_BYTES[dtype],
             params=embed + layers * per_layer,
+            vocab_size=vocab,
+            max_positions=int(config.get("max_position_embeddings") or 0),
         )
 
     def __post_init__(self) -> None:

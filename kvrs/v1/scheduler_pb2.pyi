@@ -213,7 +213,7 @@ class RecoverBatchResponse(_message.Message):
     def __init__(self, decisions: _Optional[_Iterable[_Union[RecoverResponse, _Mapping]]] = ..., planned_makespan_s: _Optional[float] = ...) -> None: ...
 
 class DecisionOutcome(_message.Message):
-    __slots__ = ("kind", "request_id", "source_instance_id", "target_instance_id", "decided_unix_ms", "predicted", "measured", "kv_bytes", "prefill_tokens", "cached_tokens", "extend_tokens", "target_running_requests", "target_jobs")
+    __slots__ = ("kind", "request_id", "source_instance_id", "target_instance_id", "decided_unix_ms", "predicted", "measured", "kv_bytes", "prefill_tokens", "cached_tokens", "extend_tokens", "target_running_requests", "target_jobs", "streamed")
     KIND_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class DecisionOutcome(_message.Message):
     EXTEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TARGET_JOBS_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
     kind: str
     request_id: str
     source_instance_id: str
@@ -240,7 +241,8 @@ class DecisionOutcome(_message.Message):
     extend_tokens: int
     target_running_requests: int
     target_jobs: int
-    def __init__(self, kind: _Optional[str] = ..., request_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., target_instance_id: _Optional[str] = ..., decided_unix_ms: _Optional[int] = ..., predicted: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., measured: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extend_tokens: _Optional[int] = ..., target_running_requests: _Optional[int] = ..., target_jobs: _Optional[int] = ...) -> None: ...
+    streamed: bool
+    def __init__(self, kind: _Optional[str] = ..., request_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., target_instance_id: _Optional[str] = ..., decided_unix_ms: _Optional[int] = ..., predicted: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., measured: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., extend_tokens: _Optional[int] = ..., target_running_requests: _Optional[int] = ..., target_jobs: _Optional[int] = ..., streamed: _Optional[bool] = ...) -> None: ...
 
 class ReportOutcomeRequest(_message.Message):
     __slots__ = ("outcome",)

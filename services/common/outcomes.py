@@ -36,6 +36,7 @@ def outcome_to_pb(outcome: Outcome) -> scheduler_pb2.DecisionOutcome:
         extend_tokens=outcome.extend_tokens,
         target_running_requests=outcome.target_running,
         target_jobs=outcome.target_jobs,
+        streamed=outcome.streamed,
     )
 
 
@@ -63,4 +64,5 @@ def _outcome(message: scheduler_pb2.DecisionOutcome) -> Outcome:
         target_running=message.target_running_requests,
         # 0: a reporter that predates the field, whose predictions counted one job.
         target_jobs=message.target_jobs or 1,
+        streamed=message.streamed,
     )

@@ -13,6 +13,7 @@ from kvrs.recovery import make_recovery_policy
 from services.common import (
     ConfigError,
     GrpcSettings,
+    env_bool,
     env_float,
     env_int,
     env_str,
@@ -62,6 +63,10 @@ class Config:
     router takes for each alive decode instance; beyond that a new request is refused at
     once with RESOURCE_EXHAUSTED (load shedding: it fails fast instead of queueing past
     its deadline). 0 = no limit."""
+    stream_kv: bool = True
+    """ROUTER_STREAM_KV: layer-wise streaming. The decode instance is chosen while the
+    prompt prefills and pulls each layer's KV as soon as the prefill has computed it, so
+    the transfer hides under the prefill; 0 = pull the KV once the prefill has ended."""
     batch_window_s: float = 0.05
     """ROUTER_BATCH_WINDOW_S: after a decode instance is lost, how long to wait for its
     other requests to stop before planning them together with RecoverBatch."""
@@ -90,6 +95,7 @@ class Config:
             control_timeout_s=env_float("ROUTER_CONTROL_TIMEOUT_S", 2.0, env),
             instance_wait_s=env_float("ROUTER_INSTANCE_WAIT_S", 5.0, env),
             max_requests_per_decode=env_int("ROUTER_MAX_REQUESTS_PER_DECODE", 0, env),
+            stream_kv=env_bool("ROUTER_STREAM_KV", True, env),
             batch_window_s=env_float("ROUTER_BATCH_WINDOW_S", 0.05, env),
             view_refresh_s=env_float("ROUTER_VIEW_REFRESH_S", 0.2, env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),

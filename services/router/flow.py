@@ -34,7 +34,7 @@ from typing import Protocol, TypeVar
 
 from opentelemetry.trace import Span, Tracer
 
-from kvrs.costmodel import prefix_hit_tokens
+from kvrs.costmodel import prefix_hit_tokens, streamed_tail_s
 from kvrs.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -133,6 +133,15 @@ class RouterSettings:
     batch_window_s: float = 0.05
     instance_wait_s: float = 5.0
     max_requests_per_decode: int = 0
+    stream_kv: bool = True
+    """Layer-wise streaming: the decode instance pulls the KV while the prefill computes
+    it, each layer as soon as it is done, instead of after the prefill."""
+    layers: int = 1
+    """Layers of the served model (how finely a streamed transfer overlaps its prefill)."""
+    vocab_size: int = 0
+    """The served model's vocabulary (0: unknown), which prompts are checked against."""
+    max_positions: int = 0
+    """The served model's longest sequence (0: unknown)."""
 
 
 class Router:
@@ -178,7 +187,7 @@ class Router:
 
     async def generate(self, request: GenerateInput) -> AsyncGenerator[Token | Summary, None]:
         """Tokens in order, then the summary; raises the KvrsError the stream ends with."""
-        request.validate()
+        request.validate(self.settings.vocab_size, self.settings.max_positions)
         started = time.monotonic()
         run = Run(
             request=request,
@@ -201,11 +210,10 @@ class Router:
             self._admitted += 1
             tasks: list[asyncio.Task] = []
             try:
-                first = await self._prefill(run, tasks)
+                first, placing = await self._prefill(run, tasks)
                 run.generated.append(first)
                 self._first_token(run, started)
-                placing = None
-                if run.remaining_tokens > 0:
+                if placing is None and run.remaining_tokens > 0:
                     # Started before token 0 is handed out: the pull must not wait for the
                     # client's write (the generator is suspended at the yield until then).
                     placing = asyncio.create_task(self._place(run, tasks[-1]))
@@ -280,10 +288,16 @@ class Router:
 
     # -- prefill and placement ------------------------------------------------------
 
-    async def _prefill(self, run: Run, tasks: list[asyncio.Task]) -> int:
+    async def _prefill(
+        self, run: Run, tasks: list[asyncio.Task]
+    ) -> tuple[int, asyncio.Task | None]:
         """The first token; `tasks` gets the placement (SelectDecode) of the prefill
         instance that answered, asked while the prefill runs (it needs only the prompt's
-        length and hashes and where its KV will be)."""
+        length and hashes and where its KV will be).
+
+        With layer-wise streaming (`RouterSettings.stream_kv`) the chosen decode instance
+        also starts pulling the KV as soon as the placement is known, while the prefill
+        computes it; that pull's task is returned with the token (else None)."""
         request = run.request
         hashes = prefix_block_hashes(request.prompt, self.settings.block_tokens)
         tried: set[str] = set()
@@ -299,8 +313,15 @@ class Router:
             except FailedPrecondition as exc:
                 raise Unavailable(str(exc)) from None
             tried.add(at.instance_id)
+            streaming = None
             if request.max_new_tokens > 1:
-                tasks.append(asyncio.create_task(self._select(request, at, hashes)))
+                selecting = asyncio.create_task(self._select(request, at, hashes))
+                tasks.append(selecting)
+                if self.settings.stream_kv:
+                    run.prefill, run.prefill_kv_id = at, request.request_id
+                    prefilled_at: asyncio.Future[float] = asyncio.Future()
+                    streaming = asyncio.create_task(self._place(run, selecting, prefilled_at))
+                    tasks.append(streaming)
             inflight = self._prefill_inflight_s
             inflight[at.instance_id] = inflight.get(at.instance_id, 0.0) + estimate_s
             run.hold(at, request.request_id)
@@ -333,7 +354,9 @@ class Router:
             run.summary.prefill_instance_id = at.instance_id
             run.summary.prefill_s = prefilled.prefill_s
             run.summary.prefix_hit_tokens = prefilled.prefix_hit_tokens
-            return prefilled.first_token_id
+            if streaming is not None:
+                prefilled_at.set_result(time.monotonic())
+            return prefilled.first_token_id, streaming
         raise Unavailable(f"prefill failed on {', '.join(sorted(tried))}: {last_error}")
 
     async def _prefill_instance(
@@ -424,9 +447,16 @@ class Router:
             )
         return placement, decided_unix_s
 
-    async def _place(self, run: Run, selecting: asyncio.Task) -> Lost | None:
+    async def _place(
+        self,
+        run: Run,
+        selecting: asyncio.Task,
+        prefilled_at: asyncio.Future[float] | None = None,
+    ) -> Lost | None:
         """The placement `selecting` asks for, then the chosen instance pulls the KV.
 
+        With `prefilled_at` the pull streams while the prefill computes (layer-wise
+        streaming); the future says when the prefill answered (monotonic s).
         Returns the instance lost during the pull (recovery takes over), None on success.
         """
         request = run.request
@@ -456,6 +486,7 @@ class Router:
                     prompt_tokens,
                     prompt_tokens,
                     request.prompt[:held],
+                    while_prefilling=prefilled_at is not None,
                 )
         except StepFailed as failed:
             return failed.lost
@@ -464,6 +495,19 @@ class Router:
         summary.kv_bytes = pulled.kv_bytes
         self.metrics.transfer_bytes.labels(direction="placement").inc(pulled.kv_bytes)
         run.decode, run.kv_id = placement.decode, run.prefill_kv_id
+        prefill_s = self.profile.prefill_s(prompt_tokens)
+        predicted = _with(placement.predicted, prefill_s=prefill_s)
+        measured = Terms(
+            setup_s=max(0.0, kv_ready_s - started - pulled.transfer_s),
+            stream_s=pulled.transfer_s,
+            prefill_s=summary.prefill_s,
+        )
+        if prefilled_at is not None:
+            # Streamed under the prefill: measured and predicted from the prefill's end,
+            # what the transfer adds is the part of it the prefill did not hide.
+            started = max(started, await prefilled_at)
+            measured = Terms(stream_s=max(0.0, kv_ready_s - started), prefill_s=summary.prefill_s)
+            predicted = _streamed(predicted, prefill_s, self.settings.layers)
         run.awaiting = Awaiting(
             kind="placement",
             source_id=run.prefill.instance_id,
@@ -471,12 +515,9 @@ class Router:
             decided_unix_s=decided_unix_s,
             started_s=started,
             kv_ready_s=kv_ready_s,
-            predicted=_with(placement.predicted, prefill_s=self.profile.prefill_s(prompt_tokens)),
-            measured=Terms(
-                setup_s=max(0.0, kv_ready_s - started - pulled.transfer_s),
-                stream_s=pulled.transfer_s,
-                prefill_s=summary.prefill_s,
-            ),
+            predicted=predicted,
+            measured=measured,
+            streamed=prefilled_at is not None,
             kv_bytes=pulled.kv_bytes,
             prefill_tokens=prompt_tokens,
             cached_tokens=prompt_tokens,
@@ -760,6 +801,7 @@ class Router:
             extend_tokens=awaiting.extend_tokens,
             target_running=awaiting.target_running,
             target_jobs=awaiting.target_jobs,
+            streamed=awaiting.streamed,
         )
         for term in TERMS:
             p, m = getattr(predicted, term), getattr(measured, term)
@@ -906,6 +948,21 @@ def _abort_error(run: Run, decision: Decision) -> KvrsError:
 
 def _with(terms: Terms, **values: float) -> Terms:
     return dataclasses.replace(terms, **values)
+
+
+def _streamed(predicted: Terms, prefill_s: float, layers: int) -> Terms:
+    """A placement's prediction when its transfer streams under a prefill of `prefill_s`:
+    the transfer adds only its tail (`kvrs.costmodel.streamed_tail_s`), counted from the
+    prefill's end."""
+    tail_s = streamed_tail_s(predicted.transfer_s, prefill_s, layers)
+    saved_s = predicted.transfer_s - tail_s
+    return _with(
+        predicted,
+        setup_s=0.0,
+        stream_s=tail_s,
+        total_s=predicted.total_s - saved_s,
+        first_token_s=predicted.first_token_s - saved_s,
+    )
 
 
 def _term_attributes(predicted: Terms, measured: Terms) -> dict[str, float]:

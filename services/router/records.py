@@ -43,15 +43,25 @@ class GenerateInput:
     sampling: Sampling = field(default_factory=Sampling)
     """How tokens are drawn, its seed always set (the request's, else one from its id)."""
 
-    def validate(self) -> None:
-        """InvalidArgument naming the first bad field."""
+    def validate(self, vocab_size: int = 0, max_positions: int = 0) -> None:
+        """InvalidArgument naming the first bad field; with the served model's vocabulary
+        size and positions (0: unknown), a prompt it cannot take is refused here, before
+        any worker holds KV for it."""
         if not self.request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if not self.prompt:
             raise InvalidArgument("prompt_token_ids", "must hold at least one token")
         for index, token in enumerate(self.prompt):
-            if token < 0:
-                raise InvalidArgument(f"prompt_token_ids[{index}]", f"must be >= 0, got {token}")
+            if token < 0 or 0 < vocab_size <= token:
+                raise InvalidArgument(
+                    f"prompt_token_ids[{index}]",
+                    f"token {token} is outside the vocabulary [0, {vocab_size or 'inf'})",
+                )
+        if 0 < max_positions < len(self.prompt):
+            raise InvalidArgument(
+                "prompt_token_ids",
+                f"{len(self.prompt)} tokens exceed the model's {max_positions} positions",
+            )
         if self.max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         if not math.isfinite(self.ttft_slo_s) or self.ttft_slo_s < 0:
@@ -193,6 +203,8 @@ class Awaiting:
     target_running: int = 0
     target_jobs: int = 1
     """The most decisions this one ran beside on its target, itself included."""
+    streamed: bool = False
+    """The transfer ran while the source prefilled (layer-wise streaming)."""
     record: RecoveryRecord | None = None
 
 

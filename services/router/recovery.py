@@ -70,6 +70,7 @@ class Workers(Protocol):
         prompt_tokens: int,
         prefix_token_ids: Sequence[int] = (),
         pacing_bps: float = 0.0,
+        while_prefilling: bool = False,
     ) -> Pulled: ...
 
     def decode(
@@ -143,8 +144,10 @@ class RecoveryExecutor:
         token_end: int,
         prompt_tokens: int,
         prefix: Sequence[int] = (),
+        while_prefilling: bool = False,
     ) -> Pulled:
-        """One PullKv into `target`; a failure is pinned on whichever side died."""
+        """One PullKv into `target` (streamed, with `while_prefilling`, as the source
+        prefills); a failure is pinned on whichever side died."""
         if (target.instance_id, kv_id) in run.held:
             # A stale copy on the target would satisfy the pull without moving anything.
             with contextlib.suppress(KvrsError):
@@ -159,11 +162,19 @@ class RecoveryExecutor:
                     "kvrs.token_start": token_start,
                     "kvrs.token_end": token_end,
                     "kvrs.recomputed_tokens": len(prefix),
+                    "kvrs.transfer.streamed": while_prefilling,
                 }
             )
             try:
                 pulled = await self.workers.pull_kv(
-                    target, kv_id, source, token_start, token_end, prompt_tokens, prefix
+                    target,
+                    kv_id,
+                    source,
+                    token_start,
+                    token_end,
+                    prompt_tokens,
+                    prefix,
+                    while_prefilling=while_prefilling,
                 )
             except InvalidArgument:
                 raise

@@ -63,7 +63,7 @@ async def build_server(
     alive prefill instance") until the first listing arrives.
     """
     try:
-        block_tokens = model_spec(config.model).block_tokens
+        spec = model_spec(config.model)
     except KvrsError as exc:
         raise ConfigError(f"KVRS_MODEL: {exc}") from None
     profile = load_profile(config)
@@ -89,11 +89,15 @@ async def build_server(
         settings=RouterSettings(
             default_placement_policy=config.placement_policy,
             default_recovery_policy=config.recovery_policy,
-            block_tokens=block_tokens,
+            block_tokens=spec.block_tokens,
             decode_idle_timeout_s=config.decode_idle_timeout_s,
             batch_window_s=config.batch_window_s,
             instance_wait_s=config.instance_wait_s,
             max_requests_per_decode=config.max_requests_per_decode,
+            stream_kv=config.stream_kv,
+            layers=spec.layers,
+            vocab_size=spec.vocab_size,
+            max_positions=spec.max_positions,
         ),
     )
 

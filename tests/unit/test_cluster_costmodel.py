@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvrs.cluster import ClusterView, InstanceState
-from kvrs.costmodel import CostModel, prefix_hit_tokens
+from kvrs.costmodel import CostModel, prefix_hit_tokens, streamed_tail_s
 from kvrs.errors import InvalidArgument
 from kvrs.model import model_spec
 from kvrs.network import NetworkModel
@@ -63,3 +63,30 @@ def test_cost_model_glues_model_profile_and_network() -> None:
     assert estimate.transfer_s == pytest.approx(estimate.rtt_s + 8 * cost.kv_bytes(1477) / 400e9)
     assert cost.prefill_s(512) == compute_profile("opt-13b").prefill_s(512)
     assert cost.extend_s(512, 8) == compute_profile("opt-13b").extend_s(512, 8)
+
+
+def _layer_pipeline_tail_s(transfer_s: float, prefill_s: float, layers: int) -> float:
+    """The same tail, step by step: layer i leaves once computed and once the link has
+    carried layer i - 1."""
+    link_free_s = 0.0
+    for layer in range(layers):
+        computed_s = (layer + 1) * prefill_s / layers
+        link_free_s = max(link_free_s, computed_s) + transfer_s / layers
+    return link_free_s - prefill_s
+
+
+@pytest.mark.parametrize(
+    ("transfer_s", "prefill_s", "layers"),
+    [(0.6, 1.9, 12), (6.4, 1.9, 12), (1.0, 1.0, 2), (0.0, 2.0, 32), (3.0, 0.0, 4), (0.5, 4.0, 1)],
+)
+def test_a_streamed_transfer_leaves_what_the_layer_pipeline_leaves(
+    transfer_s: float, prefill_s: float, layers: int
+) -> None:
+    tail_s = streamed_tail_s(transfer_s, prefill_s, layers)
+    assert tail_s == pytest.approx(_layer_pipeline_tail_s(transfer_s, prefill_s, layers))
+    assert transfer_s / layers <= tail_s + 1e-12 and tail_s <= transfer_s + 1e-12
+
+
+def test_a_streamed_transfer_needs_a_layer() -> None:
+    with pytest.raises(InvalidArgument, match="layers"):
+        streamed_tail_s(1.0, 1.0, 0)

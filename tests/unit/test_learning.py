@@ -76,6 +76,17 @@ def test_transfers_of_many_sizes_fit_the_links_fixed_cost_and_rate_and_nothing_e
     assert corrections.wait_per_decode_s == 0.0
 
 
+def test_a_transfer_streamed_under_its_prefill_fits_no_link() -> None:
+    """Its measured stream is only what the prefill left of it: a link fitted on it would
+    look far faster than it is."""
+    outcomes = [transfer(n * MB, fixed_s=0.0, bps=1e13, streamed=True) for n in (1, 2, 3, 5)]
+    assert fit(outcomes, BASE, NOW_S).link("p0", "d0") is None
+    plain = [transfer(n * MB, fixed_s=0.005, bps=2e9) for n in (1, 2, 3, 5)]
+    link = fit([*plain, *outcomes], BASE, NOW_S).link("p0", "d0")
+    assert link is not None and link.samples == 4
+    assert link.bandwidth_bps == pytest.approx(2e9, rel=1e-6)
+
+
 def test_transfers_of_one_size_fit_only_the_fixed_cost_at_the_predicted_rate() -> None:
     outcomes = [transfer(4 * MB, fixed_s=0.02, bps=1e11) for _ in range(5)]
     outcomes = [dataclasses.replace(o, request_id=f"r{i}") for i, o in enumerate(outcomes)]
