@@ -15,9 +15,9 @@ import uuid
 
 import grpc
 import pytest
-import reliability_netns
 from reliability_stack import ControlPlane, ServiceProcess, unique_prefix
 
+from bench import netns as netns_lab
 from kvrs.v1 import (
     prober_pb2,
     prober_pb2_grpc,
@@ -38,7 +38,7 @@ SLOW_LINK = "100mbit"
 PULL_DEADLINE_S = 5.0
 TRANSFER_TIMEOUT_S = 2.0
 
-WHY_NOT = reliability_netns.available()
+WHY_NOT = netns_lab.available()
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.timeout(180),
@@ -48,7 +48,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def lab(redis_url, tmp_path_factory):
-    netns = reliability_netns.NetnsLab(tuple(WORKERS)).start()
+    netns = netns_lab.NetnsLab(tuple(WORKERS)).start()
     netns.shape("decode-1", SLOW_LINK)
     plane = None
     workers = {}

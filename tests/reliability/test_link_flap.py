@@ -22,9 +22,9 @@ import uuid
 import grpc
 import pytest
 import redis
-import reliability_netns
 from reliability_stack import ControlPlane, ServiceProcess, free_port, unique_prefix
 
+from bench import netns as netns_lab
 from kvrs.v1 import router_pb2, router_pb2_grpc
 from tests.tiny_reference import reference
 
@@ -44,7 +44,7 @@ IN_FLIGHT_BYTES = 128 * 1024
 FLAP_S = 3.0
 TRANSFER_TIMEOUT_S = 2.0
 
-WHY_NOT = reliability_netns.available()
+WHY_NOT = netns_lab.available()
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.timeout(180),
@@ -54,7 +54,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def lab(redis_url, tmp_path_factory):
-    netns = reliability_netns.NetnsLab(tuple(WORKERS)).start()
+    netns = netns_lab.NetnsLab(tuple(WORKERS)).start()
     plane = None
     processes: list[tuple[str, ServiceProcess]] = []
     try:

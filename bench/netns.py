@@ -1,9 +1,11 @@
-"""Workers in network namespaces on one bridge, and links between them cut at will.
+"""Workers in network namespaces on one bridge: links shaped, blackholed or cut at will.
 
 Each namespace gets a veth pair whose host end sits on a private bridge; the bridge
-holds the host's address on the subnet, where the control plane listens. A cut drops
-every packet between two namespaces (iptables in both), so each still reaches the
-control plane and every other worker: only the one link is gone.
+holds the host's address on the subnet, where the control plane listens. `shape` caps
+the traffic into one namespace with tc; a cut drops every packet between two namespaces
+(iptables in both), so each still reaches the control plane and every other worker:
+only the one link is gone. Used by the benches that need real link speeds and by the
+reliability tests that break links.
 """
 
 from __future__ import annotations
