@@ -14,6 +14,9 @@ from pathlib import Path
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 RECONNECT_BACKOFF_MIN_MS = 100
 RECONNECT_BACKOFF_MAX_MS = 1000
+MIN_CONNECT_TIMEOUT_MS = 2000
+"""How long one connection attempt may take to finish its HTTP/2 handshake (gRPC reads
+`grpc.min_reconnect_backoff_ms` as this floor, not as a backoff)."""
 
 
 class ConfigError(ValueError):
@@ -138,8 +141,11 @@ class GrpcSettings:
             # at once meanwhile: a worker restarted at its old address would stay
             # unreachable to its peers for minutes. Inside a cluster, retry every second.
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MIN_MS),
-            ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MIN_MS),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
+            # The minimum "backoff" is the time one attempt gets to connect: at 100 ms, a
+            # first call to a peer whose event loop a forward pass keeps busy failed with
+            # "timed out before receiving SETTINGS frame".
+            ("grpc.min_reconnect_backoff_ms", MIN_CONNECT_TIMEOUT_MS),
         ]
         if self.tls.server_name_override:
             options.append(("grpc.ssl_target_name_override", self.tls.server_name_override))
