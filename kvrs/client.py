@@ -287,9 +287,11 @@ class KvrsClient:
         exclude_instance_ids: Iterable[str] = (),
         candidate_instance_ids: Iterable[str] = (),
         request_id: str = "",
+        streamed: bool = False,
         timeout_s: float | None = None,
     ) -> scheduler_pb2.SelectDecodeResponse:
-        """The decode instance for a request prefilled on `prefill_instance_id`."""
+        """The decode instance for a request prefilled on `prefill_instance_id` (whose KV,
+        with `streamed`, moves while it prefills)."""
         request = scheduler_pb2.SelectDecodeRequest(
             request_id=_request_id(request_id),
             prefill_instance_id=prefill_instance_id,
@@ -298,6 +300,7 @@ class KvrsClient:
             policy=policy,
             exclude_instance_ids=list(exclude_instance_ids),
             candidate_instance_ids=list(candidate_instance_ids),
+            streamed=streamed,
         )
         return await self._call(self._scheduler, "SelectDecode", request, timeout_s)
 

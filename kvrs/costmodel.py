@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+import numpy as np
 
 from kvrs.errors import InvalidArgument
 from kvrs.model import ModelSpec
@@ -11,7 +14,10 @@ from kvrs.profile import ComputeProfile
 from kvrs.topology import LinkId
 from kvrs.units import BITS_PER_BYTE
 
-__all__ = ["CostModel", "prefix_hit_tokens", "streamed_tail_s"]
+__all__ = ["CostModel", "Seconds", "prefix_hit_tokens", "streamed_tail_s"]
+
+Seconds = TypeVar("Seconds", float, np.ndarray)
+"""A time in seconds, or an array of them (one per candidate)."""
 
 
 class CostModel:
@@ -83,9 +89,10 @@ def prefix_hit_tokens(
     return min(blocks * block_tokens, prompt_tokens)
 
 
-def streamed_tail_s(transfer_s: float, prefill_s: float, layers: int) -> float:
+def streamed_tail_s(transfer_s: Seconds, prefill_s: float, layers: int) -> Seconds:
     """What is left of a transfer once its prefill has ended, when each layer's KV leaves
-    as soon as the prefill has computed that layer (layer-wise streaming).
+    as soon as the prefill has computed that layer (layer-wise streaming); elementwise
+    for an array of transfer times.
 
     The prefill computes the layers one after another, prefill_s / layers each; layer i
     leaves once it is computed and the link has carried layer i − 1, taking
@@ -97,6 +104,11 @@ def streamed_tail_s(transfer_s: float, prefill_s: float, layers: int) -> float:
     """
     if layers < 1:
         raise InvalidArgument("layers", f"must be >= 1, got {layers}")
-    if transfer_s < 0.0 or prefill_s < 0.0:
-        raise InvalidArgument("transfer_s", "times must be >= 0")
-    return max(transfer_s / layers, transfer_s - prefill_s * (layers - 1) / layers)
+    if not prefill_s >= 0.0:
+        raise InvalidArgument("prefill_s", f"must be >= 0, got {prefill_s}")
+    hidden_s = prefill_s * (layers - 1) / layers
+    if isinstance(transfer_s, np.ndarray):
+        return np.maximum(transfer_s / layers, transfer_s - hidden_s)
+    if not transfer_s >= 0.0:
+        raise InvalidArgument("transfer_s", f"must be >= 0, got {transfer_s}")
+    return max(transfer_s / layers, transfer_s - hidden_s)

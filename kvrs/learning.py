@@ -144,14 +144,20 @@ def recovery_terms(
 
 def placement_terms(placement: Placement, prompt_tokens: int, cost: CostModel) -> Terms:
     """A placement's prediction of the time to its first decoded token, term by term:
-    W(d) + T_x + T_ext(L, 1) (the decode instance feeds the first token as an extend)."""
+    W(d) + T_x + T_ext(L, 1) (the decode instance feeds the first token as an extend).
+    A transfer streamed under the prefill counts from the prefill's end: its set-up and
+    most of its stream are hidden, what is left is its tail, all of it stream."""
     transfer = placement.transfer
-    setup_s = min(transfer.rtt_s, transfer.transfer_s)
+    if placement.streamed:
+        setup_s, stream_s = 0.0, placement.predicted_ttft_s - placement.wait_s
+    else:
+        setup_s = min(transfer.rtt_s, transfer.transfer_s)
+        stream_s = transfer.transfer_s - setup_s
     extend_s = cost.extend_s(prompt_tokens, 1) if prompt_tokens else 0.0
     return Terms(
         target_wait_s=placement.wait_s,
         setup_s=setup_s,
-        stream_s=transfer.transfer_s - setup_s,
+        stream_s=stream_s,
         extend_s=extend_s,
         total_s=placement.predicted_ttft_s + extend_s,
         first_token_s=placement.predicted_ttft_s + extend_s,

@@ -5,9 +5,13 @@ netkv, the network-aware policy, minimises the predicted time to first token,
     T_x(p, d, S(L − hit_d)) + W(d)
 
 over candidates d with enough free KV memory, breaking ties by lower tier, then fewer
-running requests, then instance id. The baselines (round_robin, least_loaded and the
-network-blind cache_load) choose differently but report the same netkv terms for what
-they chose, so traces of every policy are comparable.
+running requests, then instance id. When the KV streams while the prompt prefills
+(layer-wise streaming, `PlacementRequest.stream_prefill_s`), only what the prefill
+leaves of the transfer counts: T_x becomes `kvrs.costmodel.streamed_tail_s(T_x, T_pf,
+layers)`, so a slower path costs little until its transfer outlasts the prefill. The
+baselines (round_robin, least_loaded and the network-blind cache_load) choose
+differently but report the same netkv terms for what they chose, so traces of every
+policy are comparable.
 
 Decisions sit on the request path, so scoring is columnar: per candidate list (the
 `InstanceList` a `ClusterView` hands out) the waits and free memory are read once, per
@@ -30,7 +34,7 @@ from kvrs._columns import Columns as _Columns
 from kvrs._columns import Fan as _Fan
 from kvrs._frozen import build
 from kvrs.cluster import ClusterView, InstanceState
-from kvrs.costmodel import CostModel, prefix_hit_tokens
+from kvrs.costmodel import CostModel, Seconds, prefix_hit_tokens, streamed_tail_s
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvrs.network import TransferEstimate
 from kvrs.topology import Tier
@@ -72,10 +76,15 @@ class PlacementRequest:
     prompt_tokens: int
     prefix_hashes: tuple[int, ...] = ()
     """Hashes of the prompt's prefix blocks, in order (for prefix-cache hits)."""
+    stream_prefill_s: float = 0.0
+    """The prefill its KV streams under, layer by layer (layer-wise streaming); 0: the KV
+    moves once the prefill has ended."""
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0:
             raise InvalidArgument("prompt_tokens", f"must be >= 0, got {self.prompt_tokens}")
+        if not self.stream_prefill_s >= 0.0:
+            raise InvalidArgument("stream_prefill_s", f"must be >= 0, got {self.stream_prefill_s}")
         if not self.prefill_id:
             raise InvalidArgument("prefill_id", "must not be empty")
 
@@ -107,6 +116,8 @@ class Placement:
     runner_up: CandidateScore | None
     """The candidate the policy ranked second (None when it ranks nothing, or alone)."""
     candidates_considered: int
+    streamed: bool = False
+    """The transfer streams under the prefill: predicted_ttft_s counts only its tail."""
 
 
 class PlacementPolicy(Protocol):
@@ -277,9 +288,26 @@ class _Decision:
         return [(int(i), int(hits[i])) for i in np.flatnonzero(hits)]
 
     def netkv_scores(self) -> list[float] | np.ndarray:
-        return _netkv_scores(
+        scores = _netkv_scores(
             self.columns, self.fan, self.hits, self.request.prompt_tokens, self.cost
         )
+        if not self.request.stream_prefill_s:
+            return scores
+        if isinstance(scores, np.ndarray):
+            wait = self.columns.arrays()[0]
+            return self.streamed(scores - wait) + wait
+        return [
+            s if s == _INF else w + self.streamed(s - w)
+            for s, w in zip(scores, self.columns.wait, strict=True)
+        ]
+
+    def streamed(self, transfer_s: Seconds) -> Seconds:
+        """What transfers of `transfer_s` add once the prefill has ended: all of it, or
+        their tail when they stream under the prefill (elementwise on an array)."""
+        prefill_s = self.request.stream_prefill_s
+        if not prefill_s:
+            return transfer_s
+        return streamed_tail_s(transfer_s, prefill_s, self.cost.model.layers)
 
     def fits(self, i: int) -> bool:
         return self.columns.free[i] >= self.request.prompt_tokens - self.hit(i)
@@ -305,6 +333,7 @@ class _Decision:
         transfer_s = (
             fan.rtt[i] + self.cost.kv_bits_per_token * need * fan.inv_bps[i] if need else 0.0
         )
+        transfer_s = self.streamed(transfer_s)
         wait_s = self.columns.wait[i]
         return build(
             CandidateScore,
@@ -319,18 +348,21 @@ class _Decision:
     def placement(
         self, policy: str, best: int, runner: int | None, transfer_s: float | None = None
     ) -> Placement:
-        """The placement on candidate `best`; `transfer_s` replaces netkv's T_x prediction."""
+        """The placement on candidate `best`; `transfer_s` replaces netkv's prediction of
+        what the transfer adds (T_x, or its tail when it streams)."""
         request, columns = self.request, self.columns
         hit = self.hit(best)
         kv_bytes = (request.prompt_tokens - hit) * self.cost.kv_bytes_per_token
         transfer = self.cost.network.transfer(
             request.prefill_id, columns.ids[best], kv_bytes, self.now_s
         )
+        if transfer_s is None:
+            transfer_s = self.streamed(transfer.transfer_s) if kv_bytes else 0.0
         wait_s = columns.wait[best]
         return build(
             Placement,
             instance_id=columns.ids[best],
-            predicted_ttft_s=(transfer.transfer_s if transfer_s is None else transfer_s) + wait_s,
+            predicted_ttft_s=transfer_s + wait_s,
             transfer=transfer,
             wait_s=wait_s,
             prefix_hit_tokens=hit,
@@ -338,6 +370,7 @@ class _Decision:
             policy=policy,
             runner_up=None if runner is None else self.score(runner),
             candidates_considered=len(columns.ids),
+            streamed=bool(request.stream_prefill_s),
         )
 
 
@@ -437,7 +470,8 @@ class Kvrs:
         cost: CostModel,
         now_s: float,
     ) -> tuple[_Decision, np.ndarray, np.ndarray, np.ndarray]:
-        """(decision, scores, predicted T_x, KV tokens to move) per candidate."""
+        """(decision, scores, predicted T_x (its tail when streamed), KV tokens to move)
+        per candidate."""
         decision = _Decision(request, candidates, cost, now_s)
         columns, fan, network = decision.columns, decision.fan, cost.network
         n = len(columns.ids)
@@ -459,7 +493,7 @@ class Kvrs:
             )
         else:
             inv_bps = np.array(fan.inv_bps)
-        transfer = np.where(need > 0, rtt + bits * inv_bps, 0.0)
+        transfer = decision.streamed(np.where(need > 0, rtt + bits * inv_bps, 0.0))
         wait, free = columns.arrays()
         pending = self._pending(now_s)
         if pending:

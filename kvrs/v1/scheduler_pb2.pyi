@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SelectDecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prefill_instance_id", "prompt_tokens", "prefix_hashes", "policy", "exclude_instance_ids", "candidate_instance_ids")
+    __slots__ = ("request_id", "prefill_instance_id", "prompt_tokens", "prefix_hashes", "policy", "exclude_instance_ids", "candidate_instance_ids", "streamed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class SelectDecodeRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_instance_id: str
     prompt_tokens: int
@@ -24,7 +25,8 @@ class SelectDecodeRequest(_message.Message):
     policy: str
     exclude_instance_ids: _containers.RepeatedScalarFieldContainer[str]
     candidate_instance_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., candidate_instance_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    streamed: bool
+    def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., candidate_instance_ids: _Optional[_Iterable[str]] = ..., streamed: _Optional[bool] = ...) -> None: ...
 
 class CandidateScore(_message.Message):
     __slots__ = ("instance_id", "score_s", "transfer_s", "wait_s", "prefix_hit_tokens", "tier")

@@ -34,7 +34,7 @@ from typing import Protocol, TypeVar
 
 from opentelemetry.trace import Span, Tracer
 
-from kvrs.costmodel import prefix_hit_tokens, streamed_tail_s
+from kvrs.costmodel import prefix_hit_tokens
 from kvrs.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -90,6 +90,7 @@ class Control(Protocol):
         policy: str,
         candidate_ids: Sequence[str] = (),
         exclude_ids: Sequence[str] = (),
+        streamed: bool = False,
     ) -> Placement: ...
 
     async def recover(self, request: RecoveryRequest, failed_id: str, policy: str) -> Decision: ...
@@ -136,8 +137,6 @@ class RouterSettings:
     stream_kv: bool = True
     """Layer-wise streaming: the decode instance pulls the KV while the prefill computes
     it, each layer as soon as it is done, instead of after the prefill."""
-    layers: int = 1
-    """Layers of the served model (how finely a streamed transfer overlaps its prefill)."""
     vocab_size: int = 0
     """The served model's vocabulary (0: unknown), which prompts are checked against."""
     max_positions: int = 0
@@ -428,6 +427,7 @@ class Router:
                 policy,
                 pinned,
                 excluded,
+                streamed=self.settings.stream_kv,
             )
 
         async def place(first: bool) -> Placement:
@@ -495,19 +495,17 @@ class Router:
         summary.kv_bytes = pulled.kv_bytes
         self.metrics.transfer_bytes.labels(direction="placement").inc(pulled.kv_bytes)
         run.decode, run.kv_id = placement.decode, run.prefill_kv_id
-        prefill_s = self.profile.prefill_s(prompt_tokens)
-        predicted = _with(placement.predicted, prefill_s=prefill_s)
+        predicted = _with(placement.predicted, prefill_s=self.profile.prefill_s(prompt_tokens))
         measured = Terms(
             setup_s=max(0.0, kv_ready_s - started - pulled.transfer_s),
             stream_s=pulled.transfer_s,
             prefill_s=summary.prefill_s,
         )
         if prefilled_at is not None:
-            # Streamed under the prefill: measured and predicted from the prefill's end,
+            # Streamed under the prefill: measured, as predicted, from the prefill's end:
             # what the transfer adds is the part of it the prefill did not hide.
             started = max(started, await prefilled_at)
             measured = Terms(stream_s=max(0.0, kv_ready_s - started), prefill_s=summary.prefill_s)
-            predicted = _streamed(predicted, prefill_s, self.settings.layers)
         run.awaiting = Awaiting(
             kind="placement",
             source_id=run.prefill.instance_id,
@@ -948,21 +946,6 @@ def _abort_error(run: Run, decision: Decision) -> KvrsError:
 
 def _with(terms: Terms, **values: float) -> Terms:
     return dataclasses.replace(terms, **values)
-
-
-def _streamed(predicted: Terms, prefill_s: float, layers: int) -> Terms:
-    """A placement's prediction when its transfer streams under a prefill of `prefill_s`:
-    the transfer adds only its tail (`kvrs.costmodel.streamed_tail_s`), counted from the
-    prefill's end."""
-    tail_s = streamed_tail_s(predicted.transfer_s, prefill_s, layers)
-    saved_s = predicted.transfer_s - tail_s
-    return _with(
-        predicted,
-        setup_s=0.0,
-        stream_s=tail_s,
-        total_s=predicted.total_s - saved_s,
-        first_token_s=predicted.first_token_s - saved_s,
-    )
 
 
 def _term_attributes(predicted: Terms, measured: Terms) -> dict[str, float]:

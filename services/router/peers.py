@@ -35,6 +35,7 @@ class ControlPlane:
         policy: str,
         candidate_ids: Sequence[str] = (),
         exclude_ids: Sequence[str] = (),
+        streamed: bool = False,
     ) -> Placement:
         reply = await self.client.select_decode(
             prefill_id,
@@ -44,6 +45,7 @@ class ControlPlane:
             candidate_instance_ids=candidate_ids,
             exclude_instance_ids=exclude_ids,
             request_id=request_id,
+            streamed=streamed,
         )
         return Placement(
             decode=Endpoint(reply.decode_instance_id, reply.decode_address),

@@ -28,6 +28,7 @@ def select_decode_from_pb(request: scheduler_pb2.SelectDecodeRequest) -> SelectD
         policy=request.policy,
         exclude_ids=frozenset(request.exclude_instance_ids),
         candidate_ids=frozenset(request.candidate_instance_ids),
+        streamed=request.streamed,
     )
 
 

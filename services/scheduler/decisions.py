@@ -164,6 +164,9 @@ class Scheduler:
                 prefill_id=request.prefill_id,
                 prompt_tokens=request.prompt_tokens,
                 prefix_hashes=request.prefix_hashes,
+                stream_prefill_s=(
+                    view.cost.prefill_s(request.prompt_tokens) if request.streamed else 0.0
+                ),
             ),
             candidates,
             view.cost,

@@ -37,6 +37,8 @@ class SelectDecodeInput:
     policy: str = ""
     exclude_ids: frozenset[str] = frozenset()
     candidate_ids: frozenset[str] = frozenset()
+    streamed: bool = False
+    """The KV streams while the prompt prefills (layer-wise streaming)."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrs.cluster import ClusterView, InstanceList, InstanceState
-from kvrs.costmodel import CostModel, prefix_hit_tokens
+from kvrs.costmodel import CostModel, prefix_hit_tokens, streamed_tail_s
 from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvrs.model import model_spec
 from kvrs.network import NetworkModel
@@ -99,6 +99,50 @@ def test_placement_reports_netkv_terms() -> None:
         assert placement.transfer.transfer_s == pytest.approx(8 * MODEL.kv_bytes(1477) / 100e9)
         assert placement.predicted_ttft_s == pytest.approx(placement.transfer.transfer_s + 0.25)
         assert placement.candidates_considered == 1
+
+
+@pytest.mark.parametrize("policy", ["netkv", "kvrs"])
+@pytest.mark.parametrize("candidates_count", [2, NUMPY_MIN_CANDIDATES + 2])
+def test_a_transfer_streamed_under_the_prefill_counts_only_its_tail(
+    policy: str, candidates_count: int
+) -> None:
+    """The far path is four times slower: after the prefill its transfer costs more than
+    the near instance's longer queue, but streamed under a long prefill it is mostly
+    hidden, and the idle far instance wins."""
+    tiers = uniform_tiers(100.0)
+    for tier in (Tier.POD, Tier.SPINE):
+        tiers[tier] = TierSpec(capacity_bps=25e9, hop_latency_s=0.0)
+    topology = Topology(tiers, setup_latency_s=0.0)
+    topology.add_instance(InstanceSpec("p", Role.PREFILL, Location("n0", "r0", "p0")))
+    topology.add_instance(InstanceSpec("near", Role.DECODE, Location("n1", "r0", "p0")))
+    topology.add_instance(InstanceSpec("far", Role.DECODE, Location("n2", "r5", "p5")))
+    fillers = [
+        InstanceState(f"full-{i}", Role.DECODE, free_kv_tokens=0)
+        for i in range(candidates_count - 2)
+    ]
+    for state in fillers:
+        topology.add_instance(
+            InstanceSpec(state.instance_id, Role.DECODE, Location("n1", "r0", "p0"))
+        )
+    cost = cost_model(topology)
+    candidates = InstanceList(
+        [
+            InstanceState("near", Role.DECODE, wait_s=0.050),
+            InstanceState("far", Role.DECODE, wait_s=0.005),
+            *fillers,
+        ]
+    )
+    after = PlacementRequest("r1", "p", prompt_tokens=4096)
+    streamed = PlacementRequest("r1", "p", prompt_tokens=4096, stream_prefill_s=2.0)
+    chosen = make_placement_policy(policy).select(after, candidates, cost, 0.0)
+    assert chosen.instance_id == "near" and not chosen.streamed
+    chosen = make_placement_policy(policy).select(streamed, candidates, cost, 0.0)
+    assert chosen.instance_id == "far" and chosen.streamed
+    tail_s = streamed_tail_s(chosen.transfer.transfer_s, 2.0, MODEL.layers)
+    assert tail_s == pytest.approx(chosen.transfer.transfer_s / MODEL.layers)
+    assert chosen.predicted_ttft_s == pytest.approx(tail_s + 0.005)
+    best = score_candidates(streamed, candidates, cost, 0.0)[0]
+    assert (best.instance_id, best.transfer_s) == ("far", pytest.approx(tail_s))
 
 
 @settings(max_examples=60, deadline=None)
