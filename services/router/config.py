@@ -67,6 +67,10 @@ class Config:
     """ROUTER_STREAM_KV: layer-wise streaming. The decode instance is chosen while the
     prompt prefills and pulls each layer's KV as soon as the prefill has computed it, so
     the transfer hides under the prefill; 0 = pull the KV once the prefill has ended."""
+    stream_kv_min_tokens: int = 512
+    """ROUTER_STREAM_KV_MIN_TOKENS: shorter prompts move their KV after the prefill. Their
+    transfer is short and so is the prefill it would hide under, while the pull's calls
+    and threads would run during that prefill, where they delay the first token."""
     batch_window_s: float = 0.05
     """ROUTER_BATCH_WINDOW_S: after a decode instance is lost, how long to wait for its
     other requests to stop before planning them together with RecoverBatch."""
@@ -96,6 +100,7 @@ class Config:
             instance_wait_s=env_float("ROUTER_INSTANCE_WAIT_S", 5.0, env),
             max_requests_per_decode=env_int("ROUTER_MAX_REQUESTS_PER_DECODE", 0, env),
             stream_kv=env_bool("ROUTER_STREAM_KV", True, env),
+            stream_kv_min_tokens=env_int("ROUTER_STREAM_KV_MIN_TOKENS", 512, env),
             batch_window_s=env_float("ROUTER_BATCH_WINDOW_S", 0.05, env),
             view_refresh_s=env_float("ROUTER_VIEW_REFRESH_S", 0.2, env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
@@ -117,6 +122,10 @@ class Config:
         if self.max_requests_per_decode < 0:
             raise ConfigError(
                 f"ROUTER_MAX_REQUESTS_PER_DECODE must be >= 0, got {self.max_requests_per_decode}"
+            )
+        if self.stream_kv_min_tokens < 0:
+            raise ConfigError(
+                f"ROUTER_STREAM_KV_MIN_TOKENS must be >= 0, got {self.stream_kv_min_tokens}"
             )
         if self.instance_wait_s < 0:
             raise ConfigError(f"ROUTER_INSTANCE_WAIT_S must be >= 0, got {self.instance_wait_s}")

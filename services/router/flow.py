@@ -137,6 +137,8 @@ class RouterSettings:
     stream_kv: bool = True
     """Layer-wise streaming: the decode instance pulls the KV while the prefill computes
     it, each layer as soon as it is done, instead of after the prefill."""
+    stream_kv_min_tokens: int = 512
+    """Prompts shorter than this move their KV after the prefill all the same."""
     vocab_size: int = 0
     """The served model's vocabulary (0: unknown), which prompts are checked against."""
     max_positions: int = 0
@@ -294,9 +296,10 @@ class Router:
         instance that answered, asked while the prefill runs (it needs only the prompt's
         length and hashes and where its KV will be).
 
-        With layer-wise streaming (`RouterSettings.stream_kv`) the chosen decode instance
-        also starts pulling the KV as soon as the placement is known, while the prefill
-        computes it; that pull's task is returned with the token (else None)."""
+        With layer-wise streaming (`RouterSettings.stream_kv`, for prompts of at least
+        `stream_kv_min_tokens`) the chosen decode instance also starts pulling the KV as
+        soon as the placement is known, while the prefill computes it; that pull's task
+        is returned with the token (else None)."""
         request = run.request
         hashes = prefix_block_hashes(request.prompt, self.settings.block_tokens)
         tried: set[str] = set()
@@ -316,7 +319,7 @@ class Router:
             if request.max_new_tokens > 1:
                 selecting = asyncio.create_task(self._select(request, at, hashes))
                 tasks.append(selecting)
-                if self.settings.stream_kv:
+                if self._streams(request):
                     run.prefill, run.prefill_kv_id = at, request.request_id
                     prefilled_at: asyncio.Future[float] = asyncio.Future()
                     streaming = asyncio.create_task(self._place(run, selecting, prefilled_at))
@@ -357,6 +360,11 @@ class Router:
                 prefilled_at.set_result(time.monotonic())
             return prefilled.first_token_id, streaming
         raise Unavailable(f"prefill failed on {', '.join(sorted(tried))}: {last_error}")
+
+    def _streams(self, request: GenerateInput) -> bool:
+        """Whether the request's KV streams while it prefills (layer-wise streaming)."""
+        settings = self.settings
+        return settings.stream_kv and len(request.prompt) >= settings.stream_kv_min_tokens
 
     async def _prefill_instance(
         self, request: GenerateInput, hashes: Sequence[int], tried: set[str]
@@ -427,7 +435,7 @@ class Router:
                 policy,
                 pinned,
                 excluded,
-                streamed=self.settings.stream_kv,
+                streamed=self._streams(request),
             )
 
         async def place(first: bool) -> Placement:

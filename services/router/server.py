@@ -95,6 +95,7 @@ async def build_server(
             instance_wait_s=config.instance_wait_s,
             max_requests_per_decode=config.max_requests_per_decode,
             stream_kv=config.stream_kv,
+            stream_kv_min_tokens=config.stream_kv_min_tokens,
             vocab_size=spec.vocab_size,
             max_positions=spec.max_positions,
         ),

@@ -100,19 +100,23 @@ async def test_one_request_streams_the_reference_tokens_under_one_trace(plane):
     assert root.attributes["kvrs.outcome"] == "completed"
 
 
-@pytest.mark.parametrize("stream_kv", [True, False], ids=["streamed", "after-the-prefill"])
+@pytest.mark.parametrize(
+    ("stream_kv", "min_tokens", "streamed"),
+    [(True, len(PROMPT), True), (False, 0, False), (True, len(PROMPT) + 1, False)],
+    ids=["streamed", "after-the-prefill", "prompt-too-short-to-stream"],
+)
 async def test_kv_streamed_under_the_prefill_or_pulled_after_it_gives_the_same_tokens(
-    redis_url, redis_prefix, stream_kv
+    redis_url, redis_prefix, stream_kv, min_tokens, streamed
 ):
     cluster = Plane(redis_url, redis_prefix)
-    await cluster.start(stream_kv=stream_kv)
+    await cluster.start(stream_kv=stream_kv, stream_kv_min_tokens=min_tokens)
     try:
         tokens, summary, error = await collect(router(cluster), generate("r-stream"))
         assert error is None
         assert tokens == reference(PROMPT, 24)
         assert summary.kv_bytes == len(PROMPT) * 1024
         (pull,) = [s for s in cluster.exporter.get_finished_spans() if s.name == "router.pull_kv"]
-        assert pull.attributes["kvrs.transfer.streamed"] is stream_kv
+        assert pull.attributes["kvrs.transfer.streamed"] is streamed
         client = redis_async.Redis.from_url(cluster.redis_url)
         try:
             log = OutcomeLog(client, Keys(cluster.redis_prefix), capacity=64)
@@ -126,8 +130,8 @@ async def test_kv_streamed_under_the_prefill_or_pulled_after_it_gives_the_same_t
             await client.aclose()
         (outcome,) = stored
         # A streamed transfer's time is what the prefill left of it: no link is fitted on it.
-        assert outcome.kind == "placement" and outcome.streamed is stream_kv
-        if stream_kv:
+        assert outcome.kind == "placement" and outcome.streamed is streamed
+        if streamed:
             assert outcome.measured.setup_s == 0.0 and outcome.predicted.setup_s == 0.0
         for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
             assert await cluster.resident_requests(name) == 0
