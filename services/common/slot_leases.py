@@ -9,6 +9,7 @@ Keys (under one hash-tagged prefix, so each script touches a single slot):
     slots:totals           hash    granted / denied / expired / superseded counters
     slots:policy           hash    cluster_cap, link_cap, default_ttl_ms, max_ttl_ms
     slots:attempt:<id>     string  the denial one reserve call got, kept a minute
+    slots:spares           set     lease ids reserved ahead for no request yet (spares)
 
 Every operation is one Lua script that first drops expired leases, then acts, all on
 the Redis clock: the caps hold whatever the number of broker replicas and callers, and
@@ -20,6 +21,12 @@ A reserve call that the Redis client sends twice (it retries after a timeout, or
 a failover) has the same attempt id both times, and its second run answers what the
 first did: a grant comes back as the request's existing lease, a denial as the same
 denial, counted once.
+
+A scheduler replica may hold a few spares: leases reserved ahead for no request, which
+count against the cluster cap like any other and are claimed for a request later
+(`reserve_spare`, `claim`), so that a decision needing a slot takes one without a round
+trip. Spares are kept only far from the cap and without a per-link cap; they are not
+counted among the slots in use (no migration holds them), only in the cap check.
 
 The caps live in Redis too (`slots:policy`, written by the slot broker when it starts),
 and the reserve script reads them there: every caller of this module — the broker's
@@ -43,7 +50,8 @@ from services.common.redis_store import Keys, RedisClient
 
 log = logging.getLogger(__name__)
 
-# KEYS: leases zset, links hash, totals hash, policy hash. ARGV[1]: the "slots:" key prefix.
+# KEYS: leases zset, links hash, totals hash, policy hash, spares set. ARGV[1]: the
+# "slots:" key prefix.
 _LUA_COMMON = """
 local function now_ms()
   local t = redis.call('TIME')
@@ -54,6 +62,7 @@ local function drop(lease_id)
   if redis.call('ZREM', KEYS[1], lease_id) == 0 then
     return false
   end
+  redis.call('SREM', KEYS[5], lease_id)
   local lease = ARGV[1] .. 'lease:' .. lease_id
   local f = redis.call('HMGET', lease, 'link', 'request_id')
   if f[1] and redis.call('HINCRBY', KEYS[2], f[1], -1) <= 0 then
@@ -77,6 +86,10 @@ local function purge(now)
     redis.call('HINCRBY', KEYS[3], 'expired', #expired)
   end
   return #expired
+end
+-- Leases a migration holds: every lease but the spares.
+local function migrating()
+  return redis.call('ZCARD', KEYS[1]) - redis.call('SCARD', KEYS[5])
 end
 local function lease_reply(status, lease_id, in_use)
   local f = redis.call('HMGET', ARGV[1] .. 'lease:' .. lease_id, 'request_id', 'holder_id',
@@ -124,7 +137,7 @@ local existing = redis.call('GET', request)
 if existing then
   -- Same link: a retry, from this holder or from another replica after a lost reply.
   if redis.call('HGET', ARGV[1] .. 'lease:' .. existing, 'link') == link then
-    local reply = lease_reply('existing', existing, redis.call('ZCARD', KEYS[1]))
+    local reply = lease_reply('existing', existing, migrating())
     table.insert(reply, cluster_cap)
     return reply
   end
@@ -152,8 +165,97 @@ redis.call('ZADD', KEYS[1], expires, lease_id)
 redis.call('HINCRBY', KEYS[2], link, 1)
 redis.call('SET', request, lease_id)
 redis.call('HINCRBY', KEYS[3], 'granted', 1)
-local reply = lease_reply('granted', lease_id, in_use + 1)
+local reply = lease_reply('granted', lease_id, migrating())
 table.insert(reply, cluster_cap)
+return reply
+"""
+)
+
+# Makes a spare for `holder_id` (ttl_ms 0: the policy's): false with a per-link cap, or
+# when half the cluster cap or more would be held.
+_LUA_SPARE = """
+local function spare(holder_id, ttl_ms, lease_id, now)
+  local policy = redis.call('HMGET', KEYS[4], 'cluster_cap', 'link_cap', 'default_ttl_ms')
+  if tonumber(policy[2]) > 0 then
+    return false
+  end
+  if 2 * (redis.call('ZCARD', KEYS[1]) + 1) > tonumber(policy[1]) then
+    return false
+  end
+  if ttl_ms == 0 then
+    ttl_ms = tonumber(policy[3])
+  end
+  local expires = now + ttl_ms
+  redis.call('HSET', ARGV[1] .. 'lease:' .. lease_id, 'request_id', '', 'holder_id',
+    holder_id, 'src_instance_id', '', 'dst_instance_id', '', 'expires_unix_ms', expires)
+  redis.call('ZADD', KEYS[1], expires, lease_id)
+  redis.call('SADD', KEYS[5], lease_id)
+  return true
+end
+"""
+
+# ARGV: prefix, holder_id, ttl_ms (0: the policy's), lease_id (fresh).
+# Returns {spare, lease fields..., in_use}, {none} (see `spare`) or {nopolicy}.
+_RESERVE_SPARE = (
+    _LUA_COMMON
+    + _LUA_SPARE
+    + """
+if not redis.call('HGET', KEYS[4], 'cluster_cap') then
+  return {'nopolicy'}
+end
+local now = now_ms()
+purge(now)
+if not spare(ARGV[2], tonumber(ARGV[3]), ARGV[4], now) then
+  return {'none'}
+end
+return lease_reply('spare', ARGV[4], migrating())
+"""
+)
+
+# ARGV: prefix, lease_id, request_id, src, dst, link, ttl_ms (0: the policy's), holder_id,
+# spare_ttl_ms, next_spare_id ('' = none).
+# Returns {claimed, lease fields..., in_use, next spare id or '', its expiry or 0}, or
+# {missing} (the spare expired or was released). With a next spare id, a spare takes the
+# claimed one's place in the same step (when `spare` allows one).
+_CLAIM = (
+    _LUA_COMMON
+    + _LUA_SPARE
+    + """
+local lease_id, request_id, link = ARGV[2], ARGV[3], ARGV[6]
+local now = now_ms()
+purge(now)
+if redis.call('SREM', KEYS[5], lease_id) == 0 then
+  return {'missing'}
+end
+local request = ARGV[1] .. 'request:' .. request_id
+local existing = redis.call('GET', request)
+if existing and existing ~= lease_id then
+  -- An earlier lease of the request (a retry that was answered twice, or a previous
+  -- recovery's): the migration now runs under this one.
+  drop(existing)
+  redis.call('HINCRBY', KEYS[3], 'superseded', 1)
+end
+local ttl_ms = tonumber(ARGV[7])
+if ttl_ms == 0 then
+  ttl_ms = tonumber(redis.call('HGET', KEYS[4], 'default_ttl_ms') or '10000')
+end
+local expires = now + ttl_ms
+redis.call('HSET', ARGV[1] .. 'lease:' .. lease_id, 'request_id', request_id,
+  'src_instance_id', ARGV[4], 'dst_instance_id', ARGV[5], 'link', link,
+  'expires_unix_ms', expires)
+redis.call('ZADD', KEYS[1], expires, lease_id)
+redis.call('HINCRBY', KEYS[2], link, 1)
+redis.call('SET', request, lease_id)
+redis.call('HINCRBY', KEYS[3], 'granted', 1)
+local reply = lease_reply('claimed', lease_id, migrating())
+local next_id = ARGV[10]
+if next_id ~= '' and spare(ARGV[8], tonumber(ARGV[9]), next_id, now) then
+  table.insert(reply, next_id)
+  table.insert(reply, tonumber(redis.call('ZSCORE', KEYS[1], next_id)))
+else
+  table.insert(reply, '')
+  table.insert(reply, 0)
+end
 return reply
 """
 )
@@ -176,7 +278,7 @@ end
 local expires = now + ttl_ms
 redis.call('ZADD', KEYS[1], expires, lease_id)
 redis.call('HSET', ARGV[1] .. 'lease:' .. lease_id, 'expires_unix_ms', expires)
-return lease_reply('renewed', lease_id, redis.call('ZCARD', KEYS[1]))
+return lease_reply('renewed', lease_id, migrating())
 """
 )
 
@@ -190,14 +292,15 @@ return drop(ARGV[2]) and 1 or 0
 )
 
 # ARGV: prefix. Returns {in_use, links hash flat, totals hash flat, expired now,
-# cluster_cap, link_cap} (caps 0 when no policy is published).
+# cluster_cap, link_cap, spares} (caps 0 when no policy is published).
 _STATS = (
     _LUA_COMMON
     + """
 local purged = purge(now_ms())
 local policy = redis.call('HMGET', KEYS[4], 'cluster_cap', 'link_cap')
-return {redis.call('ZCARD', KEYS[1]), redis.call('HGETALL', KEYS[2]),
-  redis.call('HGETALL', KEYS[3]), purged, policy[1] or 0, policy[2] or 0}
+return {migrating(), redis.call('HGETALL', KEYS[2]),
+  redis.call('HGETALL', KEYS[3]), purged, policy[1] or 0, policy[2] or 0,
+  redis.call('SCARD', KEYS[5])}
 """
 )
 
@@ -247,6 +350,15 @@ class Grant:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """What claiming a spare gave: the request's lease (None: the spare was gone) and the
+    spare that took its place (None: none asked for, or none allowed)."""
+
+    lease: Lease | None
+    spare: Lease | None
+
+
+@dataclass(frozen=True)
 class LinkUsage:
     src_instance_id: str
     dst_instance_id: str
@@ -258,12 +370,16 @@ class LinkUsage:
 @dataclass(frozen=True)
 class SlotStats:
     slots_in_use: int
+    """Leases migrations hold (spares are not among them)."""
     cluster_cap: int
     links: tuple[LinkUsage, ...]
     """Links with at least one lease held."""
     granted_total: int
     denied_total: int
     expired_total: int
+    spare_slots: int = 0
+    """Leases reserved ahead by scheduler replicas, for no request yet (they count
+    against the cluster cap)."""
 
 
 def _text(value: bytes | str | None) -> str:
@@ -315,9 +431,12 @@ class SlotStore:
             keys("slots", "links"),
             keys("slots", "totals"),
             keys("slots", "policy"),
+            keys("slots", "spares"),
         ]
         self._prefix = keys("slots", "")
         self._reserve = client.register_script(_RESERVE)
+        self._reserve_spare = client.register_script(_RESERVE_SPARE)
+        self._claim = client.register_script(_CLAIM)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._stats = client.register_script(_STATS)
@@ -403,6 +522,64 @@ class SlotStore:
         self._count("granted", int(reply[7]))
         return Grant(_lease(reply), int(reply[7]), int(reply[8]), status == "existing")
 
+    async def reserve_spare(self, holder_id: str, ttl_s: float = 0.0) -> Lease | None:
+        """A lease for no request yet, held by `holder_id` until `claim`ed or released
+        (ttl 0 = the default); None when the cluster holds half its cap or more, or has
+        a per-link cap (a spare has no link to count against). NoSlotPolicy before a
+        broker has published the caps."""
+        _require("holder_id", holder_id)
+        reply = await self._reserve_spare(
+            keys=self._keys,
+            args=[self._prefix, holder_id, self._ttl_ms(ttl_s), uuid.uuid4().hex],
+        )
+        status = _text(reply[0])
+        if status == "nopolicy":
+            raise NoSlotPolicy("no slot policy is published yet")
+        if status != "spare":
+            return None
+        return _lease(reply)
+
+    async def claim(
+        self,
+        lease_id: str,
+        request_id: str,
+        src_instance_id: str,
+        dst_instance_id: str,
+        ttl_s: float = 0.0,
+        replace_for: str = "",
+        spare_ttl_s: float = 0.0,
+    ) -> Claim:
+        """Makes the spare `lease_id` the lease of migrating `request_id` over src -> dst
+        (an earlier lease of the request is dropped); with `replace_for`, a new spare of
+        that holder takes its place in the same step, when `reserve_spare` would give one.
+        The claimed lease is None when the spare is gone (expired, or released)."""
+        _require("lease_id", lease_id)
+        _require("request_id", request_id)
+        link = json.dumps([src_instance_id, dst_instance_id])
+        reply = await self._claim(
+            keys=self._keys,
+            args=[
+                self._prefix,
+                lease_id,
+                request_id,
+                src_instance_id,
+                dst_instance_id,
+                link,
+                self._ttl_ms(ttl_s),
+                replace_for,
+                self._ttl_ms(spare_ttl_s),
+                uuid.uuid4().hex if replace_for else "",
+            ],
+        )
+        if _text(reply[0]) == "missing":
+            return Claim(None, None)
+        self._count("granted", int(reply[7]))
+        spare_id = _text(reply[8])
+        spare = None
+        if spare_id:
+            spare = Lease(spare_id, "", replace_for, "", "", int(reply[9]))
+        return Claim(_lease(reply), spare)
+
     async def renew(self, lease_id: str, ttl_s: float = 0.0) -> Lease:
         """Extends a lease to now + ttl; NotFound once it expired or was released."""
         _require("lease_id", lease_id)
@@ -425,7 +602,7 @@ class SlotStore:
 
     async def stats(self) -> SlotStats:
         """Leases held now, per link, and the totals, under the published caps."""
-        in_use, links, totals, _, cluster_cap, link_cap = await self._stats(
+        in_use, links, totals, _, cluster_cap, link_cap, spares = await self._stats(
             keys=self._keys, args=[self._prefix]
         )
         totals = _pairs(totals)
@@ -440,12 +617,13 @@ class SlotStore:
             granted_total=int(totals.get("granted", 0)),
             denied_total=int(totals.get("denied", 0)),
             expired_total=int(totals.get("expired", 0)),
+            spare_slots=int(spares),
         )
 
     async def purge(self) -> int:
         """Drops expired leases now; returns how many. Puts this store's caps back if they
         are gone (Redis restarted empty), so that direct reservations resume too."""
-        in_use, _, _, purged, cluster_cap, _ = await self._stats(
+        in_use, _, _, purged, cluster_cap, _, _ = await self._stats(
             keys=self._keys, args=[self._prefix]
         )
         if not int(cluster_cap) and self.policy is not None:

@@ -68,6 +68,10 @@ class Config:
     reservation slower than this counts as "broker unreachable" (the decision falls back)."""
     slot_ttl_s: float = 0.0
     """SCHEDULER_SLOT_TTL_S: lifetime of a reserved migration slot; 0 = the broker default."""
+    spare_slots: int = 2
+    """SCHEDULER_SPARE_SLOTS: migration slots this replica reserves ahead (with `redis`
+    reservations), so a decision that needs one answers without a round trip; kept only
+    while under half the cluster cap is held and without a per-link cap. 0 = none."""
     holder_id: str = field(default_factory=_default_holder_id)
     """SCHEDULER_HOLDER_ID: the name slots are leased under (default scheduler-<host>-<pid>)."""
     recover_replay_s: float = 30.0
@@ -109,6 +113,7 @@ class Config:
             view_stale_after_s=env_float("SCHEDULER_VIEW_STALE_AFTER_S", 1.0, env),
             peer_timeout_s=env_float("SCHEDULER_PEER_TIMEOUT_S", 0.5, env),
             slot_ttl_s=env_float("SCHEDULER_SLOT_TTL_S", 0.0, env),
+            spare_slots=env_int("SCHEDULER_SPARE_SLOTS", 2, env),
             holder_id=env_str("SCHEDULER_HOLDER_ID", _default_holder_id(), env),
             recover_replay_s=env_float("SCHEDULER_RECOVER_REPLAY_S", 30.0, env),
             recover_replay_entries=env_int("SCHEDULER_RECOVER_REPLAY_ENTRIES", 4096, env),
@@ -134,6 +139,7 @@ class Config:
         )
         for name, value in (
             ("SCHEDULER_SLOT_TTL_S", self.slot_ttl_s),
+            ("SCHEDULER_SPARE_SLOTS", self.spare_slots),
             ("SCHEDULER_RECOVER_REPLAY_S", self.recover_replay_s),
         ):
             if value < 0:

@@ -67,6 +67,7 @@ async def build_server(
             config.holder_id,
             config.slot_ttl_s,
             broker_slots,
+            config.spare_slots,
         )
     source = GossipSource(
         lambda: GossipClient(config.gossip_addr, config.grpc, timeout_s=config.peer_timeout_s),
@@ -120,6 +121,8 @@ async def build_server(
         asyncio.create_task(learning.run(config.learning_refresh_s), name="scheduler-learning"),
         asyncio.create_task(source.watch(view), name="scheduler-gossip-events"),
     ]
+    if isinstance(slots, RedisSlots) and slots.spares:
+        tasks.append(asyncio.create_task(slots.keep_spares(), name="scheduler-spare-slots"))
 
     async def stop_background() -> None:
         for task in tasks:

@@ -10,11 +10,24 @@ releases and everyone else's reservations still go through the slot broker's API
 
 Until a broker has published its policy there is nothing to hold reservations to, and
 this asks the broker instead (which publishes it when it starts).
+
+Spares take even that round trip off the decision's path. A replica keeps a few leases
+reserved ahead for no request (`SlotStore.reserve_spare`: they count against the
+cluster cap like any other, so the cap stays exact); a decision that needs a slot takes
+one of them and answers at once, and the spare is claimed for its request in Redis
+(fields, link, TTL) right after, off the path. Spares are short-lived and replaced
+before they lapse, so a crashed replica's return within `SPARE_TTL_S`; they are only
+taken far from the cap (while under half of it is held) and without a per-link cap, so
+under pressure every reservation is the exact one-trip check, and the spares left lapse.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import logging
+import time
 
 import redis.exceptions
 
@@ -26,19 +39,56 @@ from services.scheduler.peers import SlotBrokerClient
 
 log = logging.getLogger(__name__)
 
+SPARE_TTL_S = 4.0
+"""Lifetime of a spare in Redis: how long a crashed replica's spares hold capacity."""
+SPARE_MARGIN_S = 1.0
+"""A spare with less life than this left is not handed out (its claim must land first);
+it lapses and a new one takes its place."""
+TEND_INTERVAL_S = 0.25
+"""How often the spares are checked (a Redis call only to replace a lapsing one)."""
+
 
 class RedisSlots:
     """`SlotBroker` over the broker's Redis keys, falling back to the broker's RPC."""
 
     def __init__(
-        self, store: SlotStore, holder_id: str, ttl_s: float, broker: SlotBrokerClient
+        self,
+        store: SlotStore,
+        holder_id: str,
+        ttl_s: float,
+        broker: SlotBrokerClient,
+        spares: int = 0,
     ) -> None:
         self._store = store
         self.holder_id = holder_id
         self.ttl_s = ttl_s
         self._broker = broker
+        self.spares = spares
+        """How many spares `keep_spares` holds (0: none; every reservation a round trip)."""
+        self._spares: collections.deque[tuple[str, float]] = collections.deque()
+        """(lease id, monotonic time it lapses) of the spares held, oldest first."""
+        self._claims: set[asyncio.Task] = set()
+        self._reserving = False
+
+    @property
+    def spares_held(self) -> int:
+        return len(self._spares)
 
     async def reserve(self, request_id: str, src_id: str, dst_id: str) -> Lease:
+        spare = self._take_spare()
+        if spare is not None:
+            claim = asyncio.create_task(self._claim(spare, request_id, src_id, dst_id))
+            self._claims.add(claim)
+            claim.add_done_callback(self._claims.discard)
+            expires_unix_ms = int((time.time() + (self.ttl_s or SPARE_TTL_S)) * 1000)
+            return Lease(
+                lease_id=spare,
+                request_id=request_id,
+                holder_id=self.holder_id,
+                src_id=src_id,
+                dst_id=dst_id,
+                expires_unix_ms=expires_unix_ms,
+            )
         try:
             grant = await self._store.reserve(
                 request_id, self.holder_id, src_id, dst_id, self.ttl_s
@@ -70,7 +120,83 @@ class RedisSlots:
             raise Unavailable(f"Redis holding the slots: {exc}") from None
         if not stats.cluster_cap:
             return await self._broker.free_slots()
-        return max(0, stats.cluster_cap - stats.slots_in_use)
+        # Every replica's spares hold capacity; this one's are its own to use.
+        held = stats.slots_in_use + stats.spare_slots - len(self._spares)
+        return max(0, stats.cluster_cap - held)
+
+    # -- spares -----------------------------------------------------------------------
+
+    def _take_spare(self) -> str | None:
+        """A spare with enough life left for its claim to land, else None."""
+        now = time.monotonic()
+        while self._spares:
+            lease_id, lapses_s = self._spares.popleft()
+            if lapses_s - now > SPARE_MARGIN_S:
+                return lease_id
+        return None
+
+    async def _claim(self, lease_id: str, request_id: str, src_id: str, dst_id: str) -> None:
+        """Makes the spare the request's lease and, in the same Redis step, reserves the
+        spare that replaces it: a burst of decisions finds the next one ready."""
+        reserved_s = time.monotonic()
+        try:
+            claim = await self._store.claim(
+                lease_id, request_id, src_id, dst_id, self.ttl_s, self.holder_id, SPARE_TTL_S
+            )
+        except (redis.exceptions.RedisError, InvalidArgument) as exc:
+            log.warning("claiming spare slot %s for %s failed: %r", lease_id, request_id, exc)
+            return
+        if claim.lease is None:
+            # Released (its migration ended) or lapsed before this claim: nothing holds it.
+            log.info("spare slot %s was gone before its claim for %s", lease_id, request_id)
+        if claim.spare is not None:
+            self._spares.append((claim.spare.lease_id, reserved_s + SPARE_TTL_S))
+
+    async def keep_spares(self) -> None:
+        """Holds `spares` spares until cancelled (see the module docstring), then gives
+        back those held. Stops once asked even when Redis turned the cancellation into a
+        connection error."""
+        task = asyncio.current_task()
+        try:
+            while task is None or not task.cancelling():
+                try:
+                    await self._tend()
+                except (redis.exceptions.RedisError, NoSlotPolicy) as exc:
+                    log.debug("spare slots not replaced: %r", exc)
+                if task is not None and task.cancelling():
+                    break
+                await asyncio.sleep(TEND_INTERVAL_S)
+        finally:
+            await asyncio.shield(self._give_back())
+        raise asyncio.CancelledError
+
+    async def _tend(self) -> None:
+        """Lets lapsing spares go and reserves new ones up to `spares` (one reservation
+        in flight at a time, whoever asks)."""
+        now = time.monotonic()
+        while self._spares and self._spares[0][1] - now <= SPARE_MARGIN_S:
+            self._spares.popleft()  # it lapses in Redis on its own
+        if self._reserving:
+            return
+        self._reserving = True
+        try:
+            while len(self._spares) < self.spares:
+                reserved_s = time.monotonic()
+                spare = await self._store.reserve_spare(self.holder_id, SPARE_TTL_S)
+                if spare is None:  # near the cap, or per-link caps: one trip each
+                    return
+                self._spares.append((spare.lease_id, reserved_s + SPARE_TTL_S))
+        finally:
+            self._reserving = False
+
+    async def _give_back(self) -> None:
+        """Lets the claims under way land, then releases the spares still held."""
+        if self._claims:
+            await asyncio.wait(self._claims, timeout=SPARE_MARGIN_S)
+        spares, self._spares = list(self._spares), collections.deque()
+        for lease_id, _ in spares:
+            with contextlib.suppress(redis.exceptions.RedisError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._store.release(lease_id), SPARE_MARGIN_S)
 
     async def pair_flows(self) -> dict[tuple[str, str], int]:
         """Leases in flight per (src, dst) pair; empty when Redis cannot say."""

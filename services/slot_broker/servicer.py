@@ -62,4 +62,5 @@ class SlotBrokerServicer(slots_pb2_grpc.SlotBrokerServiceServicer):
             granted_total=stats.granted_total,
             denied_total=stats.denied_total,
             expired_total=stats.expired_total,
+            spare_slots=stats.spare_slots,
         )
