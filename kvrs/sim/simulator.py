@@ -620,6 +620,10 @@ class Simulator:
 
     def _close(self, flight: Flight) -> None:
         flight.stage = "done"
+        # A job and a flow point back at their flight (`tag`): unlinking them lets
+        # reference counting free the request's objects instead of the cycle collector.
+        flight.job = None
+        flight.flow = None
         del self.flights[flight.record.index]
         self._on_decode[flight.decode_id].discard(flight)
         if flight.prefill_id:
