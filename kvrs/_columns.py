@@ -323,24 +323,44 @@ class Columns:
             return {}
         # Holders of blocks 0..j shrink as j grows; each instance is written once, at the
         # deepest level it reaches.
+        blocks = prefix_hashes[: -(-prompt_tokens // block_tokens)]
         levels: list[frozenset[int]] = []
         holding: frozenset[int] | None = None
-        for block_hash in prefix_hashes[: -(-prompt_tokens // block_tokens)]:
+        for block_hash in blocks:
             holding = (
                 self.holders(block_hash) if holding is None else self._narrow(holding, block_hash)
             )
             if not holding:
                 break
             levels.append(holding)
+            if len(holding) == 1:
+                break
+        # The deepest level's depth; one instance left reads its own blocks on: a session's
+        # continuation matches dozens of blocks on the one instance that served it.
+        last_depth = len(levels)
+        if levels and len(levels[-1]) == 1:
+            last_depth += _leading(blocks, last_depth, self.states[next(iter(levels[-1]))])
         hits: dict[int, int] = {}
         deeper: frozenset[int] = frozenset()
         for depth in range(len(levels), 0, -1):
-            tokens = min(depth * block_tokens, prompt_tokens)
+            reached = last_depth if depth == len(levels) else depth
+            tokens = min(reached * block_tokens, prompt_tokens)
             level = levels[depth - 1]
             for i in level - deeper if deeper else level:
                 hits[i] = tokens
             deeper = level
         return hits
+
+
+def _leading(blocks: Sequence[int], start: int, state: InstanceState) -> int:
+    """How many of `blocks`, from `start` on, `state` holds before its first miss."""
+    resident = state.resident_blocks
+    count = 0
+    for block_hash in blocks[start:]:
+        if block_hash not in resident:
+            break
+        count += 1
+    return count
 
 
 class WaitPlan(dict[str, float]):
