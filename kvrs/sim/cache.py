@@ -9,6 +9,7 @@ membership at time t in O(1) without copying.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 
@@ -55,6 +56,7 @@ class PrefixCache:
         "lookups_tokens",
         "_snapshot",
         "_index",
+        "changed_s",
     )
 
     def __init__(
@@ -72,6 +74,8 @@ class PrefixCache:
         self.lookups_tokens = 0
         self._snapshot: frozenset[int] | None = None
         self._index = index
+        self.changed_s = -math.inf
+        """When a block last joined or left (a recency update changes no membership)."""
 
     def __len__(self) -> int:
         return len(self._resident)
@@ -106,6 +110,7 @@ class PrefixCache:
                 if members is not None:
                     members.add(block)
                 self._snapshot = None
+                self.changed_s = now_s
                 if self._index is not None:
                     self._index._add(block, self)
         evicted = self._evicted
@@ -163,6 +168,20 @@ class ResidentView:
             return True
         span = self._cache._evicted.get(block)  # type: ignore[call-overload]
         return span is not None and span[0] <= self.time_s < span[1]
+
+    def leading(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks`, from the first on, were resident at `time_s`."""
+        cache = self._cache
+        if cache.changed_s <= self.time_s:
+            # No block joined or left since: the contents now are the contents then, and
+            # the cache's own lookup runs without a Python call per block.
+            return cache.leading_hits(blocks)
+        count = 0
+        for block in blocks:
+            if block not in self:
+                break
+            count += 1
+        return count
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

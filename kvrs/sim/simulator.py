@@ -19,13 +19,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from kvrs.batch import plan_batch
 from kvrs.cluster import InstanceList, InstanceState
-from kvrs.costmodel import CostModel, prefix_hit_tokens
+from kvrs.costmodel import CostModel
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvrs.placement import PlacementPolicy, PlacementRequest, make_placement_policy
 from kvrs.prefill import choose_prefill, prefill_finishes
@@ -40,7 +40,7 @@ from kvrs.recovery import (
     make_recovery_policy,
 )
 from kvrs.sim.background import BackgroundTraffic
-from kvrs.sim.cache import BlockIndex, PrefixCache
+from kvrs.sim.cache import BlockIndex, PrefixCache, ResidentView
 from kvrs.sim.config import PolicySpec, SimConfig
 from kvrs.sim.engine import EventLoop
 from kvrs.sim.flownet import Flow, FlowNetwork
@@ -117,11 +117,15 @@ class Flight:
 class _PrefillRouting:
     """What prefill routing reads from one list of prefill states, read once per list."""
 
-    __slots__ = ("wait_s", "queue_depth", "by_pool")
+    __slots__ = ("wait_s", "queue_depth", "by_pool", "pooled")
 
     def __init__(self, candidates: InstanceList, prefills: dict[str, PrefillInstance]) -> None:
         self.wait_s = np.array([state.wait_s for state in candidates])
         self.queue_depth = np.array([state.queue_depth for state in candidates])
+        # Telemetry reports a prefill's pool as it was at the sample (`PrefixCache.as_of`).
+        self.pooled: list[ResidentView] = [
+            cast(ResidentView, state.resident_blocks) for state in candidates
+        ]
         self.by_pool: dict[PrefixCache, list[int]] = defaultdict(list)
         for i, state in enumerate(candidates):
             self.by_pool[prefills[state.instance_id].pool].append(i)
@@ -378,16 +382,15 @@ class Simulator:
         # The core's rule (kvrs.prefill), with W aged by the view's age. Only pools listed
         # under the first block can hit; the others stay cold.
         tokens = request.input_tokens
-        first_block = request.hash_ids[0] if request.hash_ids else None
-        holders = self._pooled_blocks.caches(first_block) if first_block is not None else ()
+        hash_ids = request.hash_ids
+        holders = self._pooled_blocks.caches(hash_ids[0]) if hash_ids else ()
         hits: dict[int, int] = {}
         for pool in holders:
             for i in routing.by_pool.get(pool, ()):
-                resident = candidates[i].resident_blocks
-                if first_block in resident:
-                    hits[i] = prefix_hit_tokens(
-                        request.hash_ids, resident, self.block_tokens, tokens
-                    )
+                blocks = routing.pooled[i].leading(hash_ids)
+                if blocks:
+                    # kvrs.costmodel.prefix_hit_tokens, over the pool as telemetry saw it.
+                    hits[i] = min(blocks * self.block_tokens, tokens)
         index, _ = choose_prefill(
             routing.wait_s - age_s, tokens, self.compute, hits, routing.queue_depth
         )
