@@ -220,7 +220,8 @@ class Simulator:
                     decode_profile,
                     serving.decode_kv_tokens,
                     serving.decode_max_batch,
-                    PrefixCache(serving.decode_cache_tokens // self.block_tokens),
+                    # Read as of now only (telemetry reports its snapshot): no history.
+                    PrefixCache(serving.decode_cache_tokens // self.block_tokens, history_s=0.0),
                     self._decode_finished,
                 )
         pool_users: dict[int, int] = defaultdict(int)
