@@ -28,16 +28,17 @@ class Fan:
 
     What depends on the waits (`rtt_wait`) is summed on first use, so a view refresh that
     changed some waits costs the next decision one vector addition, not a Python pass.
+    Large lists are scored from arrays, small ones from lists; each form is made on first
+    use (from the table's arrays when it has them), so a decision builds only its own.
     """
 
     __slots__ = (
         "table",
         "bps",
         "rtt",
-        "inv_bps",
         "wait",
-        "min_rtt",
-        "min_inv_bps",
+        "_inv_bps",
+        "_min",
         "_wait_array",
         "_rtt_wait",
         "_paths",
@@ -50,27 +51,49 @@ class Fan:
         self.table = table
         self.bps = table.bandwidth_bps
         self.rtt = table.rtt_s
-        self.inv_bps = [1.0 / bps for bps in table.bandwidth_bps]
         self.wait = wait
         """The waits `rtt_wait` is summed with (a list identity: see `rewaited`)."""
-        # Bounds for pruning: no transfer from this source beats min_rtt + bits · min_inv_bps.
-        self.min_rtt = min(self.rtt, default=0.0)
-        self.min_inv_bps = min(self.inv_bps, default=0.0)
+        self._inv_bps: list[float] | None = None
+        self._min: tuple[float, float] | None = None
         self._wait_array = wait_array
         self._rtt_wait: list[float] | None = None
-        self._paths: tuple[np.ndarray, np.ndarray] | None = None
+        self._paths: tuple[np.ndarray, np.ndarray] | None = table.arrays
         self._rtt_wait_array: np.ndarray | None = None
 
     def rewaited(self, wait: list[float], wait_array: np.ndarray | None = None) -> Fan:
         """The same paths with new waits (`wait_array`: the same as an array, when the
         columns have one): the path terms, the costly part, are shared."""
         fan = Fan.__new__(Fan)
-        fan.table, fan.bps, fan.rtt, fan.inv_bps = self.table, self.bps, self.rtt, self.inv_bps
-        fan.min_rtt, fan.min_inv_bps = self.min_rtt, self.min_inv_bps
+        fan.table, fan.bps, fan.rtt = self.table, self.bps, self.rtt
+        fan._inv_bps, fan._min, fan._paths = self._inv_bps, self._min, self._paths
         fan.wait, fan._wait_array = wait, wait_array
         fan._rtt_wait, fan._rtt_wait_array = None, None
-        fan._paths = self._paths
         return fan
+
+    @property
+    def inv_bps(self) -> list[float]:
+        """1 / bandwidth of every path (seconds per bit)."""
+        if self._inv_bps is None:
+            if self._paths is not None:
+                self._inv_bps = self._paths[1].tolist()
+            else:
+                self._inv_bps = [1.0 / bps for bps in self.bps]
+        return self._inv_bps
+
+    @property
+    def min_rtt(self) -> float:
+        """A bound for pruning: no transfer from this source beats
+        min_rtt + bits · min_inv_bps."""
+        return self._bounds()[0]
+
+    @property
+    def min_inv_bps(self) -> float:
+        return self._bounds()[1]
+
+    def _bounds(self) -> tuple[float, float]:
+        if self._min is None:
+            self._min = (min(self.rtt, default=0.0), min(self.inv_bps, default=0.0))
+        return self._min
 
     @property
     def rtt_wait(self) -> list[float]:
@@ -115,7 +138,10 @@ class Columns:
     )
 
     def __init__(self, states: Sequence[InstanceState]) -> None:
-        self.states = states
+        # A copy, not `states` itself: an `InstanceList` keeps its columns in `derived`,
+        # and a reference back would make each list and everything cached on it cyclic
+        # garbage that only the cycle collector frees (a third of a long simulation).
+        self.states = tuple(states)
         self.ids = [s.instance_id for s in states]
         self.wait = [s.wait_s for s in states]
         self.running = [s.running_requests for s in states]
@@ -171,7 +197,7 @@ class Columns:
         when no block set changed. Cost: a copy of each column, not a read of every
         state, so a view refresh does not make the next decision rebuild them."""
         new = Columns.__new__(Columns)
-        new.states, new.ids = states, self.ids
+        new.states, new.ids = tuple(states), self.ids
         wait, running, load = self.wait.copy(), self.running.copy(), self.load.copy()
         free = self.free.copy()
         blocks_changed = False
@@ -320,24 +346,44 @@ class Columns:
             return {}
         # Holders of blocks 0..j shrink as j grows; each instance is written once, at the
         # deepest level it reaches.
+        blocks = prefix_hashes[: -(-prompt_tokens // block_tokens)]
         levels: list[frozenset[int]] = []
         holding: frozenset[int] | None = None
-        for block_hash in prefix_hashes[: -(-prompt_tokens // block_tokens)]:
+        for block_hash in blocks:
             holding = (
                 self.holders(block_hash) if holding is None else self._narrow(holding, block_hash)
             )
             if not holding:
                 break
             levels.append(holding)
+            if len(holding) == 1:
+                break
+        # The deepest level's depth; one instance left reads its own blocks on: a session's
+        # continuation matches dozens of blocks on the one instance that served it.
+        last_depth = len(levels)
+        if levels and len(levels[-1]) == 1:
+            last_depth += _leading(blocks, last_depth, self.states[next(iter(levels[-1]))])
         hits: dict[int, int] = {}
         deeper: frozenset[int] = frozenset()
         for depth in range(len(levels), 0, -1):
-            tokens = min(depth * block_tokens, prompt_tokens)
+            reached = last_depth if depth == len(levels) else depth
+            tokens = min(reached * block_tokens, prompt_tokens)
             level = levels[depth - 1]
             for i in level - deeper if deeper else level:
                 hits[i] = tokens
             deeper = level
         return hits
+
+
+def _leading(blocks: Sequence[int], start: int, state: InstanceState) -> int:
+    """How many of `blocks`, from `start` on, `state` holds before its first miss."""
+    resident = state.resident_blocks
+    count = 0
+    for block_hash in blocks[start:]:
+        if block_hash not in resident:
+            break
+        count += 1
+    return count
 
 
 class WaitPlan(dict[str, float]):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,6 +68,9 @@ class PathTable:
     version: tuple[int, int]
     lo_s: float
     hi_s: float
+    arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
+    """(rtt_s, 1 / bandwidth_bps) as numpy arrays, when the table was priced with numpy:
+    the same floats as the tuples, for scoring large candidate lists without converting."""
 
     def valid(self, network: NetworkModel, now_s: float) -> bool:
         """True while the table still says what `network` would say at `now_s`."""
@@ -118,7 +121,7 @@ class _FanPaths:
     them: link indices hop by hop (index 0 pads the shorter paths), base RTTs and tiers.
     """
 
-    __slots__ = ("dst_ids", "paths_version", "incidence", "rtt_s", "tiers")
+    __slots__ = ("dst_ids", "paths_version", "incidence", "rtt_s", "rtt_array", "tiers")
 
     def __init__(
         self,
@@ -132,6 +135,7 @@ class _FanPaths:
         self.paths_version = paths_version
         self.incidence = incidence
         self.rtt_s = rtt_s
+        self.rtt_array = np.array(rtt_s)
         self.tiers = tiers
 
 
@@ -311,15 +315,20 @@ class NetworkModel:
             fan = self._fan_paths[src_id] = self._build_fan(src_id, dst_ids)
         # Each path's share of its bottleneck, min over its links of capacity / (flows + 1),
         # for every destination at once.
-        bandwidth_bps = np.minimum.reduce(self._link_shares().take(fan.incidence), axis=0).tolist()
+        shares = np.minimum.reduce(self._link_shares().take(fan.incidence), axis=0)
+        bandwidth_bps = shares.tolist()
         rtt_s = fan.rtt_s
+        # 1 / bandwidth divided elementwise, the same IEEE division as in Python.
+        arrays: tuple[np.ndarray, np.ndarray] | None = (fan.rtt_array, 1.0 / shares)
         floor_s = self._unmeasured_rtt_s
         if floor_s > 0.0:
             hops = np.count_nonzero(fan.incidence, axis=0).tolist()
             rtt_s = tuple(max(r, floor_s) if n else r for r, n in zip(rtt_s, hops, strict=True))
+            arrays = None
         lo_s, hi_s = -math.inf, math.inf
         estimated = self._estimated.get(src_id)
         if estimated:
+            arrays = None
             # Measured paths take their measurement as the base (see `_build_path`).
             rtt = list(rtt_s)
             for i, dst_id in enumerate(dst_ids):
@@ -338,6 +347,7 @@ class NetworkModel:
             version=self.version,
             lo_s=lo_s,
             hi_s=hi_s,
+            arrays=arrays,
         )
         return table
 

@@ -55,9 +55,18 @@ def prefill_finishes(
     if waits.size == 0:
         raise FailedPrecondition("no alive prefill instance", field="prefill_instances")
     finish = waits + profile.prefill_s(prompt_tokens)
-    for index, hit in (hit_tokens or {}).items():
-        if hit > 0:
-            finish[index] = prefill_finish_s(profile, prompt_tokens, waits[index], hit)
+    if hit_tokens:
+        # `prefill_finish_s` for each candidate with a hit, in Python floats rather than
+        # numpy scalars (the same float operations), each distinct hit priced once.
+        wait_list = waits.tolist()
+        compute_s: dict[int, float] = {}
+        for index, hit in hit_tokens.items():
+            if hit > 0:
+                seconds = compute_s.get(hit)
+                if seconds is None:
+                    cached = computed_hit_tokens(hit, prompt_tokens)
+                    seconds = compute_s[hit] = profile.extend_s(cached, prompt_tokens - cached)
+                finish[index] = max(0.0, wait_list[index]) + seconds
     return finish
 
 

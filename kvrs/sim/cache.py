@@ -9,8 +9,9 @@ membership at time t in O(1) without copying.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 
 class BlockIndex:
@@ -31,8 +32,14 @@ class BlockIndex:
         """The caches that may hold `block` (now or in their history); ask each to be sure."""
         return self._caches.get(block, ())
 
-    def _add(self, block: int, cache: PrefixCache) -> None:
-        self._caches.setdefault(block, set()).add(cache)
+    def _add_all(self, blocks: Iterable[int], cache: PrefixCache) -> None:
+        caches = self._caches
+        for block in blocks:
+            holders = caches.get(block)
+            if holders is None:
+                caches[block] = {cache}
+            else:
+                holders.add(cache)
 
     def _discard(self, block: int, cache: PrefixCache) -> None:
         holders = self._caches.get(block)
@@ -55,6 +62,7 @@ class PrefixCache:
         "lookups_tokens",
         "_snapshot",
         "_index",
+        "changed_s",
     )
 
     def __init__(
@@ -66,12 +74,16 @@ class PrefixCache:
         # caches; prefill pools are read through `as_of`): a frozenset copies a set ten
         # times faster than an OrderedDict's keys (~2 µs against ~20 µs for 976 blocks).
         self._members: set[int] | None = None
-        self._evicted: dict[int, tuple[float, float]] = {}  # block -> (since, until)
+        # block -> (since, until): what `as_of` reads, up to `history_s` back (0: nothing;
+        # the cache is then only read as of now).
+        self._evicted: dict[int, tuple[float, float]] = {}
         self._history_s = history_s
         self.hits_tokens = 0
         self.lookups_tokens = 0
         self._snapshot: frozenset[int] | None = None
         self._index = index
+        self.changed_s = -math.inf
+        """When a block last joined or left (a recency update changes no membership)."""
 
     def __len__(self) -> int:
         return len(self._resident)
@@ -97,24 +109,36 @@ class PrefixCache:
         if self.capacity_blocks == 0:
             return
         resident = self._resident
-        members = self._members
+        move_to_end = resident.move_to_end
+        added = []
         for block in blocks[-self.capacity_blocks :]:
             if block in resident:
-                resident.move_to_end(block)
+                move_to_end(block)
             else:
                 resident[block] = now_s
-                if members is not None:
-                    members.add(block)
-                self._snapshot = None
-                if self._index is not None:
-                    self._index._add(block, self)
-        evicted = self._evicted
-        while len(resident) > self.capacity_blocks:
-            block, since_s = resident.popitem(last=False)
+                added.append(block)
+        if not added:
+            return  # only recency changed: no block joined, none is evicted
+        self._snapshot = None
+        self.changed_s = now_s
+        if self._members is not None:
+            self._members.update(added)
+        if self._index is not None:
+            self._index._add_all(added, self)
+        self._evict(now_s)
+
+    def _evict(self, now_s: float) -> None:
+        """Drop the least recently used blocks over capacity, remembering when they left."""
+        resident, members = self._resident, self._members
+        popitem = resident.popitem
+        evicted = self._evicted if self._history_s > 0 else None
+        for _ in range(len(resident) - self.capacity_blocks):
+            block, since_s = popitem(False)
             if members is not None:
                 members.discard(block)
-            evicted[block] = (since_s, now_s)
-        if len(evicted) > 4 * self.capacity_blocks + 1024:
+            if evicted is not None:
+                evicted[block] = (since_s, now_s)
+        if evicted is not None and len(evicted) > 4 * self.capacity_blocks + 1024:
             horizon_s = now_s - self._history_s
             self._evicted = {b: span for b, span in evicted.items() if span[1] >= horizon_s}
             if self._index is not None:
@@ -163,6 +187,20 @@ class ResidentView:
             return True
         span = self._cache._evicted.get(block)  # type: ignore[call-overload]
         return span is not None and span[0] <= self.time_s < span[1]
+
+    def leading(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks`, from the first on, were resident at `time_s`."""
+        cache = self._cache
+        if cache.changed_s <= self.time_s:
+            # No block joined or left since: the contents now are the contents then, and
+            # the cache's own lookup runs without a Python call per block.
+            return cache.leading_hits(blocks)
+        count = 0
+        for block in blocks:
+            if block not in self:
+                break
+            count += 1
+        return count
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

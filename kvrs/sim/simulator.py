@@ -17,15 +17,16 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from kvrs.batch import plan_batch
 from kvrs.cluster import InstanceList, InstanceState
-from kvrs.costmodel import CostModel, prefix_hit_tokens
+from kvrs.costmodel import CostModel
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvrs.placement import PlacementPolicy, PlacementRequest, make_placement_policy
 from kvrs.prefill import choose_prefill, prefill_finishes
@@ -40,7 +41,7 @@ from kvrs.recovery import (
     make_recovery_policy,
 )
 from kvrs.sim.background import BackgroundTraffic
-from kvrs.sim.cache import BlockIndex, PrefixCache
+from kvrs.sim.cache import BlockIndex, PrefixCache, ResidentView
 from kvrs.sim.config import PolicySpec, SimConfig
 from kvrs.sim.engine import EventLoop
 from kvrs.sim.flownet import Flow, FlowNetwork
@@ -64,12 +65,24 @@ from kvrs.sim.trace import TraceRequest
 from kvrs.topology import Role
 
 _MIGRATING = (Action.MIGRATE, Action.HYBRID)
-_GC_YOUNG_THRESHOLD = 20_000
-"""Allocations between two collections of the youngest generation during a run.
 
-A run keeps most of what it allocates (records, flights, scheduled events), so at
-Python's default of 700 the collector rescans survivors over and over: about 12 % of
-a 1,024-GPU run. Cycles still get collected, a few thousand objects later."""
+
+@contextmanager
+def _cycle_collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a run replays its events.
+
+    A run frees what it drops by reference counting alone: it makes no reference cycles
+    (tests/unit/sim/test_sim_simulator.py checks), while the collector would rescan the
+    records it keeps, a million of them in a long run: 10-40 % of the run time, growing
+    with the run. Collection resumes as it was when the run ends.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class Flight:
@@ -117,11 +130,15 @@ class Flight:
 class _PrefillRouting:
     """What prefill routing reads from one list of prefill states, read once per list."""
 
-    __slots__ = ("wait_s", "queue_depth", "by_pool")
+    __slots__ = ("wait_s", "queue_depth", "by_pool", "pooled")
 
     def __init__(self, candidates: InstanceList, prefills: dict[str, PrefillInstance]) -> None:
         self.wait_s = np.array([state.wait_s for state in candidates])
         self.queue_depth = np.array([state.queue_depth for state in candidates])
+        # Telemetry reports a prefill's pool as it was at the sample (`PrefixCache.as_of`).
+        self.pooled: list[ResidentView] = [
+            cast(ResidentView, state.resident_blocks) for state in candidates
+        ]
         self.by_pool: dict[PrefixCache, list[int]] = defaultdict(list)
         for i, state in enumerate(candidates):
             self.by_pool[prefills[state.instance_id].pool].append(i)
@@ -203,7 +220,8 @@ class Simulator:
                     decode_profile,
                     serving.decode_kv_tokens,
                     serving.decode_max_batch,
-                    PrefixCache(serving.decode_cache_tokens // self.block_tokens),
+                    # Read as of now only (telemetry reports its snapshot): no history.
+                    PrefixCache(serving.decode_cache_tokens // self.block_tokens, history_s=0.0),
                     self._decode_finished,
                 )
         pool_users: dict[int, int] = defaultdict(int)
@@ -272,12 +290,8 @@ class Simulator:
         for failure in self.config.failures:
             self.loop.at(failure.at_s, self._fail, failure.instance, failure.node)
         self._next_arrival()
-        thresholds = gc.get_threshold()
-        gc.set_threshold(max(thresholds[0], _GC_YOUNG_THRESHOLD), *thresholds[1:])
-        try:
+        with _cycle_collector_paused():
             self.loop.run()
-        finally:
-            gc.set_threshold(*thresholds)
         wall_s = time.perf_counter() - started
         summary = summarize(
             self.policy_spec.name,
@@ -378,16 +392,15 @@ class Simulator:
         # The core's rule (kvrs.prefill), with W aged by the view's age. Only pools listed
         # under the first block can hit; the others stay cold.
         tokens = request.input_tokens
-        first_block = request.hash_ids[0] if request.hash_ids else None
-        holders = self._pooled_blocks.caches(first_block) if first_block is not None else ()
+        hash_ids = request.hash_ids
+        holders = self._pooled_blocks.caches(hash_ids[0]) if hash_ids else ()
         hits: dict[int, int] = {}
         for pool in holders:
             for i in routing.by_pool.get(pool, ()):
-                resident = candidates[i].resident_blocks
-                if first_block in resident:
-                    hits[i] = prefix_hit_tokens(
-                        request.hash_ids, resident, self.block_tokens, tokens
-                    )
+                blocks = routing.pooled[i].leading(hash_ids)
+                if blocks:
+                    # kvrs.costmodel.prefix_hit_tokens, over the pool as telemetry saw it.
+                    hits[i] = min(blocks * self.block_tokens, tokens)
         index, _ = choose_prefill(
             routing.wait_s - age_s, tokens, self.compute, hits, routing.queue_depth
         )
@@ -620,6 +633,10 @@ class Simulator:
 
     def _close(self, flight: Flight) -> None:
         flight.stage = "done"
+        # A job and a flow point back at their flight (`tag`): unlinking them lets
+        # reference counting free the request's objects instead of the cycle collector.
+        flight.job = None
+        flight.flow = None
         del self.flights[flight.record.index]
         self._on_decode[flight.decode_id].discard(flight)
         if flight.prefill_id:

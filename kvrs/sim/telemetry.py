@@ -151,7 +151,19 @@ class Telemetry:
         tick = self._tick(self.loop.now_s)
         captured = self._captured.get(instance_id)
         if captured is None or captured[0] < tick:
-            self._captured[instance_id] = (tick, self._state(instance_id, self._tick_s(tick)))
+            self._captured[instance_id] = (tick, self._state_at_tick(instance_id, tick))
+
+    def _state_at_tick(self, instance_id: str, tick: int) -> InstanceState:
+        """The instance's state at `tick`, called before its first change since then.
+
+        Decisions build the tick's view early in the tick, so most instances change after
+        it: where that view computed the instance's state itself (rather than carrying it
+        from an older view), its state is the one `_state` would compute again now.
+        """
+        if tick == self._view_tick and instance_id in self._recheck:
+            assert self._view is not None
+            return self._view.instances[instance_id]
+        return self._state(instance_id, self._tick_s(tick))
 
     def _tick_s(self, tick: int) -> float:
         period = self.spec.state_period_s

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrs._columns import Columns
 from kvrs.cluster import ClusterView, InstanceList, InstanceState
 from kvrs.costmodel import CostModel, prefix_hit_tokens, streamed_tail_s
 from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -333,3 +334,25 @@ def test_columns_follow_network_changes() -> None:
     assert NetKv().select(request, view.decode_instances(), cost, 0.0).instance_id == "near"
     cost.network.set_flows({})
     assert NetKv().select(request, view.decode_instances(), cost, 0.0).instance_id == "far"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    blocks=st.lists(st.frozensets(st.integers(0, 7), max_size=8), min_size=1, max_size=6),
+    prefix=st.lists(st.integers(0, 7), min_size=1, max_size=10),
+    prompt_tokens=st.integers(1, 10 * 512),
+)
+def test_prefix_hits_of_columns_match_prefix_hit_tokens(blocks, prefix, prompt_tokens) -> None:
+    """Narrowing level by level, and reading on through the last holder's own blocks,
+    finds each instance's leading hit as a scan of its blocks does."""
+    states = InstanceList(
+        InstanceState(f"d{i}", Role.DECODE, resident_blocks=held) for i, held in enumerate(blocks)
+    )
+    expected = {
+        i: hit
+        for i, state in enumerate(states)
+        if (hit := prefix_hit_tokens(tuple(prefix), state.resident_blocks, 512, prompt_tokens))
+    }
+    columns = Columns.of(states)
+    assert columns.hits(tuple(prefix), prompt_tokens, 512) == expected
+    assert columns.hits(tuple(prefix), prompt_tokens, 512) == expected  # from the caches

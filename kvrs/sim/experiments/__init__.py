@@ -30,7 +30,7 @@ EXPERIMENTS: dict[str, tuple[str, str, str]] = {
 }
 
 
-PARALLEL_EXPERIMENTS = frozenset({"netkv"})
+PARALLEL_EXPERIMENTS = frozenset({"netkv", "rom-goodput", "recovery"})
 """Experiments whose runs are independent, taking `workers=N` to run N at a time."""
 
 

@@ -17,12 +17,21 @@ from typing import Any
 
 from kvrs.cluster import ClusterView, InstanceState
 from kvrs.costmodel import CostModel
-from kvrs.learning import error_stats, fit
+from kvrs.errors import InvalidArgument
+from kvrs.learning import Outcome, error_stats, fit
 from kvrs.model import model_spec
 from kvrs.network import NetworkModel
 from kvrs.recovery import Action, RecoveryRequest, make_recovery_policy
 from kvrs.sim.config import SimConfig
-from kvrs.sim.experiments.common import Output, deep_merge, md_table, run, sim_config, summary_row
+from kvrs.sim.experiments.common import (
+    Output,
+    deep_merge,
+    map_runs,
+    md_table,
+    run,
+    sim_config,
+    summary_row,
+)
 from kvrs.sim.experiments.rom import GOODPUT_DEFAULTS, two_node_topology
 from kvrs.sim.metrics import recovery_outcomes
 from kvrs.sim.trace import SyntheticWorkload, TraceRequest
@@ -110,8 +119,10 @@ def crossover_bandwidth_gbps(
     return math.sqrt(lo * hi)
 
 
-def _singles(p: dict[str, Any], show_progress: bool) -> list[dict[str, Any]]:
-    return [_single({**p, "fail_at_s": at_s}, show_progress) for at_s in p["fail_at_s"]]
+def _singles(p: dict[str, Any], show_progress: bool, workers: int) -> list[dict[str, Any]]:
+    return map_runs(
+        lambda at_s: _single({**p, "fail_at_s": at_s}, show_progress), p["fail_at_s"], workers
+    )
 
 
 def _single(p: dict[str, Any], show_progress: bool) -> dict[str, Any]:
@@ -195,71 +206,115 @@ def _single(p: dict[str, Any], show_progress: bool) -> dict[str, Any]:
     }
 
 
-def _node_failure(p: dict[str, Any], show_progress: bool) -> dict[str, Any]:
+def _node_failure(p: dict[str, Any], show_progress: bool, workers: int) -> dict[str, Any]:
+    """Every variant's run; a variant deciding with margins another one measured
+    (`margins_from`) runs once that one has, the others side by side."""
     requests = SyntheticWorkload(**p["workload"]).generate()
-    results = []
-    outcomes: dict[str, list] = {}
-    for variant in p["variants"]:
-        recovery: dict[str, Any] = {"policy": variant["policy"], "planner": variant["planner"]}
-        margins: dict[str, float] = {}
-        if variant.get("margins_from"):
-            # Replay the earlier run's outcomes: the margins it measured, as a scheduler
-            # fits them from the outcomes routers report.
-            earlier = outcomes[variant["margins_from"]]
-            base = sim_config(p["sim"]).serving.compute()
-            now_s = max((o.at_s for o in earlier), default=0.0)
-            margins = recovery["margins"] = fit(earlier, base, now_s).margins()
-        config = sim_config(
-            deep_merge(
-                p["sim"],
-                {"failures": [{"at_s": p["fail_at_s"], "node": p["node"]}], "recovery": recovery},
-            )
+    variants = p["variants"]
+    sources = _margin_sources(variants)
+    done: dict[int, tuple[dict[str, Any], list[Outcome]]] = {}
+    while len(done) < len(variants):
+        ready = [
+            i
+            for i, source in enumerate(sources)
+            if i not in done and (source is None or source in done)
+        ]
+        jobs = []
+        for i in ready:
+            margins: dict[str, float] = {}
+            source = sources[i]
+            if source is not None:
+                # Replay the earlier run's outcomes: the margins it measured, as a scheduler
+                # fits them from the outcomes routers report.
+                earlier = done[source][1]
+                base = sim_config(p["sim"]).serving.compute()
+                now_s = max((o.at_s for o in earlier), default=0.0)
+                margins = fit(earlier, base, now_s).margins()
+            jobs.append((variants[i], margins))
+        runs = map_runs(
+            lambda job: _node_failure_run(p, requests, job[0], job[1], show_progress), jobs, workers
         )
-        result = run(
-            config, requests, p["placement"], label=variant["name"], show_progress=show_progress
-        )
-        outcomes[variant["name"]] = recovery_outcomes(result.records)
-        errors = error_stats(outcomes[variant["name"]], last_n=len(result.records))
-        recovered = [r for r in result.records if r.recoveries]
-        latencies = sorted(
-            r.recoveries[0].latency_s
-            for r in recovered
-            if not math.isnan(r.recoveries[0].latency_s)
-        )
-        actions: dict[str, int] = {}
-        for r in recovered:
-            actions[r.recoveries[0].action] = actions.get(r.recoveries[0].action, 0) + 1
-        results.append(
-            {
-                "variant": variant,
-                "summary": summary_row(result.summary),
-                "recovered_requests": len(recovered),
-                "actions": actions,
-                "recovery_latency_s": {
-                    "mean": sum(latencies) / len(latencies) if latencies else math.nan,
-                    "p50": latencies[len(latencies) // 2] if latencies else math.nan,
-                    "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
-                    if latencies
-                    else math.nan,
-                    "max": latencies[-1] if latencies else math.nan,
-                },
-                "batches": result.recovery_batches,
-                "margins": margins,
-                "prediction_error": {
-                    kind: {"p50": stats.p50, "p90": stats.p90, "n": stats.samples}
-                    for (kind, term), stats in errors.items()
-                    if term == "total_s"
-                },
-            }
-        )
-    return {"results": results}
+        done.update(zip(ready, runs, strict=True))
+    return {"results": [done[i][0] for i in range(len(variants))]}
 
 
-def run_experiment(params: dict[str, Any], out_dir: Path, show_progress: bool = False) -> dict:
+def _margin_sources(variants: list[dict[str, Any]]) -> list[int | None]:
+    """For each variant, the index of the earlier variant whose margins it decides with."""
+    sources: list[int | None] = []
+    latest: dict[str, int] = {}
+    for i, variant in enumerate(variants):
+        name = variant.get("margins_from")
+        if name and name not in latest:
+            raise InvalidArgument("node_failure.variants", f"no earlier variant named {name!r}")
+        sources.append(latest[name] if name else None)
+        latest[variant["name"]] = i
+    return sources
+
+
+def _node_failure_run(
+    p: dict[str, Any],
+    requests: list[TraceRequest],
+    variant: dict[str, Any],
+    margins: dict[str, float],
+    show_progress: bool,
+) -> tuple[dict[str, Any], list[Outcome]]:
+    """One variant's run: its row of results, and its recovery outcomes."""
+    recovery: dict[str, Any] = {"policy": variant["policy"], "planner": variant["planner"]}
+    if variant.get("margins_from"):
+        recovery["margins"] = margins
+    config = sim_config(
+        deep_merge(
+            p["sim"],
+            {"failures": [{"at_s": p["fail_at_s"], "node": p["node"]}], "recovery": recovery},
+        )
+    )
+    result = run(
+        config, requests, p["placement"], label=variant["name"], show_progress=show_progress
+    )
+    outcomes = recovery_outcomes(result.records)
+    errors = error_stats(outcomes, last_n=len(result.records))
+    recovered = [r for r in result.records if r.recoveries]
+    latencies = sorted(
+        r.recoveries[0].latency_s for r in recovered if not math.isnan(r.recoveries[0].latency_s)
+    )
+    actions: dict[str, int] = {}
+    for r in recovered:
+        actions[r.recoveries[0].action] = actions.get(r.recoveries[0].action, 0) + 1
+    row = {
+        "variant": variant,
+        "summary": summary_row(result.summary),
+        "recovered_requests": len(recovered),
+        "actions": actions,
+        "recovery_latency_s": {
+            "mean": sum(latencies) / len(latencies) if latencies else math.nan,
+            "p50": latencies[len(latencies) // 2] if latencies else math.nan,
+            "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+            if latencies
+            else math.nan,
+            "max": latencies[-1] if latencies else math.nan,
+        },
+        "batches": result.recovery_batches,
+        "margins": margins,
+        "prediction_error": {
+            kind: {"p50": stats.p50, "p90": stats.p90, "n": stats.samples}
+            for (kind, term), stats in errors.items()
+            if term == "total_s"
+        },
+    }
+    return row, outcomes
+
+
+def run_experiment(
+    params: dict[str, Any], out_dir: Path, show_progress: bool = False, workers: int = 1
+) -> dict:
+    """Both parts; `workers` processes run their independent simulations side by side,
+    with the same results for any number of workers (only wall-clock figures differ)."""
     p = deep_merge(DEFAULTS, params)
     out = Output(out_dir, "recovery")
-    singles = _singles(p["single"], show_progress)
-    node = _node_failure(p["node_failure"], show_progress)
+    # Progress bars of parallel runs would overwrite each other.
+    progress = show_progress and workers <= 1
+    singles = _singles(p["single"], progress, workers)
+    node = _node_failure(p["node_failure"], progress, workers)
     data = {
         "experiment": "recovery",
         "parameters": p,

@@ -31,7 +31,15 @@ from kvrs.profile import DecodeProfile, compute_profile
 from kvrs.recovery import RecoveryRequest, make_recovery_policy
 from kvrs.sim.cache import PrefixCache
 from kvrs.sim.engine import EventLoop
-from kvrs.sim.experiments.common import Output, deep_merge, md_table, run, sim_config, summary_row
+from kvrs.sim.experiments.common import (
+    Output,
+    deep_merge,
+    map_runs,
+    md_table,
+    run,
+    sim_config,
+    summary_row,
+)
 from kvrs.sim.flownet import FlowNetwork
 from kvrs.sim.instances import ComputeJob, DecodeInstance
 from kvrs.sim.metrics import goodput_by_bisection
@@ -359,54 +367,20 @@ GOODPUT_DEFAULTS: dict[str, Any] = {
 }
 
 
-def run_goodput(params: dict[str, Any], out_dir: Path, show_progress: bool = False) -> dict:
+def run_goodput(
+    params: dict[str, Any], out_dir: Path, show_progress: bool = False, workers: int = 1
+) -> dict:
+    """Goodput per (skew, policy); `workers` processes run the bisections side by side.
+
+    Each bisection is independent and deterministic, so the results are the same for any
+    number of workers; only `wall_s` differs run to run.
+    """
     p = deep_merge(GOODPUT_DEFAULTS, params)
     out = Output(out_dir, "rom-goodput")
-    rows = []
-    for skew in p["skews"]:
-        sim = deep_merge(
-            p["sim"],
-            {
-                "cluster": {"topology": two_node_topology(p["bandwidth_gbps"])},
-                "serving": {"prefill_weights": {"prefill-0": skew, "prefill-1": 1.0 - skew}},
-            },
-        )
-        config = sim_config(sim)
-        for policy in p["policies"]:
-            at_rate: dict[float, dict] = {}
-
-            def attainment_at(
-                rate: float, policy=policy, config=config, at_rate=at_rate, skew=skew
-            ) -> float:
-                requests = SyntheticWorkload(
-                    requests=int(p["requests"]), rate_per_s=rate, **p["workload"]
-                ).generate()
-                result = run(
-                    config,
-                    requests,
-                    policy,
-                    label=f"skew {skew:.0%} {policy['name']} {rate:.2f}/s",
-                    show_progress=show_progress,
-                )
-                at_rate[rate] = summary_row(result.summary)
-                at_rate[rate]["placed"] = {
-                    k: v for k, v in result.stats.items() if k.startswith("placed_")
-                }
-                return result.summary.slo_attainment
-
-            goodput, probes = goodput_by_bisection(
-                attainment_at, p["low_rate"], p["high_rate"], p["target_attainment"], p["tolerance"]
-            )
-            at_goodput = at_rate.get(goodput, {})
-            rows.append(
-                {
-                    "skew": skew,
-                    "policy": policy["name"],
-                    "goodput_per_s": goodput,
-                    "probes": probes,
-                    "at_goodput": at_goodput,
-                }
-            )
+    # Progress bars of parallel runs would overwrite each other.
+    progress = show_progress and workers <= 1
+    jobs = [(skew, policy) for skew in p["skews"] for policy in p["policies"]]
+    rows = map_runs(lambda job: _goodput_row(p, job[0], job[1], progress), jobs, workers)
     data = {
         "experiment": "rom-goodput",
         "parameters": p,
@@ -472,6 +446,47 @@ def run_goodput(params: dict[str, Any], out_dir: Path, show_progress: bool = Fal
         )
     )
     return data
+
+
+def _goodput_row(
+    p: dict[str, Any], skew: float, policy: dict[str, Any], show_progress: bool
+) -> dict[str, Any]:
+    """The goodput of one policy at one skew, by bisection over the arrival rate."""
+    sim = deep_merge(
+        p["sim"],
+        {
+            "cluster": {"topology": two_node_topology(p["bandwidth_gbps"])},
+            "serving": {"prefill_weights": {"prefill-0": skew, "prefill-1": 1.0 - skew}},
+        },
+    )
+    config = sim_config(sim)
+    at_rate: dict[float, dict] = {}
+
+    def attainment_at(rate: float) -> float:
+        requests = SyntheticWorkload(
+            requests=int(p["requests"]), rate_per_s=rate, **p["workload"]
+        ).generate()
+        result = run(
+            config,
+            requests,
+            policy,
+            label=f"skew {skew:.0%} {policy['name']} {rate:.2f}/s",
+            show_progress=show_progress,
+        )
+        at_rate[rate] = summary_row(result.summary)
+        at_rate[rate]["placed"] = {k: v for k, v in result.stats.items() if k.startswith("placed_")}
+        return result.summary.slo_attainment
+
+    goodput, probes = goodput_by_bisection(
+        attainment_at, p["low_rate"], p["high_rate"], p["target_attainment"], p["tolerance"]
+    )
+    return {
+        "skew": skew,
+        "policy": policy["name"],
+        "goodput_per_s": goodput,
+        "probes": probes,
+        "at_goodput": at_rate.get(goodput, {}),
+    }
 
 
 def _goodput_headline(rows: list[dict]) -> dict[str, Any]:

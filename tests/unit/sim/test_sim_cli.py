@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvrs.cli import main
@@ -61,10 +62,13 @@ def test_a_bad_config_key_is_named(tmp_path, capsys):
     assert "no_such_key" in capsys.readouterr().err
 
 
+WALL_TIME_KEYS = ("wall_s", "plan_wall_s")
+
+
 def _without_wall_time(value):
-    """The value with every `wall_s` (the one figure that differs run to run) removed."""
+    """The value without its wall-clock figures (the only ones that differ run to run)."""
     if isinstance(value, dict):
-        return {k: _without_wall_time(v) for k, v in value.items() if k != "wall_s"}
+        return {k: _without_wall_time(v) for k, v in value.items() if k not in WALL_TIME_KEYS}
     if isinstance(value, list):
         return [_without_wall_time(v) for v in value]
     return value
@@ -98,3 +102,33 @@ def test_netkv_in_parallel_processes_writes_what_a_serial_run_writes(tmp_path):
     assert parallel_md == serial_md
     assert _without_wall_time(parallel) == _without_wall_time(serial)
     assert serial["load"][0]["results"]["netkv"]["wall_s"] > 0
+
+
+SMALL_EXPERIMENTS = {
+    "rom-goodput": {
+        "skews": [0.6, 0.9],
+        "requests": 60,
+        "tolerance": 1.0,
+        "policies": [
+            {"name": "static", "policy": "least_loaded", "candidates": "same_node"},
+            {"name": "kvrs", "policy": "kvrs", "mode": "recovery", "network_view": "live"},
+        ],
+    },
+    "recovery": {
+        "single": {"bandwidth_factors": [0.5, 2.0]},
+        "node_failure": {"fail_at_s": 3.0, "workload": {"requests": 200}},
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_EXPERIMENTS))
+def test_experiments_in_parallel_processes_write_what_a_serial_run_writes(tmp_path, name):
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(SMALL_EXPERIMENTS[name]))
+    outputs = {}
+    for jobs in ("1", "2"):
+        out = tmp_path / f"j{jobs}"
+        argv = ["sim", name, "--config", str(config), "--out", str(out), "--no-progress"]
+        assert main([*argv, "-j", jobs]) == 0
+        outputs[jobs] = json.loads((out / f"{name}.json").read_text())
+    assert _without_wall_time(outputs["2"]) == _without_wall_time(outputs["1"])

@@ -161,6 +161,22 @@ def test_prefix_cache_is_lru_and_remembers_the_past():
     assert 4 in cache.as_of(2.0) and 2 not in cache.as_of(2.0)
 
 
+def test_leading_blocks_of_a_past_view_match_membership_at_that_time():
+    rng = np.random.default_rng(7)
+    cache = PrefixCache(6)
+    views = []
+    for step in range(40):
+        now_s = step * 0.5
+        cache.insert([int(b) for b in rng.integers(0, 12, size=4)], now_s)
+        views.append(cache.as_of(now_s - 0.25 * int(rng.integers(0, 3))))
+        for view in views[-4:]:
+            blocks = [int(b) for b in rng.integers(0, 12, size=5)]
+            by_membership = next(
+                (i for i, block in enumerate(blocks) if block not in view), len(blocks)
+            )
+            assert view.leading(blocks) == by_membership
+
+
 def test_goodput_bisection_finds_the_threshold():
     rate, probes = goodput_by_bisection(
         lambda r: 1.0 if r <= 7.3 else 0.5, 1.0, 4.0, tolerance=0.05

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from kvrs.errors import InvalidArgument
 from kvrs.sim.config import PolicySpec, SimConfig
 from kvrs.sim.metrics import ABORTED, COMPLETED
-from kvrs.sim.simulator import run_policy
+from kvrs.sim.simulator import Simulator, run_policy
 from kvrs.sim.trace import SyntheticWorkload, load_mooncake, scale_arrivals
 
 SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
@@ -103,6 +104,30 @@ def test_every_request_ends_completed_or_aborted_through_failures(planner, polic
     assert result.stats["failed_instances"] == len(dead) == 6
     # Nothing finishes on a dead decode instance after the failures.
     assert not {r.decode_id for r in result.records if r.finish_s > 7.0} & dead
+
+
+@pytest.mark.parametrize("planner,policy", [("batch", "kvrs"), ("per_request", "rom")])
+def test_a_run_makes_no_reference_cycles(planner, policy):
+    """Runs pause the cycle collector, so what a run drops must be freed by reference
+    counting; a cycle made per request would be held to the end of a long run."""
+    config = SimConfig.from_dict(
+        {
+            "cluster": {"layout": "segregated"},
+            "background": {"utilisation": 0.3},
+            "failures": [{"at_s": 4.0, "node": "n2"}, {"at_s": 6.0, "instance": "prefill-0"}],
+            "recovery": {"policy": policy, "planner": planner},
+        }
+    )
+    run_policy(config, _busy_chat(40), KVRS)  # modules imported on first use leave cycles
+    simulator = Simulator(config, _busy_chat(), KVRS)  # itself a cycle: kept alive
+    gc.collect()
+    gc.disable()  # nothing collected behind the test's back
+    try:
+        result = simulator.run()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+    assert result.stats["recovery_recompute"] + result.stats.get("recovery_migrate", 0) > 0
 
 
 def test_a_recovery_deadline_aborts_early_and_still_conserves():
