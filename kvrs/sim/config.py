@@ -126,6 +126,8 @@ class ServingSpec:
     decode_max_batch: int = 256
     decode_cache_tokens: int = 500_000  # prefix blocks a decode instance keeps
     transfer_overlap: float = 0.0  # share of the KV already sent when prefill ends
+    layerwise_streaming: bool = False  # decode chosen as the prefill starts, KV streamed
+    early_placement: bool = False  # decode chosen as the prefill starts, KV sent after it
     prefill_router: str = "cache_aware"
     prefill_weights: Mapping[str, float] | None = None  # "weighted": share per prefill
 

@@ -31,13 +31,15 @@ def _ignore(instance_id: str) -> None:
 
 
 class PrefillJob:
-    """Prompt tokens to turn into KV on a prefill instance; `on_done(job)` at batch end."""
+    """Prompt tokens to turn into KV on a prefill instance; `on_start(job, end_s)` when
+    its batch starts (if set), `on_done(job)` at batch end."""
 
     __slots__ = (
         "record",
         "tokens",
         "hash_ids",
         "on_done",
+        "on_start",
         "hit_tokens",
         "estimate_s",
         "started_s",
@@ -52,11 +54,13 @@ class PrefillJob:
         hash_ids: Sequence[int],
         on_done: Callable[[PrefillJob], Any],
         tag: Any = None,
+        on_start: Callable[[PrefillJob, float], Any] | None = None,
     ) -> None:
         self.record = record
         self.tokens = tokens
         self.hash_ids = hash_ids
         self.on_done = on_done
+        self.on_start = on_start
         self.hit_tokens = 0
         self.estimate_s = 0.0
         self.started_s = math.nan
@@ -142,6 +146,9 @@ class PrefillInstance:
         self.busy_until_s = now_s + duration_s
         self.busy_s += duration_s
         self._handle = self.loop.at(self.busy_until_s, self._end_batch)
+        for job in batch:
+            if job.on_start is not None:
+                job.on_start(job, self.busy_until_s)
 
     def _end_batch(self) -> None:
         self._handle = 0

@@ -108,6 +108,10 @@ class Flight:
         "epoch",
         "recovery",
         "pending_parts",
+        "streamed",
+        "prefill_ends_s",
+        "first_layer_s",
+        "tail_s",
     )
 
     def __init__(self, request: TraceRequest, record: RequestRecord) -> None:
@@ -125,6 +129,12 @@ class Flight:
         self.epoch = 0
         self.recovery: RecoveryRecord | None = None
         self.pending_parts = 0  # HYBRID: transfer and recompute both must finish
+        # Layer-wise streaming: placed as its prefill starts, the KV leaves layer by
+        # layer (the first at `first_layer_s`) and lands the tail after `prefill_ends_s`.
+        self.streamed = False
+        self.prefill_ends_s = math.nan
+        self.first_layer_s = math.nan
+        self.tail_s = math.nan  # what is left after the prefill, once the KV has crossed
 
 
 class _PrefillRouting:
@@ -361,6 +371,7 @@ class Simulator:
             request.hash_ids,
             partial(self._prefilled, flight.epoch),
             tag=flight,
+            on_start=self._prefill_started if self._streaming else None,
         )
         prefill.submit(flight.job)
 
@@ -419,6 +430,23 @@ class Simulator:
             )
         return self.prefills[candidates[index].instance_id]
 
+    def _prefill_started(self, job: PrefillJob, end_s: float) -> None:
+        """The decode instance is chosen as the prefill starts (what the service's router
+        does); with layer-wise streaming the KV leaves layer by layer while the prefill
+        computes it, else once it has ended."""
+        flight: Flight = job.tag
+        if flight.job is not job or flight.stage != "prefill":
+            return
+        now_s = self.loop.now_s
+        flight.streamed = True
+        flight.prefill_id = job.prefill_id
+        flight.prefill_ends_s = end_s
+        flight.first_layer_s = end_s
+        if self.config.serving.layerwise_streaming:
+            flight.first_layer_s = now_s + (end_s - now_s) / self.model.layers
+        flight.tail_s = math.nan
+        self._place(flight)
+
     def _prefilled(self, epoch: int, job: PrefillJob) -> None:
         flight: Flight = job.tag
         if flight.epoch != epoch or flight.stage == "done":
@@ -431,7 +459,21 @@ class Simulator:
             record.prefill_id = prefill_id
             record.prefix_hit_tokens = job.hit_tokens
         self._hold_kv(flight, prefill_id)
-        self._place(flight)
+        if not flight.streamed:
+            self._place(flight)
+        elif flight.stage == "placing":
+            # No decode instance had room yet: it is placed, as any, when one has.
+            flight.streamed = False
+        elif flight.stage == "streamed":
+            # The KV crossed while it prefilled: only the last layer's part is left.
+            self.loop.after(flight.tail_s, self._streamed_in, flight, flight.epoch)
+
+    @property
+    def _streaming(self) -> bool:
+        """Whether a decode instance is chosen as the prefill starts (see `_prefill_started`)."""
+        serving = self.config.serving
+        early = serving.layerwise_streaming or serving.early_placement
+        return early and self.policy_spec.mode == "placement"
 
     def _hold_kv(self, flight: Flight, prefill_id: str) -> None:
         if flight.prefill_id:
@@ -460,10 +502,17 @@ class Simulator:
             node = self.node_of[flight.prefill_id]
             candidates = [s for s in candidates if self.node_of[s.instance_id] == node]
         cost = self._cost(self.policy_spec.network_view)
+        stream_prefill_s = 0.0
+        if flight.streamed and self.config.serving.layerwise_streaming:
+            stream_prefill_s = max(0.0, flight.prefill_ends_s - now_s)
         try:
             placement = self.placement.select(  # type: ignore[union-attr]
                 PlacementRequest(
-                    str(request.index), flight.prefill_id, request.input_tokens, request.hash_ids
+                    str(request.index),
+                    flight.prefill_id,
+                    request.input_tokens,
+                    request.hash_ids,
+                    stream_prefill_s,
                 ),
                 candidates,
                 cost,
@@ -565,6 +614,20 @@ class Simulator:
         flight.memory_state = "granted"
         if flight.epoch != epoch:
             return
+        if flight.streamed and self.loop.now_s < flight.first_layer_s:
+            # Nothing to send before the prefill has computed the first layer.
+            self.loop.at(
+                flight.first_layer_s,
+                self._memory_granted,
+                flight,
+                epoch,
+                source_id,
+                kv_tokens,
+                use_hits,
+                then,
+                migration,
+            )
+            return
         decode = self.decodes[flight.decode_id]
         record = flight.record
         hit = 0
@@ -597,9 +660,28 @@ class Simulator:
         flight.flow = None
         if migration:
             self._release_slot(flight)
+        if flight.streamed:
+            # Its last layer could not leave before the prefill computed it: the KV is in
+            # once the prefill has ended and that layer crossed (at the flow's mean rate).
+            tail_s = (self.loop.now_s - flow.started_s) / self.model.layers
+            if not flight.source_kv:
+                flight.tail_s, flight.stage = tail_s, "streamed"
+                return
+            left_s = flight.record.prefill_end_s + tail_s - self.loop.now_s
+            if left_s > 0:
+                self.loop.after(left_s, self._streamed_in, flight, epoch)
+                return
         if math.isnan(flight.record.transfer_end_s):
             flight.record.transfer_end_s = self.loop.now_s
         then(flight)
+
+    def _streamed_in(self, flight: Flight, epoch: int) -> None:
+        """A streamed KV is in: its tail has crossed after the prefill."""
+        if flight.epoch != epoch:
+            return
+        if math.isnan(flight.record.transfer_end_s):
+            flight.record.transfer_end_s = self.loop.now_s
+        self._admit(flight)
 
     def _admit(self, flight: Flight) -> None:
         request, record = flight.request, flight.record
@@ -684,6 +766,10 @@ class Simulator:
                         continue  # work it no longer waits for
                     if flight.stage == "prefill":
                         reroute.append(flight)
+                    elif flight.streamed and not flight.source_kv:
+                        # Placed as it prefilled, on KV now lost: the prompt starts over.
+                        self._withdraw(flight)
+                        reroute.append(flight)
                     else:
                         affected[flight.record.index] = flight
                 for flight in list(self._held_at.pop(dead, ())):
@@ -694,9 +780,13 @@ class Simulator:
             if dead in self.decodes:
                 self.decodes[dead].fail()
                 for flight in list(self._on_decode.pop(dead, ())):
-                    affected[flight.record.index] = flight
+                    if flight.streamed and not flight.source_kv and flight.stage != "done":
+                        self._unplace(flight)
+                    else:
+                        affected[flight.record.index] = flight
         for flight in reroute:
             flight.epoch += 1
+            flight.streamed = False
             self.stats["prefill_rerouted"] += 1
             self._submit_prefill(flight)
         flights = [f for _, f in sorted(affected.items()) if f.stage != "done"]
@@ -704,6 +794,16 @@ class Simulator:
             self._withdraw(flight)
         if flights:
             self.loop.after(self.config.recovery.detection_s, self._recover, flights, failed_at_s)
+
+    def _unplace(self, flight: Flight) -> None:
+        """Its decode instance died while its prompt still prefilled: nothing is lost but
+        the placement, so it is placed again, as any, once the prefill ends."""
+        self._withdraw(flight)
+        flight.stage = "prefill"
+        flight.streamed = False
+        assert flight.job is not None, "a flight streaming under a prefill has its job"
+        flight.job.on_done = partial(self._prefilled, flight.epoch)
+        self.stats["streams_unplaced"] += 1
 
     def _withdraw(self, flight: Flight) -> None:
         """Cancel whatever the flight was waiting for; it is about to be re-planned."""

@@ -8,7 +8,10 @@ as of the last sample); kvrs, the core's `Kvrs` policy: the same link samples we
 their age against each link's rate of change, the KV flows the control plane itself
 started counted live, a bounded decode-load term, and prefill chosen with the decode side
 in view. Sweeps: load scale × background
-utilisation, context caps, telemetry staleness, and the segregated layout.
+utilisation, context caps, telemetry staleness, the segregated layout, and the KV hand-off:
+the decode instance chosen once the prefill has ended (what the other sweeps do), chosen
+as it starts with the KV sent after it (the service's router without streaming), and
+chosen as it starts with the KV streamed layer by layer under it (layer-wise streaming).
 """
 
 from __future__ import annotations
@@ -61,9 +64,27 @@ DEFAULTS: dict[str, Any] = {
         "policies": ["netkv", "kvrs"],
     },
     "segregated": {"rate_scales": [0.5, 1.0], "background_levels": [0.0, 0.3]},
+    "handoff": {
+        # (rate scale, background, layout)
+        "scenarios": [
+            [1.0, 0.0, "interleaved"],
+            [1.0, 0.3, "interleaved"],
+            [1.0, 0.3, "segregated"],
+        ],
+        "modes": ["after_prefill", "early", "streamed"],
+        "policies": ["round_robin", "netkv", "kvrs"],
+    },
     "ttft_slos_s": [2.0, 5.0, 10.0, 30.0],
     "attainment_scenarios": [[1.0, 0.0], [1.0, 0.3], [2.0, 0.6]],  # (rate scale, background)
 }
+
+
+HANDOFF_MODES: dict[str, dict[str, bool]] = {
+    "after_prefill": {},
+    "early": {"early_placement": True},
+    "streamed": {"layerwise_streaming": True},
+}
+"""The `serving` settings of each KV hand-off mode of the `handoff` sweep."""
 
 
 def run_experiment(
@@ -90,6 +111,8 @@ def run_experiment(
             extra["cluster"] = {"layout": rate_bg_layout["layout"]}
         if "link_period_s" in rate_bg_layout:
             extra["telemetry"] = {"link_period_s": rate_bg_layout["link_period_s"]}
+        if "handoff" in rate_bg_layout:
+            extra["serving"] = HANDOFF_MODES[rate_bg_layout["handoff"]]
         return sim_config(deep_merge(base, extra))
 
     def one(job: tuple[str, dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
@@ -184,6 +207,15 @@ def run_experiment(
             names,
         ),
     }
+    handoff = p["handoff"]
+    sweeps["handoff"] = (
+        [
+            {"rate_scale": rate, "background": background, "layout": layout, "handoff": mode}
+            for rate, background, layout in handoff["scenarios"]
+            for mode in handoff["modes"]
+        ],
+        [n for n in handoff["policies"] if n in policies],
+    )
     jobs = [
         (kind, scenario, policies[n])
         for kind, (scenarios, run_names) in sweeps.items()
@@ -199,6 +231,7 @@ def run_experiment(
         ]
     load_rows, context_rows = rows["load"], rows["context"]
     staleness_rows, segregated_rows = rows["staleness"], rows["segregated"]
+    handoff_rows = rows["handoff"]
 
     data = {
         "experiment": "netkv",
@@ -211,6 +244,7 @@ def run_experiment(
         "context": context_rows,
         "staleness": staleness_rows,
         "segregated": segregated_rows,
+        "handoff": handoff_rows,
         "headline": _headline(load_rows + context_rows + segregated_rows, slos),
     }
     out.write_json(data)
@@ -419,9 +453,46 @@ def _markdown(data: dict, names: list[str], out: Output) -> str:
                 ],
             ),
         ]
+    if data.get("handoff"):
+        parts += ["## KV hand-off", _handoff_table(data["handoff"])]
     parts += ["## Headline", "```", _dump(data["headline"]), "```"]
     parts += [f"![{f.stem}]({f.name})" for f in out.figures]
     return "\n\n".join(parts)
+
+
+def _handoff_table(rows: list[dict]) -> str:
+    """Mean / p99 TTFT and SLO attainment per scenario, policy and hand-off mode, and each
+    mode's mean TTFT against the decision made after the prefill."""
+    after: dict[tuple, dict] = {}
+    for r in rows:
+        sc = r["scenario"]
+        if sc["handoff"] == "after_prefill":
+            after[(sc["rate_scale"], sc["background"], sc["layout"])] = r["results"]
+    table = []
+    for r in rows:
+        sc = r["scenario"]
+        base = after.get((sc["rate_scale"], sc["background"], sc["layout"]), {})
+        for name, result in r["results"].items():
+            ttft = result["ttft_s"]
+            vs = (
+                pct_change(ttft["mean"], base[name]["ttft_s"]["mean"]) if name in base else math.nan
+            )
+            table.append(
+                [
+                    sc["layout"],
+                    sc["background"],
+                    sc["rate_scale"],
+                    name,
+                    sc["handoff"],
+                    ttft["mean"],
+                    ttft["p99"],
+                    result["slo_attainment"],
+                    vs,
+                ]
+            )
+    head = ["layout", "background", "rate_scale", "policy", "hand-off"]
+    head += ["TTFT mean (s)", "TTFT p99 (s)", "SLO", "vs after_prefill %"]
+    return md_table(head, table)
 
 
 def _dump(value: Any) -> str:
