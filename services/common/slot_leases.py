@@ -87,6 +87,16 @@ local function purge(now)
   end
   return #expired
 end
+-- Makes `lease_id` the lease of migrating `request_id` over `link` until `expires`.
+local function grant(lease_id, request_id, holder_id, src, dst, link, expires)
+  redis.call('HSET', ARGV[1] .. 'lease:' .. lease_id, 'request_id', request_id,
+    'holder_id', holder_id, 'src_instance_id', src, 'dst_instance_id', dst, 'link', link,
+    'expires_unix_ms', expires)
+  redis.call('ZADD', KEYS[1], expires, lease_id)
+  redis.call('HINCRBY', KEYS[2], link, 1)
+  redis.call('SET', ARGV[1] .. 'request:' .. request_id, lease_id)
+  redis.call('HINCRBY', KEYS[3], 'granted', 1)
+end
 -- Leases a migration holds: every lease but the spares.
 local function migrating()
   return redis.call('ZCARD', KEYS[1]) - redis.call('SCARD', KEYS[5])
@@ -132,8 +142,7 @@ local function deny(cap_name, in_use, cap)
   redis.call('HINCRBY', KEYS[3], 'denied', 1)
   return {'denied', cap_name, in_use, cap}
 end
-local request = ARGV[1] .. 'request:' .. request_id
-local existing = redis.call('GET', request)
+local existing = redis.call('GET', ARGV[1] .. 'request:' .. request_id)
 if existing then
   -- Same link: a retry, from this holder or from another replica after a lost reply.
   if redis.call('HGET', ARGV[1] .. 'lease:' .. existing, 'link') == link then
@@ -157,14 +166,7 @@ if link_cap > 0 then
   end
 end
 local lease_id = ARGV[8]
-local expires = now + ttl_ms
-redis.call('HSET', ARGV[1] .. 'lease:' .. lease_id, 'request_id', request_id,
-  'holder_id', holder_id, 'src_instance_id', src, 'dst_instance_id', dst, 'link', link,
-  'expires_unix_ms', expires)
-redis.call('ZADD', KEYS[1], expires, lease_id)
-redis.call('HINCRBY', KEYS[2], link, 1)
-redis.call('SET', request, lease_id)
-redis.call('HINCRBY', KEYS[3], 'granted', 1)
+grant(lease_id, request_id, holder_id, src, dst, link, now + ttl_ms)
 local reply = lease_reply('granted', lease_id, migrating())
 table.insert(reply, cluster_cap)
 return reply
@@ -227,8 +229,7 @@ purge(now)
 if redis.call('SREM', KEYS[5], lease_id) == 0 then
   return {'missing'}
 end
-local request = ARGV[1] .. 'request:' .. request_id
-local existing = redis.call('GET', request)
+local existing = redis.call('GET', ARGV[1] .. 'request:' .. request_id)
 if existing and existing ~= lease_id then
   -- An earlier lease of the request (a retry that was answered twice, or a previous
   -- recovery's): the migration now runs under this one.
@@ -239,14 +240,8 @@ local ttl_ms = tonumber(ARGV[7])
 if ttl_ms == 0 then
   ttl_ms = tonumber(redis.call('HGET', KEYS[4], 'default_ttl_ms') or '10000')
 end
-local expires = now + ttl_ms
-redis.call('HSET', ARGV[1] .. 'lease:' .. lease_id, 'request_id', request_id,
-  'src_instance_id', ARGV[4], 'dst_instance_id', ARGV[5], 'link', link,
-  'expires_unix_ms', expires)
-redis.call('ZADD', KEYS[1], expires, lease_id)
-redis.call('HINCRBY', KEYS[2], link, 1)
-redis.call('SET', request, lease_id)
-redis.call('HINCRBY', KEYS[3], 'granted', 1)
+local holder_id = redis.call('HGET', ARGV[1] .. 'lease:' .. lease_id, 'holder_id')
+grant(lease_id, request_id, holder_id, ARGV[4], ARGV[5], link, now + ttl_ms)
 local reply = lease_reply('claimed', lease_id, migrating())
 local next_id = ARGV[10]
 if next_id ~= '' and spare(ARGV[8], tonumber(ARGV[9]), next_id, now) then

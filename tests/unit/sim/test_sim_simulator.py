@@ -12,7 +12,8 @@ from kvrs.errors import InvalidArgument
 from kvrs.sim.config import PolicySpec, SimConfig
 from kvrs.sim.metrics import ABORTED, COMPLETED
 from kvrs.sim.simulator import Simulator, run_policy
-from kvrs.sim.trace import SyntheticWorkload, load_mooncake, scale_arrivals
+from kvrs.sim.trace import load_mooncake, scale_arrivals
+from tests.unit.sim.workloads import busy_chat
 
 SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
 NETKV = PolicySpec("netkv", "netkv")
@@ -50,20 +51,6 @@ def test_same_seed_same_run_even_with_background_and_failures():
     assert _fingerprint(other_seed) != _fingerprint(first)
 
 
-def _busy_chat(requests: int = 300, rate: float = 30.0):
-    return SyntheticWorkload(
-        requests=requests,
-        rate_per_s=rate,
-        input_median_tokens=2000.0,
-        input_sigma=0.5,
-        output_median_tokens=300.0,
-        output_sigma=0.3,
-        continue_prob=0.0,
-        system_prompt_prob=0.0,
-        seed=1,
-    ).generate()
-
-
 @pytest.mark.parametrize(
     "planner,policy",
     [
@@ -74,7 +61,7 @@ def _busy_chat(requests: int = 300, rate: float = 30.0):
     ],
 )
 def test_every_request_ends_completed_or_aborted_through_failures(planner, policy):
-    requests = _busy_chat()
+    requests = busy_chat()
     config = SimConfig.from_dict(
         {
             "cluster": {"layout": "segregated"},
@@ -118,8 +105,8 @@ def test_a_run_makes_no_reference_cycles(planner, policy):
             "recovery": {"policy": policy, "planner": planner},
         }
     )
-    run_policy(config, _busy_chat(40), KVRS)  # modules imported on first use leave cycles
-    simulator = Simulator(config, _busy_chat(), KVRS)  # itself a cycle: kept alive
+    run_policy(config, busy_chat(40), KVRS)  # modules imported on first use leave cycles
+    simulator = Simulator(config, busy_chat(), KVRS)  # itself a cycle: kept alive
     gc.collect()
     gc.disable()  # nothing collected behind the test's back
     try:
@@ -131,7 +118,7 @@ def test_a_run_makes_no_reference_cycles(planner, policy):
 
 
 def test_a_recovery_deadline_aborts_early_and_still_conserves():
-    requests = _busy_chat()
+    requests = busy_chat()
     config = SimConfig.from_dict(
         {
             "cluster": {"layout": "segregated"},
@@ -147,7 +134,7 @@ def test_a_recovery_deadline_aborts_early_and_still_conserves():
 
 
 def test_batch_plan_spreads_a_node_failure_and_shares_links():
-    requests = _busy_chat(400, 40.0)
+    requests = busy_chat(400, 40.0)
     results = {}
     for planner, policy in (("per_request", "rom"), ("batch", "kvrs")):
         config = SimConfig.from_dict(

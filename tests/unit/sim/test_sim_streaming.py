@@ -12,10 +12,12 @@ from kvrs.costmodel import streamed_tail_s
 from kvrs.sim.config import PolicySpec, SimConfig
 from kvrs.sim.metrics import COMPLETED
 from kvrs.sim.simulator import run_policy
-from kvrs.sim.trace import SyntheticWorkload, TraceRequest
+from kvrs.sim.trace import TraceRequest
+from tests.unit.sim.workloads import busy_chat
 
 NETKV = PolicySpec("netkv", "netkv")
 STREAMED = {"serving": {"layerwise_streaming": True}}
+LONG_PROMPTS = busy_chat(200, 20.0, input_tokens=8000.0, seed=3)
 
 
 def _one_request(input_tokens: int) -> list[TraceRequest]:
@@ -54,23 +56,13 @@ def test_a_streamed_kv_lands_what_the_prefill_leaves_of_its_transfer(gbps):
     assert streamed.first_token_s < after.first_token_s
 
 
-def _chat():
-    return SyntheticWorkload(
-        requests=200,
-        rate_per_s=20.0,
-        input_median_tokens=8000.0,
-        input_sigma=0.3,
-        output_median_tokens=100.0,
-        output_sigma=0.3,
-        continue_prob=0.0,
-        system_prompt_prob=0.0,
-        seed=3,
-    ).generate()
-
-
 def test_a_decode_instance_lost_under_a_streaming_prefill_costs_only_its_placement():
     failures = {"failures": [{"at_s": 2.0, "instance": "decode-3"}]}
-    result = run_policy(SimConfig.from_dict({**STREAMED, **failures}), _chat(), NETKV)
+    result = run_policy(
+        SimConfig.from_dict({**STREAMED, **failures}),
+        busy_chat(200, 20.0, input_tokens=8000.0, seed=3),
+        NETKV,
+    )
     summary = result.summary
     assert summary.lost == 0 and summary.completed == summary.requests
     # Those placed there while still prefilling were placed again once their prefill
@@ -83,7 +75,11 @@ def test_a_decode_instance_lost_under_a_streaming_prefill_costs_only_its_placeme
 
 def test_a_prefill_lost_under_its_stream_starts_the_prompt_over():
     failures = {"failures": [{"at_s": 2.0, "instance": "prefill-1"}]}
-    result = run_policy(SimConfig.from_dict({**STREAMED, **failures}), _chat(), NETKV)
+    result = run_policy(
+        SimConfig.from_dict({**STREAMED, **failures}),
+        busy_chat(200, 20.0, input_tokens=8000.0, seed=3),
+        NETKV,
+    )
     assert result.summary.lost == 0
     assert result.summary.completed == result.summary.requests
     assert result.stats["prefill_rerouted"] > 0
