@@ -70,10 +70,6 @@ class RedisSlots:
         self._claims: set[asyncio.Task] = set()
         self._reserving = False
 
-    @property
-    def spares_held(self) -> int:
-        return len(self._spares)
-
     async def reserve(self, request_id: str, src_id: str, dst_id: str) -> Lease:
         spare = self._take_spare()
         if spare is not None:

@@ -267,10 +267,6 @@ class KvCache:
         return self.pool.layers
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.pool.dtype
-
-    @property
     def capacity_tokens(self) -> int:
         return len(self.blocks) * self.block_tokens
 
