@@ -209,6 +209,20 @@ def test_kvrs_chooses_the_prefill_with_the_decode_side_in_view():
         policy.choose_prefill(request, options, 2, full_near, cost, 0.0)
 
 
+def test_kvrs_chooses_the_prefill_by_the_decode_sides_paths_not_its_queues():
+    """A decode queue seen now says nothing of the queue when the prefill ends: near's
+    3 s queue does not send the prefill to q, whose path to an idle 'far' looks better
+    only by that queue; a full 'near' (no room) does."""
+    cost = CostModel(MODEL, compute_profile("opt-13b"), NetworkModel(fat_tree()))
+    request = PlacementRequest("r", "p", prompt_tokens=8192)
+    policy = Kvrs(joint_margin=0.0)
+    options = [("p", 0.05), ("q", 0.06)]
+    busy_near = decodes(near={"wait_s": 3.0})
+    assert policy.choose_prefill(request, options, 0, busy_near, cost, 0.0) == 0
+    full_near = decodes(near={"free_kv_tokens": 0})
+    assert policy.choose_prefill(request, options, 0, full_near, cost, 0.0) == 1
+
+
 def test_kvrs_parameters_are_checked_and_named():
     assert make_placement_policy("kvrs").name == "kvrs"
     for name, value in (
