@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import grpc
 import pytest
@@ -23,6 +24,7 @@ from kvrs.v1 import (
 )
 from services.common.redis_store import Keys
 from services.scheduler.outcomes import OutcomeLog
+from services.worker.paged_kv import FillProgress
 from tests.services.router_plane import WORKERS, Plane
 from tests.tiny_reference import reference
 
@@ -134,6 +136,55 @@ async def test_kv_streamed_under_the_prefill_or_pulled_after_it_gives_the_same_t
         if streamed:
             assert outcome.measured.setup_s == 0.0 and outcome.predicted.setup_s == 0.0
         for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+            assert await cluster.resident_requests(name) == 0
+    finally:
+        await cluster.stop()
+
+
+async def test_a_decode_worker_lost_while_the_kv_streams_under_the_prefill_is_recovered(
+    redis_url, redis_prefix, monkeypatch
+):
+    """decode-0 goes away after the prefill has written its first layer and while decode-0
+    receives the KV layer by layer; the request still streams the reference tokens, from a
+    recovery, and no worker keeps its KV."""
+    first_layer_written = threading.Event()
+    resume = threading.Event()
+    advance = FillProgress.advance
+
+    def advance_then_hold(self: FillProgress, layer: int, end: int) -> None:
+        advance(self, layer, end)
+        if layer == 0 and not resume.is_set():
+            # The prefill's compute thread stops between its first and second layer.
+            first_layer_written.set()
+            resume.wait(30.0)
+
+    monkeypatch.setattr(FillProgress, "advance", advance_then_hold)
+    cluster = Plane(redis_url, redis_prefix)
+    await cluster.start(stream_kv=True, stream_kv_min_tokens=len(PROMPT))
+    try:
+        request = generate("r-lost-streaming", decode_instance_id="decode-0")
+        task = asyncio.create_task(collect(router(cluster), request))
+        try:
+            assert await asyncio.to_thread(first_layer_written.wait, 30.0)
+            # decode-0 holds the request's entry from the moment its pull begins.
+            deadline = asyncio.get_running_loop().time() + 10.0
+            while await cluster.resident_requests("decode-0") == 0:
+                assert asyncio.get_running_loop().time() < deadline, "decode-0 never pulled"
+                await asyncio.sleep(0.01)
+            await cluster.handles.pop("decode-0").stop(0)
+        finally:
+            resume.set()
+        tokens, summary, error = await task
+        assert error is None
+        assert tokens == reference(PROMPT, 24)
+        (recovery,) = summary.recoveries
+        assert recovery.failed_instance_id == "decode-0"
+        assert recovery.succeeded
+        assert recovery.generated_tokens == 1
+        assert recovery.target_instance_id == "decode-1"
+        pulls = [s for s in cluster.exporter.get_finished_spans() if s.name == "router.pull_kv"]
+        assert any(s.attributes["kvrs.transfer.streamed"] for s in pulls)
+        for name in ("prefill-0", "prefill-1", "decode-1"):
             assert await cluster.resident_requests(name) == 0
     finally:
         await cluster.stop()
