@@ -16,9 +16,12 @@ transfers taking x_j each alone, started at once, transfer i ends after Σ_j min
 The x_j are the times alone on the path: the re-costed times already share the links, and
 summing those would count the sharing twice. A transfer ends after the longer of the two,
 its share of the target and its share of the links. Their
-extends then join the target's batched forward passes: one pass over all of them,
-`ComputeProfile.batch_s`. RECOMPUTE's prefills share a batched pass on their prefill
-instance first.
+extends then join the target's batched forward passes (`ComputeProfile.batch_s`), and
+RECOMPUTE's prefills their prefill instance's, before that. An instance that reports its
+token budget per pass runs them as its loop will (`kvrs.passes`): in the order their KV
+arrives, in passes of at most that many tokens beside its running streams, so the
+recoveries end one pass after another. One that reports none is priced as running them
+all in one pass.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from dataclasses import dataclass
 
 from kvrs._columns import WaitPlan
 from kvrs._pathmatrix import FlowPlan
-from kvrs.cluster import ClusterView
+from kvrs.cluster import ClusterView, InstanceState
 from kvrs.costmodel import CostModel
 from kvrs.errors import InvalidArgument
+from kvrs.passes import pass_ends_s
 from kvrs.recovery import (
     Action,
     OptionCost,
@@ -123,15 +127,14 @@ def _shared(
     """Every decision priced with its instances shared by the plan's other recoveries
     (see the module docstring): W(x) as reported plus its share of the plan's work."""
     # Per decision: its transfer's time on the target (HYBRID: the longer of the transfer
-    # and the recomputed prefix), and the forward-pass segments (cached, new) it adds to
-    # its target's and, for RECOMPUTE, its prefill instance's next batched pass.
+    # and the recomputed prefix), and the forward-pass segment (cached, new) it adds to
+    # its target's and, for RECOMPUTE, its prefill instance's work.
     moved: dict[int, float] = {}
     alone: dict[int, float] = {}
     own_ext: dict[int, float] = {}
+    segment: dict[int, tuple[int, int]] = {}
     on_target: dict[str, list[int]] = {}
     on_source: dict[str, list[int]] = {}
-    extends: dict[str, list[tuple[int, int]]] = {}
-    prefills: dict[str, list[tuple[int, int]]] = {}
     for i, decision in enumerate(decisions):
         if decision.action not in _MOVES_KV:
             continue
@@ -143,46 +146,43 @@ def _shared(
         if decision.action is Action.RECOMPUTE:
             context = request.prompt_tokens + request.generated_tokens
             on_source.setdefault(decision.source_id, []).append(i)
-            prefills.setdefault(decision.source_id, []).append((0, context))
-            segment = (max(0, context - 1), 1)
+            segment[i] = (max(0, context - 1), 1)
         else:
-            segment = (request.prompt_tokens, request.generated_tokens)
+            segment[i] = (request.prompt_tokens, request.generated_tokens)
             if decision.action is Action.HYBRID:
                 prefix_s = cost.prefill_s(decision.split_tokens)
                 moved_s, alone_s = max(prefix_s, moved_s), max(prefix_s, alone_s)
         moved[i] = moved_s
         alone[i] = alone_s
-        own_ext[i] = cost.extend_s(*segment) if decision.action is not Action.RECOMPUTE else 0.0
-        extends.setdefault(decision.target_id, [])
-        if segment[1] > 0:  # a request with nothing generated has nothing to extend
-            extends[decision.target_id].append(segment)
+        own_ext[i] = cost.extend_s(*segment[i]) if decision.action is not Action.RECOMPUTE else 0.0
 
-    def batched_s(segments: list[tuple[int, int]], alone_s: float) -> float:
-        """One batched pass over the plan's segments on an instance (alone: its own)."""
-        return alone_s if len(segments) <= 1 else cost.compute.batch_s(segments)
+    # RECOMPUTE: when each prefill ends on its prefill instance, from now.
+    prefilled: dict[int, float] = {}
+    for source_id, jobs in on_source.items():
+        source = view.get(source_id)
+        computes = [_chosen_option(decisions[i]).compute_s for i in jobs]
+        work = [(0.0, 0, sum(segment[i])) for i in jobs]
+        ends = _ends_s(source, work, computes, cost)
+        # Never sooner than the prefill alone, after what the instance has queued.
+        wait_s = source.wait_s if source is not None else 0.0
+        for i, end_s, compute_s in zip(jobs, ends, computes, strict=True):
+            prefilled[i] = max(end_s, wait_s + compute_s)
 
     priced = list(decisions)
     for target_id, jobs in on_target.items():
-        target = view.get(target_id)
-        target_wait = target.wait_s if target is not None else 0.0
-        for i in jobs:
+        # The transfers share the target side by side; the extends join its passes.
+        transfers = {i: max(moved[i], sum(min(alone[j], alone[i]) for j in jobs)) for i in jobs}
+        work = [(prefilled.get(i, 0.0) + transfers[i], *segment[i]) for i in jobs]
+        extends_alone = [own_ext[i] for i in jobs]
+        done_s = _ends_s(view.get(target_id), work, extends_alone, cost)
+        for i, total in zip(jobs, done_s, strict=True):
             decision = decisions[i]
             chosen = _chosen_option(decision)
-            # The transfers share the target side by side; the extends join one pass.
-            transfers_s = max(moved[i], sum(min(alone[j], alone[i]) for j in jobs))
-            target_s = target_wait + transfers_s + batched_s(extends[target_id], own_ext[i])
             if decision.action is Action.RECOMPUTE:
-                source_id = decision.source_id
-                source = view.get(source_id)
-                prefill_s = batched_s(prefills[source_id], chosen.compute_s)
-                source_wait = (source.wait_s if source is not None else 0.0) + max(
-                    0.0, prefill_s - chosen.compute_s
-                )
-                queue_s = max(0.0, target_s - moved[i])
-                total = source_wait + chosen.compute_s + target_s
+                source_wait = max(0.0, prefilled[i] - chosen.compute_s)
+                queue_s = max(0.0, total - prefilled[i] - moved[i])
                 fields = {"wait_s": source_wait, "target_wait_s": queue_s}
             else:
-                total = target_s
                 queue_s = max(0.0, total - moved[i] - own_ext[i])
                 fields = {"wait_s": queue_s, "target_wait_s": queue_s}
             updated = _new(OptionCost)
@@ -212,6 +212,32 @@ def _shared(
             )
             priced[i] = repriced
     return tuple(priced)
+
+
+def _ends_s(
+    instance: InstanceState | None,
+    work: list[tuple[float, int, int]],
+    alone_s: Sequence[float],
+    cost: CostModel,
+) -> list[float]:
+    """When each piece of `work` (ready_s, cached, new) is computed on `instance`, from now.
+
+    An instance that reports its pass budget runs the pieces as its loop will
+    (`kvrs.passes.pass_ends_s`: passes of at most that many tokens, after the work it
+    reports queued, beside its running streams). Otherwise every piece is priced as
+    joining one pass over all of them, after the queued work and its own arrival; a piece
+    alone in the plan costs what it costs alone (`alone_s`, one per piece)."""
+    wait_s = instance.wait_s if instance is not None else 0.0
+    budget = instance.max_batch_tokens if instance is not None else 0
+    if budget > 0:
+        streams = instance.running_requests if instance is not None else 0
+        return pass_ends_s(work, budget, cost.compute.batch_s, wait_s, streams)
+    segments = [(cached, new) for _, cached, new in work if new > 0]
+    shared_s = cost.compute.batch_s(segments) if len(segments) > 1 else None
+    return [
+        wait_s + ready_s + (shared_s if shared_s is not None else alone)
+        for (ready_s, _, _), alone in zip(work, alone_s, strict=True)
+    ]
 
 
 def _alone_transfer_s(

@@ -33,6 +33,9 @@ class InstanceState:
     address: str = ""
     transfer_address: str = ""
     alive: bool = True
+    max_batch_tokens: int = 0
+    """Most new tokens one of its forward passes takes (the worker's token budget,
+    `kvrs.passes`); 0: not reported, its queued work priced as one pass."""
 
 
 class InstanceList(list[InstanceState]):

@@ -37,7 +37,7 @@ NODE_EVENT_TYPE_SUSPECT: NodeEventType
 NODE_EVENT_TYPE_REFUTED: NodeEventType
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "role", "address", "location", "model", "kv_capacity_blocks", "transfer_address", "heartbeat_ttl_s")
+    __slots__ = ("request_id", "instance_id", "role", "address", "location", "model", "kv_capacity_blocks", "transfer_address", "heartbeat_ttl_s", "max_batch_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class RegisterNodeRequest(_message.Message):
     KV_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     role: _common_pb2.Role
@@ -56,7 +57,8 @@ class RegisterNodeRequest(_message.Message):
     kv_capacity_blocks: int
     transfer_address: str
     heartbeat_ttl_s: float
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., model: _Optional[str] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_address: _Optional[str] = ..., heartbeat_ttl_s: _Optional[float] = ...) -> None: ...
+    max_batch_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., model: _Optional[str] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_address: _Optional[str] = ..., heartbeat_ttl_s: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("node",)
@@ -121,7 +123,7 @@ class DeregisterNodeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "location", "model", "kv_capacity_blocks", "transfer_address", "state", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes", "age_s", "last_seen_unix_ms", "heartbeat_ttl_s", "compute_factor")
+    __slots__ = ("instance_id", "role", "address", "location", "model", "kv_capacity_blocks", "transfer_address", "state", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes", "age_s", "last_seen_unix_ms", "heartbeat_ttl_s", "compute_factor", "max_batch_tokens")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +141,7 @@ class NodeInfo(_message.Message):
     LAST_SEEN_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: _common_pb2.Role
     address: str
@@ -156,7 +159,8 @@ class NodeInfo(_message.Message):
     last_seen_unix_ms: int
     heartbeat_ttl_s: float
     compute_factor: float
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., model: _Optional[str] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., age_s: _Optional[float] = ..., last_seen_unix_ms: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., compute_factor: _Optional[float] = ...) -> None: ...
+    max_batch_tokens: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., model: _Optional[str] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., age_s: _Optional[float] = ..., last_seen_unix_ms: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., compute_factor: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ...) -> None: ...
 
 class ReportLinkSampleRequest(_message.Message):
     __slots__ = ("request_id", "src_instance_id", "dst_instance_id", "bandwidth_bps", "sample_bandwidth_bps", "rtt_s", "probe_bytes", "samples")

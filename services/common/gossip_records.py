@@ -61,6 +61,8 @@ class Registration:
     """host:port of the instance's KV transfer rendezvous."""
     heartbeat_ttl_s: float = 0.0
     """Silence after which the instance becomes suspect; 0 = the server default."""
+    max_batch_tokens: int = 0
+    """Most new tokens one of its forward passes takes; 0 = not reported."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,7 @@ def validate_registration(registration: Registration) -> None:
         require_at_most_bytes(f"location.{name}", getattr(registration, name), MAX_ID_BYTES)
     require_non_negative("location.gpu_index", registration.gpu_index)
     require_non_negative("kv_capacity_blocks", registration.kv_capacity_blocks)
+    require_non_negative("max_batch_tokens", registration.max_batch_tokens)
     require_non_negative("heartbeat_ttl_s", registration.heartbeat_ttl_s)
     if registration.heartbeat_ttl_s > MAX_HEARTBEAT_TTL_S:  # stored as integer milliseconds
         raise InvalidArgument("heartbeat_ttl_s", f"must be at most {MAX_HEARTBEAT_TTL_S:.0f} s")

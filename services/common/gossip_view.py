@@ -502,6 +502,7 @@ class ViewCache:
             address=registration.address,
             transfer_address=registration.transfer_address,
             alive=node.state == ALIVE,
+            max_batch_tokens=registration.max_batch_tokens,
         )
 
     def _in_topology(self, instance_id: str) -> bool:

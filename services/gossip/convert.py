@@ -65,6 +65,7 @@ def registration_to_pb(
         kv_capacity_blocks=registration.kv_capacity_blocks,
         transfer_address=registration.transfer_address,
         heartbeat_ttl_s=registration.heartbeat_ttl_s,
+        max_batch_tokens=registration.max_batch_tokens,
     )
 
 
@@ -81,6 +82,7 @@ def registration_from_pb(request: gossip_pb2.RegisterNodeRequest) -> Registratio
         kv_capacity_blocks=request.kv_capacity_blocks,
         transfer_address=request.transfer_address,
         heartbeat_ttl_s=request.heartbeat_ttl_s,
+        max_batch_tokens=request.max_batch_tokens,
     )
 
 
@@ -145,6 +147,7 @@ def node_to_pb(record: NodeRecord) -> gossip_pb2.NodeInfo:
         age_s=record.age_s,
         last_seen_unix_ms=record.last_seen_unix_ms,
         heartbeat_ttl_s=record.heartbeat_ttl_s,
+        max_batch_tokens=registration.max_batch_tokens,
     )
 
 
@@ -161,6 +164,7 @@ def node_from_pb(info: gossip_pb2.NodeInfo) -> NodeRecord:
         kv_capacity_blocks=info.kv_capacity_blocks,
         transfer_address=info.transfer_address,
         heartbeat_ttl_s=info.heartbeat_ttl_s,
+        max_batch_tokens=info.max_batch_tokens,
     )
     return NodeRecord(
         registration=registration,

@@ -462,6 +462,7 @@ def _node_record(fields: dict[str, str], now_ms: int) -> NodeRecord:
         kv_capacity_blocks=int(fields.get("kv_capacity_blocks", 0)),
         transfer_address=fields.get("transfer_address", ""),
         heartbeat_ttl_s=int(fields["ttl_ms"]) / 1000,
+        max_batch_tokens=int(fields.get("max_batch_tokens", 0)),
     )
     load = NodeLoad(
         queue_depth=int(fields.get("queue_depth", 0)),

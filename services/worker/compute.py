@@ -30,6 +30,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from kvrs.errors import InvalidArgument
+from kvrs.passes import pack
 from kvrs.profile import ComputeProfile, compute_profile
 from services.common.metrics import Metrics
 from services.worker.config import DEFAULT_MAX_BATCH_TOKENS
@@ -150,23 +151,12 @@ class ComputeQueue:
     def _plan(self) -> list[list[tuple[int, int]]]:
         """The queued forward work packed into passes as the loop will take them, each
         pass as (cached, new) segments."""
-        passes: list[list[tuple[int, int]]] = []
-        current: list[tuple[int, int]] = []
-        room = self.max_batch_tokens
-        for job in self._queue:
-            if job.cache is None or job.running:
-                continue
-            cached, left = job.cache.length, job.remaining_tokens()
-            while left:
-                take = min(left, room)
-                current.append((cached, take))
-                cached, left, room = cached + take, left - take, room - take
-                if not room:
-                    passes.append(current)
-                    current, room = [], self.max_batch_tokens
-        if current:
-            passes.append(current)
-        return passes
+        work = [
+            (job.cache.length, job.remaining_tokens())
+            for job in self._queue
+            if job.cache is not None and not job.running
+        ]
+        return pack(work, self.max_batch_tokens)
 
     def _account(self) -> None:
         self._depth = len(self._queue)

@@ -258,6 +258,7 @@ async def _join_gossip(
         kv_capacity_blocks=engine.store.capacity_blocks,
         transfer_address=engine.agent.address,
         heartbeat_ttl_s=config.heartbeat_ttl_s,
+        max_batch_tokens=config.max_batch_tokens,
     )
 
     def load() -> NodeLoad:

@@ -90,6 +90,7 @@ def decode(instance_id: str, ttl_s: float = 0.0) -> Registration:
         kv_capacity_blocks=64,
         transfer_address=f"{instance_id}:29500",
         heartbeat_ttl_s=ttl_s,
+        max_batch_tokens=2048,
     )
 
 
@@ -127,6 +128,7 @@ async def test_register_heartbeat_and_list(client):
     assert set(nodes) == {"prefill-0", "decode-0"}
     assert nodes["decode-0"].load == load
     assert nodes["decode-0"].registration.rack == "r0"
+    assert nodes["decode-0"].registration.max_batch_tokens == 2048
     assert expires_ms == nodes["decode-0"].last_seen_unix_ms + int(TTL_S * 1000)
     assert 0 <= nodes["decode-0"].age_s < TTL_S
     decodes = await client.list_nodes(role="decode")
@@ -305,6 +307,7 @@ BAD_INPUTS = [
     ("RegisterNode", register_request(heartbeat_ttl_s=-1.0), "heartbeat_ttl_s"),
     ("RegisterNode", register_request(heartbeat_ttl_s=float("nan")), "heartbeat_ttl_s"),
     ("RegisterNode", register_request(kv_capacity_blocks=-5), "kv_capacity_blocks"),
+    ("RegisterNode", register_request(max_batch_tokens=-1), "max_batch_tokens"),
     (
         "RegisterNode",
         register_request(location=common_pb2.Location(gpu_index=-1)),

@@ -89,7 +89,11 @@ class Plane:
         self.broker = slots_pb2_grpc.SlotBrokerServiceStub(channel)
 
     async def register(
-        self, cluster=CLUSTER, kv_capacity_blocks: int = 0, loads: dict | None = None
+        self,
+        cluster=CLUSTER,
+        kv_capacity_blocks: int = 0,
+        loads: dict | None = None,
+        max_batch_tokens: int = 0,
     ) -> None:
         for instance_id, role, node, rack, pod in cluster:
             await self.gossip.register(
@@ -103,6 +107,7 @@ class Plane:
                     kv_capacity_blocks=kv_capacity_blocks,
                     transfer_address=f"{instance_id}:29500",
                     heartbeat_ttl_s=600.0,
+                    max_batch_tokens=max_batch_tokens,
                 )
             )
             load = (loads or {}).get(instance_id)
@@ -736,6 +741,38 @@ async def test_recover_batch_never_plans_more_migrations_than_free_slots(plane):
     assert await plane.slots_in_use() == len(moving) + 1
     assert all(d.target_instance_id != "decode-near" for d in reply.decisions)
     assert reply.planned_makespan_s >= max(d.predicted_cost_s for d in reply.decisions)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [2048, 0], ids=["pass-budget", "none-reported"])
+async def test_recover_batch_prices_a_shared_target_pass_by_pass_by_its_reported_budget(
+    plane, max_batch_tokens
+):
+    """Four recoveries of 1,100 generated tokens each onto the one decode instance left:
+    one that registered a budget of 2,048 tokens a pass has them end over three passes;
+    one that reported none is priced as running them in one pass."""
+    cluster = [row for row in CLUSTER if row[0] in ("prefill-0", "decode-near", "decode-rack")]
+    await plane.register(cluster, max_batch_tokens=max_batch_tokens)
+    stub = await plane.scheduler()
+    request = scheduler_pb2.RecoverBatchRequest(
+        batch_id="b-passes",
+        failed_instance_id="decode-near",
+        policy="always_migrate",
+        skip_slot=True,
+        items=[
+            scheduler_pb2.RecoverItem(
+                request_id=f"b-passes-{i}",
+                source_prefill_instance_id="prefill-0",
+                prompt_tokens=64,
+                generated_tokens=1100,
+            )
+            for i in range(4)
+        ],
+    )
+    reply = await stub.RecoverBatch(request, timeout=30)
+    assert {d.target_instance_id for d in reply.decisions} == {"decode-rack"}
+    ends = sorted({round(d.predicted_cost_s, 9) for d in reply.decisions})
+    assert len(ends) == (3 if max_batch_tokens else 1)
+    assert reply.planned_makespan_s == pytest.approx(ends[-1])
 
 
 async def test_recover_batch_without_slots_spreads_over_links(plane):

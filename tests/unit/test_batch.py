@@ -198,3 +198,43 @@ def test_recoveries_sharing_a_target_are_priced_with_the_queue_they_build() -> N
     assert alone.decisions[0].planned_jobs == 1
     assert alone.decisions[0].cost_s == pytest.approx(single.cost_s)
     assert plan.makespan_s == pytest.approx(max(d.cost_s for d in plan.decisions))
+
+
+def test_recoveries_on_a_target_with_a_pass_budget_end_pass_by_pass() -> None:
+    """A target that reports its token budget per pass runs the plan's extends in
+    passes of at most that many tokens, beside its running streams: the recoveries are
+    priced to end one pass after another, not all at the end of one pass over all."""
+    cost, view = cluster(nodes=2)
+    topology = cost.network.topology
+    states = {
+        i: InstanceState(i, spec.role, wait_s=0.05, running_requests=3, max_batch_tokens=2048)
+        for i, spec in topology.instances.items()
+    }
+    items = [
+        RecoveryRequest(f"r{i}", 64, 1100, "prefill-0", exclude_ids=frozenset({"decode-0"}))
+        for i in range(4)
+    ]
+    policy = make_recovery_policy("always_migrate")
+    plan = plan_batch(items, ClusterView(states, now_s=0.0), cost, 0.0, policy, 32)
+    assert {d.target_id for d in plan.decisions} == {"decode-1"}
+    # The four KVs land together; decode-1's loop then takes 2,045 new tokens a pass
+    # (three of its 2,048 go to its running streams): 1,100 + 945, then 155 + 1,100 +
+    # 790, then 310.
+    streams = [(0, 1)] * 3
+    passes_s = [
+        cost.compute.batch_s(streams + p)
+        for p in (
+            [(64, 1100), (64, 945)],
+            [(1009, 155), (64, 1100), (64, 790)],
+            [(854, 310)],
+        )
+    ]
+    first, second, third, fourth = sorted(d.cost_s for d in plan.decisions)
+    assert first >= 0.05 + passes_s[0]
+    assert second == pytest.approx(first + passes_s[1])
+    assert third == second
+    assert fourth == pytest.approx(second + passes_s[2])
+    assert plan.makespan_s == fourth
+    # Without a reported budget the same recoveries are priced as one pass over all four.
+    flat = plan_batch(items, view, cost, 0.0, policy, 32)
+    assert len({d.cost_s for d in flat.decisions}) == 1

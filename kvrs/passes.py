@@ -1,0 +1,99 @@
+"""How a worker's continuous batching cuts queued work into forward passes.
+
+A worker takes its queued work in arrival order, each request's next tokens at most once
+per pass, up to a token budget per pass (`WORKER_MAX_BATCH_TOKENS`); work longer than
+what is left of the budget is computed in chunks over the next passes. Both the worker
+(what it reports as queued, W(x)) and the recovery planner (when each of a batch's
+recoveries has its KV ready on a shared target) need that packing; this is the one
+implementation of it. A pass is priced by `ComputeProfile.batch_s`.
+
+A segment is (cached_tokens, new_tokens): `new_tokens` appended to a sequence that
+already holds `cached_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvrs.errors import InvalidArgument
+
+__all__ = ["pack", "pass_ends_s"]
+
+Segment = tuple[int, int]
+
+
+def pack(work: Sequence[Segment], budget_tokens: int) -> list[list[Segment]]:
+    """The passes `work` (in arrival order, all queued now) fills, each as its segments:
+    every pass holds `budget_tokens` new tokens except the last, and a request cut at a
+    pass's end continues, its cached tokens grown, at the start of the next."""
+    _check_budget(budget_tokens)
+    passes: list[list[Segment]] = []
+    current: list[Segment] = []
+    room = budget_tokens
+    for cached, left in work:
+        while left > 0:
+            take = min(left, room)
+            current.append((cached, take))
+            cached, left, room = cached + take, left - take, room - take
+            if not room:
+                passes.append(current)
+                current, room = [], budget_tokens
+    if current:
+        passes.append(current)
+    return passes
+
+
+def pass_ends_s(
+    work: Sequence[tuple[float, int, int]],
+    budget_tokens: int,
+    pass_s: Callable[[list[Segment]], float],
+    free_s: float = 0.0,
+    streams: int = 0,
+) -> list[float]:
+    """When each piece of `work` — (ready_s, cached_tokens, new_tokens), ready when its
+    KV has arrived — has its last token computed, in seconds from now.
+
+    The worker's loop as it runs: it is busy until `free_s`; then each pass takes the
+    pieces ready by its start, in the order of their ready time (ties in the given order),
+    one chunk each, while the budget lasts. `streams` decoding streams already running
+    there put one token each into every pass. `pass_s` prices a pass's segments."""
+    _check_budget(budget_tokens)
+    if streams < 0:
+        raise InvalidArgument("streams", f"must be >= 0, got {streams}")
+    order = sorted(range(len(work)), key=lambda i: (work[i][0], i))
+    cached = {i: work[i][1] for i in order}
+    left = {i: work[i][2] for i in order}
+    ends = [0.0] * len(work)
+    for i in order:
+        if left[i] <= 0:
+            ends[i] = max(0.0, work[i][0])
+    pending = [i for i in order if left[i] > 0]
+    running = [(0, 1)] * streams
+    room_per_pass = max(1, budget_tokens - streams)
+    now = free_s
+    while pending:
+        now = max(now, work[pending[0]][0])
+        ready = [i for i in pending if work[i][0] <= now]
+        segments = list(running)
+        taken: list[int] = []
+        room = room_per_pass
+        for i in ready:
+            take = min(left[i], room)
+            segments.append((cached[i], take))
+            cached[i] += take
+            left[i] -= take
+            room -= take
+            taken.append(i)
+            if not room:
+                break
+        now += pass_s(segments)
+        for i in taken:
+            if left[i] == 0:
+                ends[i] = now
+        pending = [i for i in pending if left[i] > 0]
+    return ends
+
+
+def _check_budget(budget_tokens: int) -> None:
+    if budget_tokens <= 0:
+        raise InvalidArgument("budget_tokens", f"must be > 0, got {budget_tokens}")
