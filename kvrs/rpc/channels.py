@@ -5,20 +5,31 @@ from __future__ import annotations
 import json
 
 import grpc
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.rpc.settings import GrpcSettings
 
 DEFAULT_RPC_TIMEOUT_S = 5.0
 
-NOT_HEALTH_CHECK = filters.negate(filters.health_check())
-"""Tracing filter: health checks (probed every few seconds) would drown real spans."""
+_HEALTH_METHODS = "/grpc.health.v1.Health/"
+
+
+def not_health_check(details: object) -> bool:
+    """Tracing filter: every call but a health check (probed every few seconds, it would
+    drown real spans). `details` is the call's client or server call details; their
+    `method` is bytes on some grpc versions. Written out because the filter
+    OpenTelemetry's helpers compose tests each call against typing protocols: 12 µs a
+    call against 0.3 µs, on every call of every client and server."""
+    method = getattr(details, "method", "")
+    if isinstance(method, bytes):
+        method = method.decode()
+    return not method.startswith(_HEALTH_METHODS)
 
 
 def client_interceptors(provider: TracerProvider) -> list:
     """Tracing interceptors for a grpc.aio channel, health checks left out."""
-    return aio_client_interceptors(tracer_provider=provider, filter_=NOT_HEALTH_CHECK)
+    return aio_client_interceptors(tracer_provider=provider, filter_=not_health_check)
 
 
 def _retry_service_config(idempotent_services: tuple[str, ...]) -> str:

@@ -19,7 +19,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 
-from kvrs.rpc.channels import NOT_HEALTH_CHECK, client_interceptors
+from kvrs.rpc.channels import client_interceptors, not_health_check
 
 __all__ = [
     "client_interceptors",
@@ -84,7 +84,7 @@ def setup_tracing(
 
 def server_interceptors(provider: TracerProvider) -> list:
     """The tracing interceptor for a grpc.aio server, health checks left out."""
-    return [aio_server_interceptor(tracer_provider=provider, filter_=NOT_HEALTH_CHECK)]
+    return [aio_server_interceptor(tracer_provider=provider, filter_=not_health_check)]
 
 
 def traceparent() -> str:

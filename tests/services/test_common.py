@@ -133,3 +133,23 @@ def test_tls_config_names_the_bad_variable(tmp_path):
     cert.write_text("x")
     with pytest.raises(ConfigError, match="KVRS_TLS_KEY_FILE"):
         TlsConfig.from_env({"KVRS_TLS_CERT_FILE": str(cert)})
+
+
+async def test_health_checks_leave_no_span_where_every_other_call_does():
+    """Both tracing interceptors (server and client) skip the health service alone."""
+    settings = GrpcSettings()
+    server_spans, client_spans = InMemorySpanExporter(), InMemorySpanExporter()
+    server = setup_tracing("test-server", exporter=server_spans)
+    handle = await start_server(_register, [SERVICE], "127.0.0.1:0", settings, server)
+    client = setup_tracing("test-client", exporter=client_spans)
+    channel = open_channel(f"127.0.0.1:{handle.port}", settings, client)
+    try:
+        await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=5
+        )
+        await _unary_call(channel)(Request(service="ok"), timeout=5)
+    finally:
+        await channel.close()
+        await handle.stop(0)
+    for spans in (client_spans.get_finished_spans(), server_spans.get_finished_spans()):
+        assert [span.name for span in spans] == [f"/{SERVICE}/Unary"]
