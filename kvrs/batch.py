@@ -12,10 +12,13 @@ When every request is placed, each transfer is re-costed with the final flow cou
 no two transfers are promised the same link at full speed, and each recovery is priced
 with the queue the plan builds on its instances. The router starts them together, so a target
 serves their transfers side by side (processor sharing), not one after the other: of
-transfers taking x_j each alone, started at once, transfer i ends after Σ_j min(x_j, x_i).
-The x_j are the times alone on the path: the re-costed times already share the links, and
-summing those would count the sharing twice. A transfer ends after the longer of the two,
-its share of the target and its share of the links. Their
+transfers streaming for x_j each alone, started at once, transfer i streams until
+Σ_j min(x_j, x_i). The x_j are the streaming times alone on the path: the re-costed times
+already share the links, and summing those would count the sharing twice. A transfer's
+fixed cost (its set-up, the path's latency) is its own: the set-ups of transfers started
+together overlap, as measured (four set-ups of 42 ms each, started together, all ended
+within 42 ms), instead of queueing one behind another. A transfer ends after the longer
+of the two, its share of the target and its share of the links. Their
 extends then join the target's batched forward passes (`ComputeProfile.batch_s`), and
 RECOMPUTE's prefills their prefill instance's, before that. An instance that reports its
 token budget per pass runs them as its loop will (`kvrs.passes`): in the order their KV
@@ -130,6 +133,7 @@ def _shared(
     # and the recomputed prefix), and the forward-pass segment (cached, new) it adds to
     # its target's and, for RECOMPUTE, its prefill instance's work.
     moved: dict[int, float] = {}
+    fixed: dict[int, float] = {}
     alone: dict[int, float] = {}
     own_ext: dict[int, float] = {}
     segment: dict[int, tuple[int, int]] = {}
@@ -142,7 +146,9 @@ def _shared(
         request = requests[i]
         on_target.setdefault(decision.target_id, []).append(i)
         moved_s = chosen.transfer_s
-        alone_s = _alone_transfer_s(decision, request, cost, now_s) if moved_s > 0.0 else 0.0
+        fixed_s, alone_s = (
+            _alone_transfer_s(decision, request, cost, now_s) if moved_s > 0.0 else (0.0, 0.0)
+        )
         if decision.action is Action.RECOMPUTE:
             context = request.prompt_tokens + request.generated_tokens
             on_source.setdefault(decision.source_id, []).append(i)
@@ -151,8 +157,10 @@ def _shared(
             segment[i] = (request.prompt_tokens, request.generated_tokens)
             if decision.action is Action.HYBRID:
                 prefix_s = cost.prefill_s(decision.split_tokens)
-                moved_s, alone_s = max(prefix_s, moved_s), max(prefix_s, alone_s)
+                moved_s = max(prefix_s, moved_s)
+                alone_s = max(prefix_s - fixed_s, alone_s)
         moved[i] = moved_s
+        fixed[i] = fixed_s
         alone[i] = alone_s
         own_ext[i] = cost.extend_s(*segment[i]) if decision.action is not Action.RECOMPUTE else 0.0
 
@@ -170,8 +178,10 @@ def _shared(
 
     priced = list(decisions)
     for target_id, jobs in on_target.items():
-        # The transfers share the target side by side; the extends join its passes.
-        transfers = {i: max(moved[i], sum(min(alone[j], alone[i]) for j in jobs)) for i in jobs}
+        # The transfers stream side by side; the extends join its passes.
+        transfers = {
+            i: max(moved[i], fixed[i] + sum(min(alone[j], alone[i]) for j in jobs)) for i in jobs
+        }
         work = [(prefilled.get(i, 0.0) + transfers[i], *segment[i]) for i in jobs]
         extends_alone = [own_ext[i] for i in jobs]
         done_s = _ends_s(view.get(target_id), work, extends_alone, cost)
@@ -242,13 +252,14 @@ def _ends_s(
 
 def _alone_transfer_s(
     decision: RecoveryDecision, request: RecoveryRequest, cost: CostModel, now_s: float
-) -> float:
-    """Seconds of the decision's transfer with none of the plan's other flows on its path."""
+) -> tuple[float, float]:
+    """The decision's transfer with none of the plan's other flows on its path: its fixed
+    cost (the path's latency and set-up) and its streaming seconds."""
     bps, rtt_s = cost.network.rate_and_rtt(decision.source_id, decision.target_id, now_s)
     tokens = kv_tokens_moved(
         decision.action, request.prompt_tokens, request.generated_tokens, decision.split_tokens
     )
-    return rtt_s + cost.kv_bits_per_token * tokens / bps
+    return rtt_s, cost.kv_bits_per_token * tokens / bps
 
 
 def _shifted(option: OptionCost, delta_s: float) -> OptionCost:
