@@ -241,7 +241,7 @@ def _ends_s(
     budget = instance.max_batch_tokens if instance is not None else 0
     if budget > 0:
         streams = instance.running_requests if instance is not None else 0
-        return pass_ends_s(work, budget, cost.compute.batch_s, wait_s, streams)
+        return pass_ends_s(work, budget, cost.compute.pass_s, wait_s, streams)
     segments = [(cached, new) for _, cached, new in work if new > 0]
     shared_s = cost.compute.batch_s(segments) if len(segments) > 1 else None
     return [

@@ -266,6 +266,18 @@ class ComputeProfile:
         new_tokens), one per sequence: what a worker running them together spends."""
         return self.batch_cost().batch_s(segments)
 
+    def pass_s(self, segments: Sequence[tuple[int, int]]) -> float:
+        """A worker's forward pass over `segments`: the batch cost, but never less than
+        its longest piece takes alone. The batch cost is fitted over many passes, most of
+        them small; a pass of one long prompt or extend is priced better by the measured
+        table (`extend_s`), which the fit undershoots by up to 2–3× at 1,000 tokens on
+        a CPU worker."""
+        if not segments:
+            return 0.0
+        return max(
+            self.batch_s(segments), max(self.extend_s(cached, new) for cached, new in segments)
+        )
+
     @classmethod
     def fit(cls, model: str, table: Iterable[tuple[int, float]]) -> ComputeProfile:
         """Fit a, b, c ≥ 0 to a measured table, minimising the *relative* squared error.

@@ -11,7 +11,7 @@ One thread, because a CPU worker gains nothing from running two forward passes a
 (they would share the same cores). What gossip reports as queued work is honest under
 batching: the estimated seconds until work submitted now would start, i.e. the rest of
 the running step plus the steps the queued work fills ahead of it, each priced by the
-profile's batch cost (`kvrs.profile.ComputeProfile.batch_s`) and scaled by how much
+profile (`kvrs.profile.ComputeProfile.pass_s`) and scaled by how much
 slower than that profile this worker's recent passes ran (`services.worker.pace`).
 """
 
@@ -163,7 +163,7 @@ class ComputeQueue:
         passes = self._plan()
         if passes and sum(new for _, new in passes[-1]) < self.max_batch_tokens:
             passes.pop()  # new work joins the last pass, which has room left
-        self._ahead_s = sum(self.profile.batch_s(p) for p in passes)
+        self._ahead_s = sum(self.profile.pass_s(p) for p in passes)
 
     # -- submitting -------------------------------------------------------------------
 
@@ -269,7 +269,7 @@ class ComputeQueue:
                 if job.started_s is None:
                     job.started_s = started
             segments = [(job.cache.length, take) for job, take in batch if job.cache is not None]
-            estimate_s = self.profile.batch_s(segments) if segments else 0.0
+            estimate_s = self.profile.pass_s(segments)
             self._running = (started, estimate_s)
             self._account()
             try:

@@ -223,7 +223,7 @@ def test_recoveries_on_a_target_with_a_pass_budget_end_pass_by_pass() -> None:
     # 790, then 310.
     streams = [(0, 1)] * 3
     passes_s = [
-        cost.compute.batch_s(streams + p)
+        cost.compute.pass_s(streams + p)
         for p in (
             [(64, 1100), (64, 945)],
             [(1009, 155), (64, 1100), (64, 790)],

@@ -166,3 +166,17 @@ def test_a_profile_without_batch_terms_prices_a_batch_with_its_single_pass_fit()
     with pytest.raises(InvalidArgument) as info:
         ComputeProfile.from_json({"model": "m", "batch": {"a_s": -1}})
     assert info.value.field == "batch.a_s"
+
+
+def test_a_pass_costs_at_least_its_longest_piece_alone() -> None:
+    """The batch fit prices many small pieces; one long piece is priced by the measured
+    table when the fit would make it cheaper than that piece alone."""
+    profile = ComputeProfile(
+        "m", table=((256, 0.01), (1024, 0.2)), a_s=1e-3, c_s_per_token2=1e-7, batch=BATCH
+    )
+    small = [(0, 16)] * 8
+    assert profile.pass_s(small) == BATCH.batch_s(small)
+    long = [(64, 1000), (0, 1), (0, 1)]
+    assert BATCH.batch_s(long) < profile.extend_s(64, 1000)
+    assert profile.pass_s(long) == profile.extend_s(64, 1000)
+    assert profile.pass_s([]) == 0.0
