@@ -270,8 +270,8 @@ class ComputeProfile:
         """A worker's forward pass over `segments`: the batch cost, but never less than
         its longest piece takes alone. The batch cost is fitted over many passes, most of
         them small; a pass of one long prompt or extend is priced better by the measured
-        table (`extend_s`), which the fit undershoots by up to 2–3× at 1,000 tokens on
-        a CPU worker."""
+        table (`extend_s`), which the fit undershoots by about 2× at 1,000 tokens on a
+        CPU worker."""
         if not segments:
             return 0.0
         return max(
