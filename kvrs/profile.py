@@ -274,9 +274,9 @@ class ComputeProfile:
         CPU worker."""
         if not segments:
             return 0.0
-        return max(
-            self.batch_s(segments), max(self.extend_s(cached, new) for cached, new in segments)
-        )
+        # One lookup, not one per piece: workers price every queued pass at each submit.
+        cached, new = max(segments, key=lambda segment: (segment[1], segment[0]))
+        return max(self.batch_s(segments), self.extend_s(cached, new))
 
     @classmethod
     def fit(cls, model: str, table: Iterable[tuple[int, float]]) -> ComputeProfile:
