@@ -161,11 +161,32 @@ class LocalRedisCluster:
                 )
         raise RuntimeError("no Redis Cluster node is running")
 
-    def replica_of(self, primary_port: int) -> int:
-        """The port of a replica of the primary at `primary_port`."""
-        nodes = self._nodes(primary_port)
-        primary_id = next(n["id"] for n in nodes if int(n["port"]) == primary_port)
-        return next(int(n["port"]) for n in nodes if n["primary"] == primary_id)
+    def replica_of(self, primary_port: int, timeout_s: float = 30.0) -> int:
+        """The port of a node that replicates the primary at `primary_port`, by its own
+        account (what CLUSTER FAILOVER, sent to it, goes by). Right after a failover the
+        old primary may not have taken up its new role yet, so this waits for one; it
+        raises TimeoutError, never StopIteration, which raised through
+        `asyncio.to_thread` would leave the awaiting test hanging."""
+        primary_id = self._own_line(primary_port)["id"]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for port, process in self.processes.items():
+                if port == primary_port or process.poll() is not None:
+                    continue
+                with contextlib.suppress(redis.RedisError):
+                    own = self._own_line(port)
+                    if "slave" in own["flags"] and own["primary"] == primary_id:
+                        return port
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no node replicates primary {primary_port}")
+            time.sleep(0.05)
+
+    def _own_line(self, port: int) -> dict[str, str]:
+        """The node at `port` as it describes itself in CLUSTER NODES."""
+        for node in self._nodes(port):
+            if "myself" in node["flags"]:
+                return node
+        raise RuntimeError(f"node {port} does not describe itself in CLUSTER NODES")
 
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
         """Until every running node reports the cluster `ok` with three primaries, and
