@@ -3,6 +3,7 @@
     request bytes that do not parse    -> INVALID_ARGUMENT ("request: cannot be parsed as ...")
     KvrsError, a peer's AioRpcError    -> `kvrs.rpc.status_for_error` (the one mapping)
     redis ConnectionError/TimeoutError -> UNAVAILABLE   ("redis unreachable")
+    a Redis Cluster mid-failover       -> UNAVAILABLE   ("redis cluster unavailable")
     anything else                      -> INTERNAL with a generic message; traceback logged
 
 Servicers raise domain errors; they never build status codes themselves.
@@ -23,10 +24,21 @@ from kvrs.rpc import status_for_error
 log = logging.getLogger(__name__)
 
 
+_FAILING_OVER = (
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ReadOnlyError,
+)
+"""What a Redis Cluster answers while a primary fails over (slots unserved, a key's slot
+migrating, a write reaching a primary just demoted): transient, so a caller retries."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The status and message an exception maps to; None when it is unexpected."""
     if isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
         return grpc.StatusCode.UNAVAILABLE, f"redis unreachable: {exc}"
+    if isinstance(exc, _FAILING_OVER):
+        return grpc.StatusCode.UNAVAILABLE, f"redis cluster unavailable: {exc}"
     return status_for_error(exc)
 
 

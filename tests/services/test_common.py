@@ -7,6 +7,7 @@ import logging
 
 import grpc
 import pytest
+import redis.exceptions
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -26,6 +27,10 @@ async def _unary(request, context):
         raise NotFound("instance 'missing' is not registered")
     if request.service == "crash":
         raise RuntimeError("secret internal detail")
+    if request.service == "failing-over":
+        raise redis.exceptions.ClusterDownError("The cluster is down")
+    if request.service == "demoted":
+        raise redis.exceptions.ReadOnlyError("You can't write against a read only replica.")
     return Response(status=Response.SERVING)
 
 
@@ -80,6 +85,14 @@ async def test_domain_errors_map_to_their_status_and_name_the_field(probe_channe
     with pytest.raises(grpc.aio.AioRpcError) as missing:
         await call(Request(service="missing"), timeout=5)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("service", ["failing-over", "demoted"])
+async def test_a_redis_cluster_failing_over_is_unavailable_not_internal(probe_channel, service):
+    with pytest.raises(grpc.aio.AioRpcError) as failing:
+        await _unary_call(probe_channel)(Request(service=service), timeout=5)
+    assert failing.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert failing.value.details().startswith("redis cluster unavailable:")
 
 
 async def test_unexpected_errors_are_internal_without_leaking_details(probe_channel):
