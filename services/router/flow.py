@@ -194,6 +194,7 @@ class Router:
             request=request,
             summary=Summary(request_id=request.request_id, prompt_tokens=len(request.prompt)),
             policy=request.recovery_policy or self.settings.default_recovery_policy,
+            prefix_hashes=tuple(prefix_block_hashes(request.prompt, self.settings.block_tokens)),
         )
         outcome = "failed"
         with self.tracer.start_as_current_span("router.generate") as span:
@@ -301,7 +302,7 @@ class Router:
         soon as the placement is known, while the prefill computes it; that pull's task
         is returned with the token (else None)."""
         request = run.request
-        hashes = prefix_block_hashes(request.prompt, self.settings.block_tokens)
+        hashes = run.prefix_hashes
         tried: set[str] = set()
         last_error: KvrsError | None = None
         for _ in range(PREFILL_ATTEMPTS):
@@ -398,20 +399,18 @@ class Router:
         )
         return Endpoint(chosen.instance_id, chosen.address), estimate_s
 
-    def _resident_prefix_tokens(self, instance_id: str, prompt: Sequence[int]) -> int:
-        """Leading whole blocks of `prompt` that `instance_id` heartbeats as resident,
-        short of the whole prompt (a pull moves at least one token)."""
+    def _resident_prefix_tokens(self, instance_id: str, run: Run) -> int:
+        """Leading whole blocks of the run's prompt that `instance_id` heartbeats as
+        resident, short of the whole prompt (a pull moves at least one token)."""
         instance = self.membership.instance(instance_id)
         if instance is None or not instance.resident_prefix_hashes:
             return 0
         block = self.settings.block_tokens
+        prompt_tokens = len(run.request.prompt)
         hit = prefix_hit_tokens(
-            prefix_block_hashes(prompt, block),
-            instance.resident_prefix_hashes,
-            block,
-            len(prompt),
+            run.prefix_hashes, instance.resident_prefix_hashes, block, prompt_tokens
         )
-        return min(hit, (len(prompt) - 1) // block * block)
+        return min(hit, (prompt_tokens - 1) // block * block)
 
     async def _select(
         self, request: GenerateInput, prefill: Endpoint, hashes: Sequence[int]
@@ -482,7 +481,7 @@ class Router:
         # Only the blocks the target lacks cross the network: the leading prompt blocks
         # it advertises resident are filled from its own copies (recomputed there if it
         # dropped them since its last heartbeat).
-        held = self._resident_prefix_tokens(placement.decode.instance_id, request.prompt)
+        held = self._resident_prefix_tokens(placement.decode.instance_id, run)
         try:
             with self.inflight.running() as share:
                 pulled = await self.executor.pull(
@@ -848,7 +847,7 @@ class Router:
             deadline_s=request.deadline_unix_ms / 1000.0 if request.deadline_unix_ms else None,
             source_kv_available=not run.prefill_kv_lost,
             exclude_ids=frozenset(exclude),
-            prefix_hashes=tuple(prefix_block_hashes(request.prompt, self.settings.block_tokens)),
+            prefix_hashes=run.prefix_hashes,
         )
         started = time.monotonic()
 

@@ -216,6 +216,9 @@ class Run:
     summary: Summary
     policy: str
     """The recovery policy it is planned with ("" = the scheduler's default)."""
+    prefix_hashes: tuple[int, ...] = ()
+    """The prompt's block hashes, computed once: the prefill choice, the placement, the
+    pull and every recovery read them."""
     generated: list[int] = field(default_factory=list)
     prefill: Endpoint | None = None
     """The instance holding the prompt's KV (MIGRATE and HYBRID pull from it)."""

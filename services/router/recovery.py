@@ -112,13 +112,13 @@ class RecoveryExecutor:
         workers: Workers,
         slots: Slots,
         tracer: Tracer,
-        resident_prefix_tokens: Callable[[str, Sequence[int]], int] = lambda _id, _p: 0,
+        resident_prefix_tokens: Callable[[str, Run], int] = lambda _id, _run: 0,
     ) -> None:
         self.workers = workers
         self.slots = slots
         self.tracer = tracer
         self.resident_prefix_tokens = resident_prefix_tokens
-        """(instance id, prompt) -> leading prompt tokens the instance heartbeats as held."""
+        """(instance id, run) -> leading prompt tokens the instance heartbeats as held."""
 
     async def execute(self, run: Run, decision: Decision) -> tuple[Terms, int]:
         """Leaves `run.decode` / `run.kv_id` on the target, ready to decode; returns the
@@ -203,7 +203,7 @@ class RecoveryExecutor:
         split = len(prompt) - max(1, moved)
         # Blocks the target already holds need not cross the network either: it fills
         # them from its own copies (and recomputes them if it dropped them meanwhile).
-        split = max(split, self.resident_prefix_tokens(decision.target.instance_id, prompt))
+        split = max(split, self.resident_prefix_tokens(decision.target.instance_id, run))
         kv_id = run.prefill_kv_id
         started = time.monotonic()
         pulled = await self.pull(
