@@ -81,6 +81,9 @@ class Membership:
         self.refresh_s = refresh_s
         self._registry = RegistryCopy()
         self._instances: dict[str, Instance] = {}
+        self._alive: dict[str, list[Instance]] = {}
+        """`alive(role)`'s answers, built once after each change of `_instances`: a
+        request reads them, and a cluster has thousands of instances."""
         self._vanished_at_s: dict[str, float] = {}
         """Alive instances a full listing lacked, and since when (see the module doc)."""
         self._down: set[str] = set()
@@ -135,7 +138,14 @@ class Membership:
         )
 
     def alive(self, role: str) -> list[Instance]:
-        return [i for i in self._instances.values() if i.alive and i.role == role]
+        """The alive instances of `role` in id order (shared: the caller must not modify
+        the list)."""
+        if role not in self._alive:
+            self._alive[role] = sorted(
+                (i for i in self._instances.values() if i.alive and i.role == role),
+                key=lambda instance: instance.instance_id,
+            )
+        return self._alive[role]
 
     # -- updates -------------------------------------------------------------------------
 
@@ -149,6 +159,7 @@ class Membership:
             return False
         if changed is None:
             self._instances = self._vanished_but_kept()
+            self._alive = {}
             changed = tuple(self._registry.nodes.values())
         self._apply(instance_from_record(record) for record in changed)
         self._loaded.set()
@@ -178,18 +189,21 @@ class Membership:
             if instance.instance_id in self._down:
                 instance = dataclasses.replace(instance, alive=False, suspect=False)
             self._instances[instance.instance_id] = instance
+        self._alive = {}
 
     def mark_suspect(self, instance_id: str) -> None:
         """No new work for the instance until a refresh or a `refuted` event says otherwise."""
         known = self._instances.get(instance_id)
         if known is not None and known.alive:
             self._instances[instance_id] = dataclasses.replace(known, alive=False, suspect=True)
+            self._alive = {}
 
     def mark_down(self, instance_id: str, reason: str) -> None:
         """Takes an instance out of service now and tells the listeners (once per failure)."""
         known = self._instances.get(instance_id)
         if known is not None:
             self._instances[instance_id] = dataclasses.replace(known, alive=False, suspect=False)
+            self._alive = {}
         if instance_id in self._down:
             return
         self._down.add(instance_id)
