@@ -397,7 +397,6 @@ def start_scheduler(
         "SLOT_BROKER_ADDR": broker,
         "SCHEDULER_HOLDER_ID": name,
         "SCHEDULER_VIEW_REFRESH_S": str(refresh_s),
-        "SCHEDULER_PEER_TIMEOUT_S": "5",
         "KVRS_VIEW_RESYNC_S": str(resync_s),
         "OTEL_TRACES_EXPORTER": "none",
     }

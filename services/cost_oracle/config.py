@@ -19,8 +19,11 @@ class Config:
     """GOSSIP_ADDR: host:port of the gossip store (instances and link measurements)."""
     refresh_s: float = 0.5
     """COST_ORACLE_REFRESH_S: how often link estimates and instances are re-read."""
-    peer_timeout_s: float = 1.0
-    """COST_ORACLE_PEER_TIMEOUT_S: deadline of each gossip call."""
+    peer_timeout_s: float = 5.0
+    """COST_ORACLE_PEER_TIMEOUT_S: deadline of each gossip call. Those calls refresh the
+    view in the background (no answer waits for one), and at thousands of instances a
+    loaded gossip needs seconds to list them: a shorter deadline leaves the view never
+    refreshed."""
     inputs: InputsConfig = field(default_factory=InputsConfig)
     """KVRS_TOPOLOGY_FILE, KVRS_MODEL, KVRS_PROFILE_FILE, KVRS_TELEMETRY_STALE_AFTER_S."""
     metrics_addr: str = ""
@@ -34,7 +37,7 @@ class Config:
             listen_addr=env_str("COST_ORACLE_LISTEN_ADDR", "0.0.0.0:50052", env),
             gossip_addr=env_str("GOSSIP_ADDR", "127.0.0.1:50051", env),
             refresh_s=env_float("COST_ORACLE_REFRESH_S", 0.5, env),
-            peer_timeout_s=env_float("COST_ORACLE_PEER_TIMEOUT_S", 1.0, env),
+            peer_timeout_s=env_float("COST_ORACLE_PEER_TIMEOUT_S", 5.0, env),
             inputs=InputsConfig.from_env(env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
             grpc=GrpcSettings.from_env(env),

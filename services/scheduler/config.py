@@ -63,9 +63,14 @@ class Config:
     """SCHEDULER_VIEW_REFRESH_S: how often the cached view of gossip is refreshed."""
     view_stale_after_s: float = 1.0
     """SCHEDULER_VIEW_STALE_AFTER_S: a view older than this is reported `view_stale`."""
+    view_fetch_timeout_s: float = 5.0
+    """SCHEDULER_VIEW_FETCH_TIMEOUT_S: deadline of each gossip fetch of a view refresh.
+    No decision waits for one (decisions read the cached view), and at thousands of
+    instances a loaded gossip needs seconds to list them: a shorter deadline leaves the
+    view never refreshed, every attempt asking for more than the one before."""
     peer_timeout_s: float = 0.5
-    """SCHEDULER_PEER_TIMEOUT_S: deadline of each gossip / slot broker call; a slot
-    reservation slower than this counts as "broker unreachable" (the decision falls back)."""
+    """SCHEDULER_PEER_TIMEOUT_S: deadline of each slot broker call; a slot reservation
+    slower than this counts as "broker unreachable" (the decision falls back)."""
     slot_ttl_s: float = 0.0
     """SCHEDULER_SLOT_TTL_S: lifetime of a reserved migration slot; 0 = the broker default."""
     spare_slots: int = 2
@@ -111,6 +116,7 @@ class Config:
             recovery_policy=env_str("SCHEDULER_RECOVERY_POLICY", "kvrs", env),
             view_refresh_s=env_float("SCHEDULER_VIEW_REFRESH_S", 0.1, env),
             view_stale_after_s=env_float("SCHEDULER_VIEW_STALE_AFTER_S", 1.0, env),
+            view_fetch_timeout_s=env_float("SCHEDULER_VIEW_FETCH_TIMEOUT_S", 5.0, env),
             peer_timeout_s=env_float("SCHEDULER_PEER_TIMEOUT_S", 0.5, env),
             slot_ttl_s=env_float("SCHEDULER_SLOT_TTL_S", 0.0, env),
             spare_slots=env_int("SCHEDULER_SPARE_SLOTS", 2, env),
@@ -132,6 +138,7 @@ class Config:
         require_positive(
             ("SCHEDULER_VIEW_REFRESH_S", self.view_refresh_s),
             ("SCHEDULER_VIEW_STALE_AFTER_S", self.view_stale_after_s),
+            ("SCHEDULER_VIEW_FETCH_TIMEOUT_S", self.view_fetch_timeout_s),
             ("SCHEDULER_PEER_TIMEOUT_S", self.peer_timeout_s),
             ("SCHEDULER_RECOVER_REPLAY_ENTRIES", self.recover_replay_entries),
             ("SCHEDULER_LEARNING_REFRESH_S", self.learning_refresh_s),

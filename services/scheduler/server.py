@@ -70,7 +70,9 @@ async def build_server(
             config.spare_slots,
         )
     source = GossipSource(
-        lambda: GossipClient(config.gossip_addr, config.grpc, timeout_s=config.peer_timeout_s),
+        lambda: GossipClient(
+            config.gossip_addr, config.grpc, timeout_s=config.view_fetch_timeout_s
+        ),
         slots,
         resync_s=config.inputs.view_resync_s,
     )
