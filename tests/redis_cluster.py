@@ -162,9 +162,10 @@ class LocalRedisCluster:
         raise RuntimeError("no Redis Cluster node is running")
 
     def replica_of(self, primary_port: int, timeout_s: float = 30.0) -> int:
-        """The port of a node that replicates the primary at `primary_port`, by its own
-        account (what CLUSTER FAILOVER, sent to it, goes by). Right after a failover the
-        old primary may not have taken up its new role yet, so this waits for one; it
+        """The port of a node that replicates the primary at `primary_port` by its own
+        account (what CLUSTER FAILOVER, sent to it, goes by), its replication link up
+        (a replica still syncing cannot take over). Right after a failover the old
+        primary has yet to take up its new role and sync, so this waits for one; it
         raises TimeoutError, never StopIteration, which raised through
         `asyncio.to_thread` would leave the awaiting test hanging."""
         primary_id = self._own_line(primary_port)["id"]
@@ -175,11 +176,21 @@ class LocalRedisCluster:
                     continue
                 with contextlib.suppress(redis.RedisError):
                     own = self._own_line(port)
-                    if "slave" in own["flags"] and own["primary"] == primary_id:
+                    if (
+                        "slave" in own["flags"]
+                        and own["primary"] == primary_id
+                        and self._link_up(port)
+                    ):
                         return port
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no node replicates primary {primary_port}")
             time.sleep(0.05)
+
+    def _link_up(self, port: int) -> bool:
+        """Whether the replica at `port` has synced with its primary and follows it."""
+        with contextlib.closing(self.node(port)) as client:
+            replication = client.info("replication")
+        return replication.get("master_link_status") == "up"
 
     def _own_line(self, port: int) -> dict[str, str]:
         """The node at `port` as it describes itself in CLUSTER NODES."""
@@ -215,15 +226,23 @@ class LocalRedisCluster:
 
     def fail_over(self, primary_port: int, timeout_s: float = 30.0) -> int:
         """Promotes a replica of `primary_port` with CLUSTER FAILOVER (it first catches up
-        with every write the primary acknowledged); returns the new primary's port."""
-        replica = self.replica_of(primary_port)
-        with contextlib.closing(self.node(replica)) as client:
-            client.execute_command("CLUSTER", "FAILOVER")
+        with every write the primary acknowledged); returns the new primary's port. A
+        manual failover the primary does not answer in time lapses (Redis gives it 5 s),
+        so it is asked for again until `timeout_s`."""
+        replica = self.replica_of(primary_port, timeout_s)
         deadline = time.monotonic() + timeout_s
         while replica not in self.primaries():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replica {replica} was not promoted")
-            time.sleep(0.05)
+            # Refused only when it has just become a primary, which the loop then sees.
+            with (
+                contextlib.closing(self.node(replica)) as client,
+                contextlib.suppress(redis.ResponseError),
+            ):
+                client.execute_command("CLUSTER", "FAILOVER")
+            asked_s = time.monotonic()
+            while replica not in self.primaries() and time.monotonic() - asked_s < 6.0:
+                time.sleep(0.05)
         self.wait_healthy(timeout_s)
         return replica
 
