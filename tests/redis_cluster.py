@@ -179,18 +179,19 @@ class LocalRedisCluster:
                     if (
                         "slave" in own["flags"]
                         and own["primary"] == primary_id
-                        and self._link_up(port)
+                        and self._synced(port)
                     ):
                         return port
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no node replicates primary {primary_port}")
             time.sleep(0.05)
 
-    def _link_up(self, port: int) -> bool:
-        """Whether the replica at `port` has synced with its primary and follows it."""
+    def _synced(self, port: int) -> bool:
+        """Whether the node at `port` is a primary, or a replica that has synced with its
+        primary and follows it (one still syncing cannot take over)."""
         with contextlib.closing(self.node(port)) as client:
             replication = client.info("replication")
-        return replication.get("master_link_status") == "up"
+        return replication["role"] == "master" or replication["master_link_status"] == "up"
 
     def _own_line(self, port: int) -> dict[str, str]:
         """The node at `port` as it describes itself in CLUSTER NODES."""
@@ -220,9 +221,7 @@ class LocalRedisCluster:
     def _state_ok(self, port: int) -> bool:
         with contextlib.closing(self.node(port)) as client:
             info = client.execute_command("CLUSTER", "INFO")
-            replication = client.info("replication")
-        synced = replication["role"] == "master" or replication["master_link_status"] == "up"
-        return "cluster_state:ok" in info and synced
+        return "cluster_state:ok" in info and self._synced(port)
 
     def fail_over(self, primary_port: int, timeout_s: float = 30.0) -> int:
         """Promotes a replica of `primary_port` with CLUSTER FAILOVER (it first catches up
