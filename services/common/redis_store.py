@@ -163,10 +163,6 @@ def connect_redis(url: str, tls: RedisTls | None = None) -> RedisClient:
         nodes, user, password = cluster_nodes(url)
         # The cluster client retries a command itself (on the new primary after a
         # failover, or after a timeout), as `retry_on_timeout` does for one Redis.
-        # A MOVED reply updates that slot's owner and the command goes there. With the
-        # default `reinitialize_steps`, every fifth MOVED also re-read the whole
-        # topology, closing every connection, those of commands in flight included,
-        # which then failed for no fault of theirs.
         return _Cluster(
             startup_nodes=[ClusterNode(host, port) for host, port in nodes],
             username=user,
@@ -175,7 +171,6 @@ def connect_redis(url: str, tls: RedisTls | None = None) -> RedisClient:
             socket_connect_timeout=1.0,
             socket_timeout=2.0,
             health_check_interval=5,
-            reinitialize_steps=0,
             **options,
         )
     return redis_async.Redis.from_url(

@@ -54,16 +54,11 @@ async def start_gossip(
     )
 
 
-@pytest.fixture(
-    params=[(1, False), (4, False), (4, True)],
-    ids=["one-shard", "four-shards", "redis-cluster"],
-)
+@pytest.fixture(params=[1, 4], ids=["one-shard", "four-shards"])
 async def server(request, redis_url, redis_prefix):
-    """The registry in one hash tag, spread over four on one Redis, and over four on a
-    three-primary Redis Cluster: every test that uses it holds for all three."""
-    shards, on_cluster = request.param
-    url = request.getfixturevalue("shared_redis_cluster").url if on_cluster else redis_url
-    handle = await start_gossip(url, redis_prefix, shards=shards)
+    """The registry in one hash tag, and spread over four (as on Redis Cluster): every
+    test that uses it holds for both."""
+    handle = await start_gossip(redis_url, redis_prefix, shards=request.param)
     yield handle
     await handle.stop(0)
 
