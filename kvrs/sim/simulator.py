@@ -210,8 +210,13 @@ class Simulator:
             node = spec.location.node
             self.node_of[spec.instance_id] = node
             if spec.role is Role.PREFILL:
-                pool = shared_pool or node_pools.setdefault(
-                    node, PrefixCache(pool_blocks, index=self._pooled_blocks)
+                # `is None`, not `or`: an empty cache has length 0 and is falsy.
+                pool = (
+                    shared_pool
+                    if shared_pool is not None
+                    else node_pools.setdefault(
+                        node, PrefixCache(pool_blocks, index=self._pooled_blocks)
+                    )
                 )
                 self.prefills[spec.instance_id] = PrefillInstance(
                     spec.instance_id,

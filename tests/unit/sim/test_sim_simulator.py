@@ -12,7 +12,7 @@ from kvrs.errors import InvalidArgument
 from kvrs.sim.config import PolicySpec, SimConfig
 from kvrs.sim.metrics import ABORTED, COMPLETED
 from kvrs.sim.simulator import Simulator, run_policy
-from kvrs.sim.trace import load_mooncake, scale_arrivals
+from kvrs.sim.trace import TraceRequest, load_mooncake, scale_arrivals
 from tests.unit.sim.workloads import busy_chat
 
 SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
@@ -193,6 +193,22 @@ def test_lazy_instance_sampling_matches_eager_sampling(monkeypatch):
     monkeypatch.setattr("kvrs.sim.telemetry.Telemetry._busy", lambda self, i, t: True)
     eager = run_policy(config, requests, NETKV)
     assert _fingerprint(lazy) == _fingerprint(eager)
+
+
+@pytest.mark.parametrize(("scope", "hit_tokens"), [("node", 0), ("global", 2047)])
+def test_the_prefix_pool_scope_decides_whether_another_node_hits(scope, hit_tokens):
+    # The same four-block prompt twice, prefilled on two nodes (round robin): a global
+    # pool serves the second from the first's blocks (all but the one token always
+    # computed), per-node pools do not. An empty pool once counted as no pool at all,
+    # and "global" ran as "node".
+    config = SimConfig.from_dict(
+        {"serving": {"prefix_pool_scope": scope, "prefill_router": "round_robin"}}
+    )
+    prompt = (1, 2, 3, 4)
+    requests = [TraceRequest(0, 0.0, 2048, 8, prompt), TraceRequest(1, 30.0, 2048, 8, prompt)]
+    first, second = sorted(run_policy(config, requests, NETKV).records, key=lambda r: r.index)
+    assert first.prefill_id != second.prefill_id
+    assert (first.prefix_hit_tokens, second.prefix_hit_tokens) == (0, hit_tokens)
 
 
 def test_kvrs_placement_with_joint_prefill_is_deterministic_and_moves_prefills():
