@@ -425,9 +425,9 @@ class Kvrs:
     instance state's refresh period) is not in the view yet, so it counts them itself.
 
     Prefill: `choose_prefill` picks the prefill with the decode side's paths in view (not
-    its queues, which will have changed by the time the prefill ends); it leaves the
-    prefill router's choice only when that gains more than `joint_margin` of the
-    predicted TTFT.
+    its queues, which will have changed by the time the prefill ends), and for a prompt
+    that continues a cached prefix the decode instances' KV too; it leaves the prefill
+    router's choice only when that gains more than `joint_margin` of the predicted TTFT.
     """
 
     name = "kvrs"
@@ -470,9 +470,9 @@ class Kvrs:
         candidates: Sequence[InstanceState],
         cost: CostModel,
         now_s: float,
-    ) -> tuple[_Decision, np.ndarray, np.ndarray, np.ndarray]:
-        """(decision, scores, predicted T_x (its tail when streamed), KV tokens to move)
-        per candidate."""
+    ) -> tuple[_Decision, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(decision, scores, predicted T_x (its tail when streamed), the decode-load
+        term, KV tokens to move) per candidate."""
         decision = _Decision(request, candidates, cost, now_s)
         columns, fan, network = decision.columns, decision.fan, cost.network
         n = len(columns.ids)
@@ -499,14 +499,15 @@ class Kvrs:
         pending = self._pending(now_s)
         if pending:
             free = free - np.array([pending.get(i, 0) for i in columns.ids], dtype=np.float64)
-        scores = transfer + wait
+        load = np.zeros(n)
         known = free < _UNREPORTED_FREE_KV_TOKENS
         if measured and self.kv_penalty_s_per_token and known.any():
             floor = free[known].mean() - self.kv_band_tokens
             excess = np.where(known, np.maximum(0.0, floor - free), 0.0)
-            scores += self.kv_penalty_s_per_token * excess
+            load = self.kv_penalty_s_per_token * excess
+        scores = transfer + wait + load
         scores[free < need] = _INF
-        return decision, scores, transfer, need
+        return decision, scores, transfer, load, need
 
     def select(
         self,
@@ -515,7 +516,7 @@ class Kvrs:
         cost: CostModel,
         now_s: float,
     ) -> Placement:
-        decision, scores, transfer, need = self._scores(request, candidates, cost, now_s)
+        decision, scores, transfer, _, need = self._scores(request, candidates, cost, now_s)
         best, runner = _two_best(scores, decision.tier_key)
         if best < 0:
             raise decision.exhausted()
@@ -530,34 +531,51 @@ class Kvrs:
         decodes: Sequence[InstanceState],
         cost: CostModel,
         now_s: float,
+        prefix_hits: Sequence[int] = (),
     ) -> int:
         """Prefill and decode chosen together: the index in `prefill_s` ((prefill id,
         seconds until its prefill would end) pairs, `kvrs.prefill.prefill_finishes`)
         minimising prefill end + the cheapest transfer from there to a decode candidate
         with room.
 
-        Only the decode side's paths count: the decode instance is chosen when the
-        prefill ends, a prefill's duration ahead, and by then the queues seen now have
-        moved (weighing them sent prefills after decode instances that were busy again
-        when their KV was ready: +9 % mean TTFT at 2× load), while a path's tier, its
-        congestion trend and the control plane's own flows on it still hold. `routed` is
-        the index the prefill rule alone picks (`kvrs.prefill.choose_prefill`); it is
-        kept unless the joint best beats it by more than `joint_margin`.
-        `request.prefill_id` is ignored. A prefill node whose uplinks carry many of the
-        control plane's own flows, or whose near decode instances are full, loses to one
-        a little slower to prefill: what the decode choice alone cannot undo later.
+        Only the decode side's paths count, not its queues: the decode instance is
+        chosen when the prefill ends, a prefill's duration ahead, and by then the queues
+        seen now have moved (weighing them sent prefills after decode instances that
+        were busy again when their KV was ready: +9 % mean TTFT at 2× load), while a
+        path's tier, its congestion trend and the control plane's own flows on it still
+        hold. `routed` is the index the prefill rule alone picks
+        (`kvrs.prefill.choose_prefill`); it is kept unless the joint best beats it by
+        more than `joint_margin`. `request.prefill_id` is ignored. A prefill node whose
+        uplinks carry many of the control plane's own flows, or whose near decode
+        instances are full, loses to one a little slower to prefill: what the decode
+        choice alone cannot undo later.
+
+        A prompt that continues a prefix the routed instance holds (`prefix_hits`, the
+        prompt tokens each option holds) is then weighed with the decode instances' KV
+        as well (the decode-load term next to each transfer; KV drains over whole
+        decodes, so what is seen now still holds when the prefill ends): it moves next to
+        a decode instance with room rather than sending its KV across the network to one
+        later. A prompt nothing holds yet does not move for KV: it seeds a family of
+        prompts that follow it to its node, and seeding families by decode KV lost 8 %
+        of mean TTFT on the full synthetic trace where moving later turns lost nothing
+        (docs/results.md §1b).
         """
         if not 0 <= routed < len(prefill_s):
             raise InvalidArgument("routed", f"must index prefill_s, got {routed}")
-        totals = []
+        if prefix_hits and len(prefix_hits) != len(prefill_s):
+            raise InvalidArgument("prefix_hits", "must have one entry per prefill option")
+        paths, loaded = [], []
         for prefill_id, seconds in prefill_s:
             at = dataclasses.replace(request, prefill_id=prefill_id)
-            _, scores, transfer, _ = self._scores(at, decodes, cost, now_s)
+            _, scores, transfer, load, _ = self._scores(at, decodes, cost, now_s)
             room = scores < _INF
-            totals.append(seconds + (float(transfer[room].min()) if room.any() else _INF))
-        best = min(range(len(prefill_s)), key=totals.__getitem__)
-        if totals[best] < (1.0 - self.joint_margin) * totals[routed]:
-            return best
+            paths.append(seconds + (float(transfer[room].min()) if room.any() else _INF))
+            loaded.append(seconds + (float((transfer + load)[room].min()) if room.any() else _INF))
+        choices = [paths, loaded] if prefix_hits and prefix_hits[routed] > 0 else [paths]
+        for totals in choices:
+            best = min(range(len(prefill_s)), key=totals.__getitem__)
+            if totals[best] < (1.0 - self.joint_margin) * totals[routed]:
+                return best
         return routed
 
 

@@ -432,6 +432,7 @@ class Simulator:
                 self.telemetry.view(self.policy_spec.network_view).decode_instances(),
                 self._cost(self.policy_spec.network_view),
                 self.loop.now_s,
+                [hits.get(i, 0) for i in range(len(candidates))],
             )
         return self.prefills[candidates[index].instance_id]
 

@@ -223,6 +223,28 @@ def test_kvrs_chooses_the_prefill_by_the_decode_sides_paths_not_its_queues():
     assert policy.choose_prefill(request, options, 0, full_near, cost, 0.0) == 1
 
 
+def test_kvrs_moves_a_prompt_continuing_a_cached_prefix_next_to_a_decode_instance_with_room():
+    """'near' (p's pod) holds 150k tokens of KV beyond the candidates' mean, far past the
+    band; 'far' (q's pod) has room. Both prefills end as soon. A prompt whose prefix p holds
+    goes to q, whose KV then stays in its pod, rather than loading 'near' further or
+    crossing the spine to 'far'. A prompt nothing holds yet stays with the router's p: it
+    would seed its family where the decode side has room, and the family follows it."""
+    cost = measured_cost()
+    request = PlacementRequest("r", "p", prompt_tokens=8192)
+    loaded = decodes(near={"free_kv_tokens": 100_000}, far={"free_kv_tokens": 400_000})
+    options = [("p", 0.1), ("q", 0.1)]
+    held = [4096, 4096]
+    assert Kvrs().choose_prefill(request, options, 0, loaded, cost, 0.0, held) == 1
+    assert Kvrs().choose_prefill(request, options, 0, loaded, cost, 0.0, [0, 4096]) == 0
+    assert Kvrs().choose_prefill(request, options, 0, loaded, cost, 0.0) == 0
+    no_load_term = Kvrs(kv_penalty_s_per_token=0.0)
+    assert no_load_term.choose_prefill(request, options, 0, loaded, cost, 0.0, held) == 0
+    even = decodes(near={"free_kv_tokens": 400_000}, far={"free_kv_tokens": 400_000})
+    assert Kvrs().choose_prefill(request, options, 0, even, cost, 0.0, held) == 0
+    with pytest.raises(InvalidArgument, match="prefix_hits"):
+        Kvrs().choose_prefill(request, options, 0, loaded, cost, 0.0, [4096])
+
+
 def test_kvrs_parameters_are_checked_and_named():
     assert make_placement_policy("kvrs").name == "kvrs"
     for name, value in (
