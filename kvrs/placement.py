@@ -538,7 +538,7 @@ class Kvrs:
         minimising prefill end + the cheapest transfer from there to a decode candidate
         with room.
 
-        Only the decode side's paths count, not its queues: the decode instance is
+        The decode side's paths count, not its queues: the decode instance is
         chosen when the prefill ends, a prefill's duration ahead, and by then the queues
         seen now have moved (weighing them sent prefills after decode instances that
         were busy again when their KV was ready: +9 % mean TTFT at 2× load), while a
@@ -564,15 +564,20 @@ class Kvrs:
             raise InvalidArgument("routed", f"must index prefill_s, got {routed}")
         if prefix_hits and len(prefix_hits) != len(prefill_s):
             raise InvalidArgument("prefix_hits", "must have one entry per prefill option")
+        weigh_kv = bool(prefix_hits) and prefix_hits[routed] > 0
         paths, loaded = [], []
         for prefill_id, seconds in prefill_s:
             at = dataclasses.replace(request, prefill_id=prefill_id)
             _, scores, transfer, load, _ = self._scores(at, decodes, cost, now_s)
             room = scores < _INF
-            paths.append(seconds + (float(transfer[room].min()) if room.any() else _INF))
-            loaded.append(seconds + (float((transfer + load)[room].min()) if room.any() else _INF))
-        choices = [paths, loaded] if prefix_hits and prefix_hits[routed] > 0 else [paths]
-        for totals in choices:
+            if not room.any():
+                paths.append(_INF)
+                loaded.append(_INF)
+                continue
+            paths.append(seconds + float(transfer[room].min()))
+            if weigh_kv:
+                loaded.append(seconds + float((transfer + load)[room].min()))
+        for totals in (paths, loaded) if weigh_kv else (paths,):
             best = min(range(len(prefill_s)), key=totals.__getitem__)
             if totals[best] < (1.0 - self.joint_margin) * totals[routed]:
                 return best
