@@ -56,6 +56,8 @@ from kvrs.v1 import (
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
+    from kvrs.prefill import PrefillOption
+
 __all__ = ["KvrsClient", "RETRYABLE_CODES", "parse_addresses"]
 
 log = logging.getLogger(__name__)
@@ -288,10 +290,15 @@ class KvrsClient:
         candidate_instance_ids: Iterable[str] = (),
         request_id: str = "",
         streamed: bool = False,
+        prefill_options: Iterable[PrefillOption] = (),
         timeout_s: float | None = None,
     ) -> scheduler_pb2.SelectDecodeResponse:
         """The decode instance for a request prefilled on `prefill_instance_id` (whose KV,
-        with `streamed`, moves while it prefills)."""
+        with `streamed`, moves while it prefills).
+
+        With `prefill_options` (`prefill_instance_id` among them) a policy that chooses
+        prefill and decode together may move the prompt to another of them: the reply's
+        `prefill_instance_id` says where it prefills."""
         request = scheduler_pb2.SelectDecodeRequest(
             request_id=_request_id(request_id),
             prefill_instance_id=prefill_instance_id,
@@ -301,6 +308,14 @@ class KvrsClient:
             exclude_instance_ids=list(exclude_instance_ids),
             candidate_instance_ids=list(candidate_instance_ids),
             streamed=streamed,
+            prefill_options=[
+                scheduler_pb2.PrefillOption(
+                    instance_id=o.instance_id,
+                    finish_s=o.finish_s,
+                    prefix_hit_tokens=o.prefix_hit_tokens,
+                )
+                for o in prefill_options
+            ],
         )
         return await self._call(self._scheduler, "SelectDecode", request, timeout_s)
 

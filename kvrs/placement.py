@@ -51,6 +51,7 @@ __all__ = [
     "PlacementPolicy",
     "PlacementRequest",
     "RoundRobin",
+    "chooses_prefill",
     "make_placement_policy",
     "prepare_candidates",
     "score_candidates",
@@ -707,6 +708,12 @@ def prepare_candidates(view: ClusterView, previous: ClusterView | None = None) -
     """
     before = None if previous is None else _Columns.of(previous.decode_instances())
     _Columns.of(view.decode_instances()).prepare(before)
+
+
+def chooses_prefill(name: str) -> bool:
+    """Whether the policy called `name` chooses the prefill instance too, given the
+    options (`Kvrs.choose_prefill`): a caller then asks before the prompt prefills."""
+    return name == Kvrs.name
 
 
 def make_placement_policy(name: str, **params: Any) -> PlacementPolicy:

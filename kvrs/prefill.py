@@ -17,13 +17,33 @@ depth, then to the earlier candidate.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvrs.errors import FailedPrecondition, InvalidArgument
 from kvrs.profile import ComputeProfile
 
-__all__ = ["choose_prefill", "computed_hit_tokens", "prefill_finish_s", "prefill_finishes"]
+__all__ = [
+    "PrefillOption",
+    "choose_prefill",
+    "computed_hit_tokens",
+    "prefill_finish_s",
+    "prefill_finishes",
+]
+
+
+@dataclass(frozen=True)
+class PrefillOption:
+    """A prefill instance a prompt could go to, as the caller predicts it there: what a
+    policy choosing prefill and decode together (`kvrs.placement.Kvrs.choose_prefill`)
+    weighs against the decode side."""
+
+    instance_id: str
+    finish_s: float
+    """Seconds from now until it would have prefilled the prompt (`prefill_finishes`)."""
+    prefix_hit_tokens: int = 0
+    """Leading prompt tokens whose KV it already holds."""
 
 
 def computed_hit_tokens(hit_tokens: int, prompt_tokens: int) -> int:

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SelectDecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prefill_instance_id", "prompt_tokens", "prefix_hashes", "policy", "exclude_instance_ids", "candidate_instance_ids", "streamed")
+    __slots__ = ("request_id", "prefill_instance_id", "prompt_tokens", "prefix_hashes", "policy", "exclude_instance_ids", "candidate_instance_ids", "streamed", "prefill_options")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class SelectDecodeRequest(_message.Message):
     EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
     STREAMED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_instance_id: str
     prompt_tokens: int
@@ -26,7 +27,18 @@ class SelectDecodeRequest(_message.Message):
     exclude_instance_ids: _containers.RepeatedScalarFieldContainer[str]
     candidate_instance_ids: _containers.RepeatedScalarFieldContainer[str]
     streamed: bool
-    def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., candidate_instance_ids: _Optional[_Iterable[str]] = ..., streamed: _Optional[bool] = ...) -> None: ...
+    prefill_options: _containers.RepeatedCompositeFieldContainer[PrefillOption]
+    def __init__(self, request_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., candidate_instance_ids: _Optional[_Iterable[str]] = ..., streamed: _Optional[bool] = ..., prefill_options: _Optional[_Iterable[_Union[PrefillOption, _Mapping]]] = ...) -> None: ...
+
+class PrefillOption(_message.Message):
+    __slots__ = ("instance_id", "finish_s", "prefix_hit_tokens")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    finish_s: float
+    prefix_hit_tokens: int
+    def __init__(self, instance_id: _Optional[str] = ..., finish_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class CandidateScore(_message.Message):
     __slots__ = ("instance_id", "score_s", "transfer_s", "wait_s", "prefix_hit_tokens", "tier")
@@ -45,7 +57,7 @@ class CandidateScore(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., score_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., tier: _Optional[int] = ...) -> None: ...
 
 class SelectDecodeResponse(_message.Message):
-    __slots__ = ("decode_instance_id", "decode_address", "predicted_ttft_s", "transfer_s", "wait_s", "prefix_hit_tokens", "kv_bytes", "transfer", "runner_up_instance_id", "runner_up_ttft_s", "policy", "view_stale", "view_age_s", "decode_transfer_address", "candidates_considered", "predicted_terms", "planned_jobs")
+    __slots__ = ("decode_instance_id", "decode_address", "predicted_ttft_s", "transfer_s", "wait_s", "prefix_hit_tokens", "kv_bytes", "transfer", "runner_up_instance_id", "runner_up_ttft_s", "policy", "view_stale", "view_age_s", "decode_transfer_address", "candidates_considered", "predicted_terms", "planned_jobs", "prefill_instance_id")
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +75,7 @@ class SelectDecodeResponse(_message.Message):
     CANDIDATES_CONSIDERED_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TERMS_FIELD_NUMBER: _ClassVar[int]
     PLANNED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     decode_instance_id: str
     decode_address: str
     predicted_ttft_s: float
@@ -80,7 +93,8 @@ class SelectDecodeResponse(_message.Message):
     candidates_considered: int
     predicted_terms: _common_pb2.DecisionTerms
     planned_jobs: int
-    def __init__(self, decode_instance_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferEstimate, _Mapping]] = ..., runner_up_instance_id: _Optional[str] = ..., runner_up_ttft_s: _Optional[float] = ..., policy: _Optional[str] = ..., view_stale: _Optional[bool] = ..., view_age_s: _Optional[float] = ..., decode_transfer_address: _Optional[str] = ..., candidates_considered: _Optional[int] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., planned_jobs: _Optional[int] = ...) -> None: ...
+    prefill_instance_id: str
+    def __init__(self, decode_instance_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., transfer: _Optional[_Union[_common_pb2.TransferEstimate, _Mapping]] = ..., runner_up_instance_id: _Optional[str] = ..., runner_up_ttft_s: _Optional[float] = ..., policy: _Optional[str] = ..., view_stale: _Optional[bool] = ..., view_age_s: _Optional[float] = ..., decode_transfer_address: _Optional[str] = ..., candidates_considered: _Optional[int] = ..., predicted_terms: _Optional[_Union[_common_pb2.DecisionTerms, _Mapping]] = ..., planned_jobs: _Optional[int] = ..., prefill_instance_id: _Optional[str] = ...) -> None: ...
 
 class OptionCost(_message.Message):
     __slots__ = ("action", "target_instance_id", "source_instance_id", "cost_s", "wait_s", "transfer_s", "compute_s", "split_tokens", "feasible", "infeasible_reason")

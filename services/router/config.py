@@ -36,7 +36,8 @@ class Config:
     """SLOT_BROKER_ADDR: where migration slot leases are renewed and released."""
     placement_policy: str = ""
     """ROUTER_PLACEMENT_POLICY: SelectDecode policy for requests naming none; empty = the
-    scheduler's default."""
+    scheduler's default. Under kvrs, which chooses the prefill instance too, the router
+    asks before the prefill (one SelectDecode round trip ahead of it)."""
     recovery_policy: str = ""
     """ROUTER_RECOVERY_POLICY: Recover policy for requests naming none; empty = the
     scheduler's default."""

@@ -45,6 +45,8 @@ from kvrs.errors import (
     Unavailable,
 )
 from kvrs.learning import TERMS, Outcome, Terms, relative_error
+from kvrs.placement import chooses_prefill
+from kvrs.prefill import PrefillOption
 from kvrs.profile import ComputeProfile
 from kvrs.recovery import Action, RecoveryRequest
 from kvrs.tokenizer import prefix_block_hashes
@@ -91,6 +93,7 @@ class Control(Protocol):
         candidate_ids: Sequence[str] = (),
         exclude_ids: Sequence[str] = (),
         streamed: bool = False,
+        prefill_options: Sequence[PrefillOption] = (),
     ) -> Placement: ...
 
     async def recover(self, request: RecoveryRequest, failed_id: str, policy: str) -> Decision: ...
@@ -307,7 +310,7 @@ class Router:
         last_error: KvrsError | None = None
         for _ in range(PREFILL_ATTEMPTS):
             try:
-                at, estimate_s = await self._until_an_instance(
+                at, estimate_s, options = await self._until_an_instance(
                     lambda first: self._prefill_instance(request, hashes, tried),
                     request.deadline_unix_ms,
                     run.span,
@@ -315,16 +318,21 @@ class Router:
                 )
             except FailedPrecondition as exc:
                 raise Unavailable(str(exc)) from None
-            tried.add(at.instance_id)
             streaming = None
             if request.max_new_tokens > 1:
-                selecting = asyncio.create_task(self._select(request, at, hashes))
+                selecting = asyncio.create_task(self._select(request, at, hashes, options))
                 tasks.append(selecting)
+                if options:
+                    # The policy chooses the prefill with the decode side in view: the
+                    # prompt goes where the placement says, one SelectDecode later.
+                    placement, _ = await selecting
+                    at, estimate_s = self._prefill_chosen(placement, options, at, estimate_s)
                 if self._streams(request):
                     run.prefill, run.prefill_kv_id = at, request.request_id
                     prefilled_at: asyncio.Future[float] = asyncio.Future()
                     streaming = asyncio.create_task(self._place(run, selecting, prefilled_at))
                     tasks.append(streaming)
+            tried.add(at.instance_id)
             inflight = self._prefill_inflight_s
             inflight[at.instance_id] = inflight.get(at.instance_id, 0.0) + estimate_s
             run.hold(at, request.request_id)
@@ -369,9 +377,10 @@ class Router:
 
     async def _prefill_instance(
         self, request: GenerateInput, hashes: Sequence[int], tried: set[str]
-    ) -> tuple[Endpoint, float]:
-        """The prefill instance to try next, and its predicted finish (s from now);
-        FailedPrecondition while there is none (every one down or tried already)."""
+    ) -> tuple[Endpoint, float, tuple[PrefillOption, ...]]:
+        """The prefill instance to try next, its predicted finish (s from now), and every
+        candidate as an option when the placement policy chooses the prefill too (else
+        none); FailedPrecondition while there is none (every one down or tried already)."""
         if request.prefill_instance_id:
             known = self.membership.instance(request.prefill_instance_id)
             if known is None:
@@ -380,8 +389,10 @@ class Router:
                 )
             if request.prefill_instance_id in tried:
                 raise Unavailable(f"prefill instance {request.prefill_instance_id} failed")
-            return Endpoint(known.instance_id, known.address), self.profile.prefill_s(
-                len(request.prompt)
+            return (
+                Endpoint(known.instance_id, known.address),
+                self.profile.prefill_s(len(request.prompt)),
+                (),
             )
         candidates = [i for i in self.membership.alive("prefill") if i.instance_id not in tried]
         if not candidates:
@@ -389,15 +400,39 @@ class Router:
                 "no alive prefill instance"
                 + (f" besides {', '.join(sorted(tried))}" if tried else "")
             )
-        chosen, estimate_s = choose_prefill(
+        policy = request.placement_policy or self.settings.default_placement_policy
+        chosen, estimate_s, options = choose_prefill(
             candidates,
             len(request.prompt),
             hashes,
             self.settings.block_tokens,
             self.profile,
             self._prefill_inflight_s,
+            options=len(candidates) > 1 and chooses_prefill(policy),
         )
-        return Endpoint(chosen.instance_id, chosen.address), estimate_s
+        return Endpoint(chosen.instance_id, chosen.address), estimate_s, options
+
+    def _prefill_chosen(
+        self,
+        placement: Placement,
+        options: Sequence[PrefillOption],
+        routed: Endpoint,
+        estimate_s: float,
+    ) -> tuple[Endpoint, float]:
+        """The prefill instance the placement chose among `options`, and its predicted
+        finish; `routed` (the prefill rule's own choice) when it kept that one."""
+        if placement.prefill_id == routed.instance_id:
+            return routed, estimate_s
+        chosen = self.membership.instance(placement.prefill_id)
+        option = next((o for o in options if o.instance_id == placement.prefill_id), None)
+        if chosen is None or option is None:
+            log.warning(
+                "SelectDecode chose prefill %r, not among the options; prefilling on %s",
+                placement.prefill_id,
+                routed.instance_id,
+            )
+            return routed, estimate_s
+        return Endpoint(chosen.instance_id, chosen.address), option.finish_s
 
     def _resident_prefix_tokens(self, instance_id: str, run: Run) -> int:
         """Leading whole blocks of the run's prompt that `instance_id` heartbeats as
@@ -413,7 +448,11 @@ class Router:
         return min(hit, (prompt_tokens - 1) // block * block)
 
     async def _select(
-        self, request: GenerateInput, prefill: Endpoint, hashes: Sequence[int]
+        self,
+        request: GenerateInput,
+        prefill: Endpoint,
+        hashes: Sequence[int],
+        prefill_options: Sequence[PrefillOption] = (),
     ) -> tuple[Placement, float]:
         """The placement, and when it was asked for (unix s: its outcome's time)."""
         # One turn of the loop first: the prefill call, issued right after this task was
@@ -435,6 +474,7 @@ class Router:
                 pinned,
                 excluded,
                 streamed=self._streams(request),
+                prefill_options=prefill_options,
             )
 
         async def place(first: bool) -> Placement:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from kvrs.client import KvrsClient
 from kvrs.learning import Outcome
+from kvrs.prefill import PrefillOption
 from kvrs.recovery import Action, RecoveryRequest
 from kvrs.v1 import scheduler_pb2
 from services.common.core_pb import ACTION_FROM_PB, option_from_pb
@@ -36,6 +37,7 @@ class ControlPlane:
         candidate_ids: Sequence[str] = (),
         exclude_ids: Sequence[str] = (),
         streamed: bool = False,
+        prefill_options: Sequence[PrefillOption] = (),
     ) -> Placement:
         reply = await self.client.select_decode(
             prefill_id,
@@ -46,6 +48,7 @@ class ControlPlane:
             exclude_instance_ids=exclude_ids,
             request_id=request_id,
             streamed=streamed,
+            prefill_options=prefill_options,
         )
         return Placement(
             decode=Endpoint(reply.decode_instance_id, reply.decode_address),
@@ -53,6 +56,7 @@ class ControlPlane:
             kv_bytes=reply.kv_bytes,
             policy=reply.policy,
             predicted=terms_from_pb(reply.predicted_terms),
+            prefill_id=reply.prefill_instance_id or prefill_id,
         )
 
     async def recover(self, request: RecoveryRequest, failed_id: str, policy: str) -> Decision:

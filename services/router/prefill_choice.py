@@ -6,6 +6,9 @@ this router sent p since (gossip lags by a heartbeat, so without it a burst woul
 land on the instance that looked idle), and hit(p) the prompt tokens whose KV p already
 holds (its resident prefix blocks). Candidates are taken in id order, so ties go to the
 lower queue depth, then the lower id.
+
+With `options` it also hands back every candidate as a `PrefillOption` (its predicted
+finish and hit), for a placement policy that chooses prefill and decode together.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from kvrs import prefill
 from kvrs.costmodel import prefix_hit_tokens
 from kvrs.errors import FailedPrecondition
+from kvrs.prefill import PrefillOption
 from kvrs.profile import ComputeProfile
 from services.common.membership import Instance
 
@@ -26,8 +30,10 @@ def choose_prefill(
     block_tokens: int,
     profile: ComputeProfile,
     inflight_s: Mapping[str, float],
-) -> tuple[Instance, float]:
-    """The chosen instance and its predicted finish time (seconds from now)."""
+    options: bool = False,
+) -> tuple[Instance, float, tuple[PrefillOption, ...]]:
+    """The chosen instance, its predicted finish time (seconds from now) and, with
+    `options`, every candidate as a prefill option (else none)."""
     if not candidates:
         raise FailedPrecondition("no alive prefill instance", field="prefill_instances")
     ordered = sorted(candidates, key=lambda instance: instance.instance_id)
@@ -38,11 +44,18 @@ def choose_prefill(
         for index, instance in enumerate(ordered)
         if instance.resident_prefix_hashes
     }
+    waits = [i.queued_work_s + inflight_s.get(i.instance_id, 0.0) for i in ordered]
     index, finish_s = prefill.choose_prefill(
-        [i.queued_work_s + inflight_s.get(i.instance_id, 0.0) for i in ordered],
-        prompt_tokens,
-        profile,
-        hit_tokens=hits,
-        queue_depth=[i.queue_depth for i in ordered],
+        waits, prompt_tokens, profile, hit_tokens=hits, queue_depth=[i.queue_depth for i in ordered]
     )
-    return ordered[index], finish_s
+    if not options:
+        return ordered[index], finish_s, ()
+    finishes = prefill.prefill_finishes(waits, prompt_tokens, profile, hits).tolist()
+    return (
+        ordered[index],
+        finish_s,
+        tuple(
+            PrefillOption(instance.instance_id, finishes[k], hits.get(k, 0))
+            for k, instance in enumerate(ordered)
+        ),
+    )

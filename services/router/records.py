@@ -90,6 +90,9 @@ class Placement:
     policy: str
     predicted: Terms = Terms()
     """The prediction term by term (with the first token's extend)."""
+    prefill_id: str = ""
+    """Where the prompt prefills: the instance asked about, or the prefill option a
+    policy choosing prefill and decode together preferred."""
 
 
 @dataclass(frozen=True)

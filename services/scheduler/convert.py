@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from kvrs.errors import InvalidArgument
 from kvrs.learning import Corrections
+from kvrs.prefill import PrefillOption
 from kvrs.recovery import RecoveryRequest
 from kvrs.v1 import scheduler_pb2, slots_pb2
 from services.common.core_pb import ACTION_TO_PB, option_to_pb, transfer_to_pb
@@ -29,6 +30,10 @@ def select_decode_from_pb(request: scheduler_pb2.SelectDecodeRequest) -> SelectD
         exclude_ids=frozenset(request.exclude_instance_ids),
         candidate_ids=frozenset(request.candidate_instance_ids),
         streamed=request.streamed,
+        prefill_options=tuple(
+            PrefillOption(o.instance_id, o.finish_s, o.prefix_hit_tokens)
+            for o in request.prefill_options
+        ),
     )
 
 
@@ -50,6 +55,7 @@ def selection_to_pb(selection: Selection) -> scheduler_pb2.SelectDecodeResponse:
         candidates_considered=placement.candidates_considered,
         predicted_terms=terms_to_pb(selection.predicted),
         planned_jobs=selection.planned_jobs,
+        prefill_instance_id=selection.prefill_id,
     )
     if placement.runner_up is not None:
         response.runner_up_instance_id = placement.runner_up.instance_id

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,7 +36,7 @@ from kvrs.learning import (
     recovery_terms,
 )
 from kvrs.network import TransferEstimate
-from kvrs.placement import PlacementPolicy, PlacementRequest, make_placement_policy
+from kvrs.placement import Kvrs, PlacementPolicy, PlacementRequest, make_placement_policy
 from kvrs.recovery import (
     NEEDS_SLOT,
     Action,
@@ -120,6 +121,7 @@ class Scheduler:
             attributes: dict[str, AttributeValue] = {
                 "kvrs.request_id": request.request_id,
                 "kvrs.prefill_instance_id": request.prefill_id,
+                "kvrs.prefill.routed_instance_id": request.prefill_id,
                 "kvrs.prompt_tokens": request.prompt_tokens,
                 "kvrs.prefix_blocks": len(request.prefix_hashes),
             }
@@ -158,10 +160,11 @@ class Scheduler:
                 state for state in candidates if state.instance_id in request.candidate_ids
             ]
         attributes["kvrs.candidates_considered"] = len(candidates)
+        prefill_id = self._prefill_id(request, policy, candidates, view, attributes)
         placement = policy.select(
             PlacementRequest(
                 request_id=request.request_id,
-                prefill_id=request.prefill_id,
+                prefill_id=prefill_id,
                 prompt_tokens=request.prompt_tokens,
                 prefix_hashes=request.prefix_hashes,
                 stream_prefill_s=(
@@ -189,7 +192,62 @@ class Scheduler:
             view_stale=view.stale,
             predicted=predicted,
             planned_jobs=jobs,
+            prefill_id=prefill_id,
         )
+
+    def _prefill_id(
+        self,
+        request: SelectDecodeInput,
+        policy: PlacementPolicy,
+        candidates: Sequence[InstanceState],
+        view: DecisionView,
+        attributes: dict[str, AttributeValue],
+    ) -> str:
+        """Where the prompt prefills: `request.prefill_id` (the prefill rule's choice), or
+        the option a policy choosing prefill and decode together prefers on this view
+        (`Kvrs.choose_prefill`, as the simulator calls it)."""
+        if not request.prefill_options:
+            return request.prefill_id
+        ids = [option.instance_id for option in request.prefill_options]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("prefill_options", "names an instance more than once")
+        if request.prefill_id not in ids:
+            raise InvalidArgument(
+                "prefill_options", f"must include prefill_instance_id {request.prefill_id!r}"
+            )
+        for option in request.prefill_options:
+            _require_id("prefill_options.instance_id", option.instance_id)
+            if not (math.isfinite(option.finish_s) and option.finish_s >= 0.0):
+                raise InvalidArgument(
+                    "prefill_options.finish_s", f"must be finite and >= 0, got {option.finish_s}"
+                )
+            if not 0 <= option.prefix_hit_tokens <= request.prompt_tokens:
+                raise InvalidArgument(
+                    "prefill_options.prefix_hit_tokens",
+                    f"must be in [0, prompt_tokens], got {option.prefix_hit_tokens}",
+                )
+        # One the view does not know yet (registered since its last refresh) cannot be
+        # priced: it is left out rather than failing the request.
+        options = [o for o in request.prefill_options if self.view.is_known(o.instance_id)]
+        for option in options:
+            self._require_role("prefill_options.instance_id", option.instance_id, Role.PREFILL)
+        if not isinstance(policy, Kvrs) or len(options) < 2:
+            return request.prefill_id
+        ids = [option.instance_id for option in options]
+        routed = ids.index(request.prefill_id)
+        chosen = policy.choose_prefill(
+            PlacementRequest(
+                request.request_id, request.prefill_id, request.prompt_tokens, request.prefix_hashes
+            ),
+            [(option.instance_id, option.finish_s) for option in options],
+            routed,
+            candidates,
+            view.cost,
+            view.cluster.now_s,
+            [option.prefix_hit_tokens for option in options],
+        )
+        attributes["kvrs.prefill_instance_id"] = ids[chosen]
+        return ids[chosen]
 
     # -- Recover --------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvrs.learning import Terms
 from kvrs.network import TransferEstimate
 from kvrs.placement import Placement
+from kvrs.prefill import PrefillOption
 from kvrs.recovery import RecoveryDecision
 from services.scheduler.leases import Lease
 
@@ -39,6 +40,9 @@ class SelectDecodeInput:
     candidate_ids: frozenset[str] = frozenset()
     streamed: bool = False
     """The KV streams while the prompt prefills (layer-wise streaming)."""
+    prefill_options: tuple[PrefillOption, ...] = ()
+    """Where else the prompt could prefill (prefill_id among them), for a policy that
+    chooses prefill and decode together; empty: it prefills on prefill_id."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class Selection:
     """predicted_ttft_s term by term, with the first token's extend."""
     planned_jobs: int = 1
     """Decisions the prediction counts on the chosen instance, this one included."""
+    prefill_id: str = ""
+    """Where the prompt prefills: the request's prefill_id or another of its options."""
 
 
 @dataclass(frozen=True)

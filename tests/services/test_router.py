@@ -22,6 +22,7 @@ from kvrs.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.common.gossip_records import LinkSample
 from services.common.redis_store import Keys
 from services.scheduler.outcomes import OutcomeLog
 from services.worker.paged_kv import FillProgress
@@ -100,6 +101,26 @@ async def test_one_request_streams_the_reference_tokens_under_one_trace(plane):
         "/kvrs.v1.WorkerService/Decode",
     } <= in_trace
     assert root.attributes["kvrs.outcome"] == "completed"
+
+
+@pytest.mark.parametrize(("policy", "prefill"), [("kvrs", "prefill-1"), ("netkv", "prefill-0")])
+async def test_the_prompt_prefills_where_a_joint_placement_policy_puts_it(plane, policy, prefill):
+    """Both prefill instances idle, the prefill rule alone takes prefill-0 (the lower id);
+    its paths to both decode instances measure 1 Mbit/s. kvrs chooses prefill and decode
+    together, so the router asks before the prefill and the prompt goes to prefill-1;
+    netkv places the decode side only, and the prompt stays on prefill-0."""
+    for decode in ("decode-0", "decode-1"):
+        await plane.gossip.report_link_sample(
+            LinkSample("prefill-0", decode, bandwidth_bps=1e6, rtt_s=1e-4, samples=4)
+        )
+    await asyncio.sleep(0.2)  # the scheduler re-reads gossip every 50 ms
+    request = generate(f"r-joint-{policy}", placement_policy=policy)
+    tokens, summary, error = await collect(router(plane), request)
+    assert error is None
+    assert tokens == reference(PROMPT, 24)
+    assert summary.prefill_instance_id == prefill
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        assert await plane.resident_requests(name) == 0
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from pathlib import Path
@@ -190,6 +191,14 @@ def select(
     )
 
 
+def options(*rows: tuple[str, float, int]) -> list[scheduler_pb2.PrefillOption]:
+    """PrefillOption messages from (instance id, finish s, prefix hit tokens) rows."""
+    return [
+        scheduler_pb2.PrefillOption(instance_id=i, finish_s=f, prefix_hit_tokens=h)
+        for i, f, h in rows
+    ]
+
+
 def recover(
     request_id: str = "req-1",
     failed: str = "decode-near",
@@ -366,6 +375,92 @@ async def test_kvrs_in_the_service_decides_as_the_simulator_does_on_the_same_vie
     assert len(chosen) > 1
 
 
+async def test_kvrs_in_the_service_chooses_the_prefill_as_the_simulator_does_on_the_same_view(
+    plane,
+):
+    """Given the prefill options, kvrs may place the prompt on another prefill instance
+    than the prefill rule's (`Kvrs.choose_prefill`); the service must choose the prefill,
+    then the decode instance, exactly as the simulator does on the same view."""
+    blocks = model_spec(MODEL).block_tokens
+    await plane.register(
+        kv_capacity_blocks=4096,
+        loads={
+            "decode-near": NodeLoad(free_kv_blocks=4000),
+            "decode-rack": NodeLoad(free_kv_blocks=4000, resident_prefix_hashes=(7, 8)),
+            "decode-far": NodeLoad(free_kv_blocks=4096),
+        },
+    )
+    stub = await plane.scheduler(view_refresh_s=3600.0, view_stale_after_s=3600.0, learning=False)
+    await plane.refresh()
+    cache = plane.scheduler_handle.view
+    decided_at_s = time.time()
+    cache.clock = lambda: decided_at_s
+    simulator_policy = make_placement_policy("kvrs")
+    # (prompt tokens, hashes, routed prefill, finish on prefill-0 and prefill-1, their hits)
+    cases = [
+        (96 * blocks, (), "prefill-1", 0.012, 0.010, (0, 0)),
+        (96 * blocks, (), "prefill-0", 0.010, 0.012, (0, 0)),
+        (64, (), "prefill-1", 0.0011, 0.0010, (0, 0)),
+        (16 * blocks, (7, 8, 9), "prefill-1", 0.030, 0.020, (0, 2 * blocks)),
+        (512 * blocks, (), "prefill-1", 2.5, 0.5, (0, 0)),
+    ] * 2
+    moved = []
+    for k, (tokens, hashes, routed, finish_0, finish_1, hits) in enumerate(cases):
+        rows = [("prefill-0", finish_0, hits[0]), ("prefill-1", finish_1, hits[1])]
+        reply = await stub.SelectDecode(
+            select(
+                f"req-{k}",
+                prefill=routed,
+                prompt_tokens=tokens,
+                prefix_hashes=hashes,
+                policy="kvrs",
+                prefill_options=options(*rows),
+            ),
+            timeout=5,
+        )
+        view = cache.current()
+        decodes = view.cluster.decode_instances()
+        index = simulator_policy.choose_prefill(
+            PlacementRequest(f"req-{k}", routed, tokens, hashes),
+            [(instance_id, finish_s) for instance_id, finish_s, _ in rows],
+            [row[0] for row in rows].index(routed),
+            decodes,
+            view.cost,
+            view.cluster.now_s,
+            list(hits),
+        )
+        prefill = rows[index][0]
+        expected = simulator_policy.select(
+            PlacementRequest(f"req-{k}", prefill, tokens, hashes),
+            decodes,
+            view.cost,
+            view.cluster.now_s,
+        )
+        assert reply.prefill_instance_id == prefill
+        assert reply.decode_instance_id == expected.instance_id
+        assert reply.predicted_ttft_s == pytest.approx(expected.predicted_ttft_s, rel=1e-12)
+        moved.append(prefill != routed)
+    # Both ways occur: the cases test the choice, not one constant answer.
+    assert any(moved) and not all(moved), moved
+    spans = plane.spans("kvrs.select_decode")[-len(cases) :]
+    routed_to = [span.attributes["kvrs.prefill.routed_instance_id"] for span in spans]
+    chosen = [span.attributes["kvrs.prefill_instance_id"] for span in spans]
+    assert [r != c for r, c in zip(routed_to, chosen, strict=True)] == moved
+
+
+async def test_a_policy_that_does_not_choose_the_prefill_keeps_the_routed_one(plane):
+    await plane.register()
+    stub = await plane.scheduler()
+    rows = options(("prefill-0", 5.0, 0), ("prefill-1", 0.001, 0))
+    for policy in ("netkv", "round_robin", ""):
+        reply = await stub.SelectDecode(
+            select(prefill="prefill-0", policy=policy, prefill_options=rows), timeout=5
+        )
+        assert reply.prefill_instance_id == "prefill-0"
+    reply = await stub.SelectDecode(select(prefill="prefill-1"), timeout=5)
+    assert reply.prefill_instance_id == "prefill-1"
+
+
 async def test_a_failure_event_removes_the_instance_before_the_next_refresh(plane):
     await plane.register()
     stub = await plane.scheduler(view_refresh_s=60.0, view_stale_after_s=120.0)
@@ -428,6 +523,41 @@ async def test_instances_a_registry_loses_stay_for_one_ttl_flagged_stale(plane):
         (select(prefill="decode-rack"), grpc.StatusCode.INVALID_ARGUMENT, "prefill_instance_id"),
         (select(prompt_tokens=10_000_001), grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens"),
         (select(policy="fastest"), grpc.StatusCode.INVALID_ARGUMENT, "policy"),
+        (
+            select(prefill_options=options(("prefill-1", 0.01, 0))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prefill_options",
+        ),
+        (
+            select(prefill_options=options(("prefill-0", 0.01, 0), ("prefill-0", 0.02, 0))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prefill_options",
+        ),
+        (
+            select(prefill_options=options(("prefill-0", -0.01, 0), ("prefill-1", 0.02, 0))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prefill_options.finish_s",
+        ),
+        (
+            select(prefill_options=options(("prefill-0", math.nan, 0), ("prefill-1", 0.02, 0))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prefill_options.finish_s",
+        ),
+        (
+            select(prefill_options=options(("prefill-0", 0.01, 4096), ("prefill-1", 0.02, 0))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prefill_options.prefix_hit_tokens",
+        ),
+        (
+            select(prefill_options=options(("prefill-0", 0.01, 0), ("decode-far", 0.02, 0))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prefill_options.instance_id",
+        ),
+        (
+            select(prefill_options=options(("prefill-0", 0.01, 0), ("", 0.02, 0))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prefill_options.instance_id",
+        ),
     ],
 )
 async def test_select_decode_rejects_bad_input_naming_the_field(plane, request_, code, field):
