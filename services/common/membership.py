@@ -158,8 +158,7 @@ class Membership:
             log.warning("gossip listing failed; keeping the last view: %s", exc)
             return False
         if changed is None:
-            self._instances = self._vanished_but_kept()
-            self._alive = {}
+            self._replace(self._vanished_but_kept())
             changed = tuple(self._registry.nodes.values())
         self._apply(instance_from_record(record) for record in changed)
         self._loaded.set()
@@ -188,22 +187,30 @@ class Membership:
         for instance in instances:
             if instance.instance_id in self._down:
                 instance = dataclasses.replace(instance, alive=False, suspect=False)
-            self._instances[instance.instance_id] = instance
+            self._put(instance)
+
+    # `_put` and `_replace` are the only writers of `_instances`: each drops the cached
+    # `alive()` lists with it, so no update can leave them stale.
+
+    def _put(self, instance: Instance) -> None:
+        self._instances[instance.instance_id] = instance
+        self._alive = {}
+
+    def _replace(self, instances: dict[str, Instance]) -> None:
+        self._instances = instances
         self._alive = {}
 
     def mark_suspect(self, instance_id: str) -> None:
         """No new work for the instance until a refresh or a `refuted` event says otherwise."""
         known = self._instances.get(instance_id)
         if known is not None and known.alive:
-            self._instances[instance_id] = dataclasses.replace(known, alive=False, suspect=True)
-            self._alive = {}
+            self._put(dataclasses.replace(known, alive=False, suspect=True))
 
     def mark_down(self, instance_id: str, reason: str) -> None:
         """Takes an instance out of service now and tells the listeners (once per failure)."""
         known = self._instances.get(instance_id)
         if known is not None:
-            self._instances[instance_id] = dataclasses.replace(known, alive=False, suspect=False)
-            self._alive = {}
+            self._put(dataclasses.replace(known, alive=False, suspect=False))
         if instance_id in self._down:
             return
         self._down.add(instance_id)
