@@ -46,7 +46,7 @@ from kvrs.errors import (
 )
 from kvrs.learning import TERMS, Outcome, Terms, relative_error
 from kvrs.placement import chooses_prefill
-from kvrs.prefill import PrefillOption
+from kvrs.prefill import PrefillOption, prefill_finish_s
 from kvrs.profile import ComputeProfile
 from kvrs.recovery import Action, RecoveryRequest
 from kvrs.tokenizer import prefix_block_hashes
@@ -310,7 +310,7 @@ class Router:
         last_error: KvrsError | None = None
         for _ in range(PREFILL_ATTEMPTS):
             try:
-                at, estimate_s, options = await self._until_an_instance(
+                at, work_s, options = await self._until_an_instance(
                     lambda first: self._prefill_instance(request, hashes, tried),
                     request.deadline_unix_ms,
                     run.span,
@@ -326,7 +326,7 @@ class Router:
                     # The policy chooses the prefill with the decode side in view: the
                     # prompt goes where the placement says, one SelectDecode later.
                     placement, _ = await selecting
-                    at, estimate_s = self._prefill_chosen(placement, options, at, estimate_s)
+                    at, work_s = self._prefill_chosen(request, placement, options, at, work_s)
                 if self._streams(request):
                     run.prefill, run.prefill_kv_id = at, request.request_id
                     prefilled_at: asyncio.Future[float] = asyncio.Future()
@@ -334,7 +334,7 @@ class Router:
                     tasks.append(streaming)
             tried.add(at.instance_id)
             inflight = self._prefill_inflight_s
-            inflight[at.instance_id] = inflight.get(at.instance_id, 0.0) + estimate_s
+            inflight[at.instance_id] = inflight.get(at.instance_id, 0.0) + work_s
             run.hold(at, request.request_id)
             try:
                 with self.tracer.start_as_current_span("router.prefill") as span:
@@ -360,7 +360,7 @@ class Router:
                 tasks.clear()
                 continue
             finally:
-                inflight[at.instance_id] = max(0.0, inflight[at.instance_id] - estimate_s)
+                inflight[at.instance_id] = max(0.0, inflight[at.instance_id] - work_s)
             run.prefill, run.prefill_kv_id = at, request.request_id
             run.summary.prefill_instance_id = at.instance_id
             run.summary.prefill_s = prefilled.prefill_s
@@ -378,7 +378,7 @@ class Router:
     async def _prefill_instance(
         self, request: GenerateInput, hashes: Sequence[int], tried: set[str]
     ) -> tuple[Endpoint, float, tuple[PrefillOption, ...]]:
-        """The prefill instance to try next, its predicted finish (s from now), and every
+        """The prefill instance to try next, the prompt's compute there (s), and every
         candidate as an option when the placement policy chooses the prefill too (else
         none); FailedPrecondition while there is none (every one down or tried already)."""
         if request.prefill_instance_id:
@@ -401,7 +401,7 @@ class Router:
                 + (f" besides {', '.join(sorted(tried))}" if tried else "")
             )
         policy = request.placement_policy or self.settings.default_placement_policy
-        chosen, estimate_s, options = choose_prefill(
+        choice = choose_prefill(
             candidates,
             len(request.prompt),
             hashes,
@@ -410,19 +410,21 @@ class Router:
             self._prefill_inflight_s,
             options=len(candidates) > 1 and chooses_prefill(policy),
         )
-        return Endpoint(chosen.instance_id, chosen.address), estimate_s, options
+        chosen = choice.instance
+        return Endpoint(chosen.instance_id, chosen.address), choice.work_s, choice.options
 
     def _prefill_chosen(
         self,
+        request: GenerateInput,
         placement: Placement,
         options: Sequence[PrefillOption],
         routed: Endpoint,
-        estimate_s: float,
+        work_s: float,
     ) -> tuple[Endpoint, float]:
-        """The prefill instance the placement chose among `options`, and its predicted
-        finish; `routed` (the prefill rule's own choice) when it kept that one."""
+        """The prefill instance the placement chose among `options`, and the prompt's
+        compute there; `routed` (the prefill rule's own choice) when it kept that one."""
         if placement.prefill_id == routed.instance_id:
-            return routed, estimate_s
+            return routed, work_s
         chosen = self.membership.instance(placement.prefill_id)
         option = next((o for o in options if o.instance_id == placement.prefill_id), None)
         if chosen is None or option is None:
@@ -431,8 +433,11 @@ class Router:
                 placement.prefill_id,
                 routed.instance_id,
             )
-            return routed, estimate_s
-        return Endpoint(chosen.instance_id, chosen.address), option.finish_s
+            return routed, work_s
+        moved_work_s = prefill_finish_s(
+            self.profile, len(request.prompt), 0.0, option.prefix_hit_tokens
+        )
+        return Endpoint(chosen.instance_id, chosen.address), moved_work_s
 
     def _resident_prefix_tokens(self, instance_id: str, run: Run) -> int:
         """Leading whole blocks of the run's prompt that `instance_id` heartbeats as

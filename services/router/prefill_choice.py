@@ -9,11 +9,16 @@ lower queue depth, then the lower id.
 
 With `options` it also hands back every candidate as a `PrefillOption` (its predicted
 finish and hit), for a placement policy that chooses prefill and decode together.
+
+What the router adds to its in-flight work for the chosen instance is the prompt's
+compute there, not its predicted finish: the finish includes W(p), in-flight work
+already counted, and adding it again would double what a burst sent with each request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from kvrs import prefill
 from kvrs.costmodel import prefix_hit_tokens
@@ -21,6 +26,15 @@ from kvrs.errors import FailedPrecondition
 from kvrs.prefill import PrefillOption
 from kvrs.profile import ComputeProfile
 from services.common.membership import Instance
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    instance: Instance
+    work_s: float
+    """The prompt's compute on `instance`, on top of the prefix it holds (seconds)."""
+    options: tuple[PrefillOption, ...] = ()
+    """Every candidate, in id order, when asked for."""
 
 
 def choose_prefill(
@@ -31,9 +45,9 @@ def choose_prefill(
     profile: ComputeProfile,
     inflight_s: Mapping[str, float],
     options: bool = False,
-) -> tuple[Instance, float, tuple[PrefillOption, ...]]:
-    """The chosen instance, its predicted finish time (seconds from now) and, with
-    `options`, every candidate as a prefill option (else none)."""
+) -> PrefillChoice:
+    """The chosen instance, the prompt's compute there and, with `options`, every
+    candidate as a prefill option."""
     if not candidates:
         raise FailedPrecondition("no alive prefill instance", field="prefill_instances")
     ordered = sorted(candidates, key=lambda instance: instance.instance_id)
@@ -48,12 +62,13 @@ def choose_prefill(
     index, finish_s = prefill.choose_prefill(
         waits, prompt_tokens, profile, hit_tokens=hits, queue_depth=[i.queue_depth for i in ordered]
     )
+    work_s = finish_s - max(0.0, waits[index])
     if not options:
-        return ordered[index], finish_s, ()
+        return PrefillChoice(ordered[index], work_s)
     finishes = prefill.prefill_finishes(waits, prompt_tokens, profile, hits).tolist()
-    return (
+    return PrefillChoice(
         ordered[index],
-        finish_s,
+        work_s,
         tuple(
             PrefillOption(instance.instance_id, finishes[k], hits.get(k, 0))
             for k, instance in enumerate(ordered)
