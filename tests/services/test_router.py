@@ -123,6 +123,33 @@ async def test_the_prompt_prefills_where_a_joint_placement_policy_puts_it(plane,
         assert await plane.resident_requests(name) == 0
 
 
+async def test_a_prefill_instance_the_joint_choice_moved_to_that_is_gone_costs_no_request(plane):
+    """kvrs moves the prompt to prefill-1 (prefill-0's paths are slow), but prefill-1's
+    server is gone while its heartbeats go on (gossip still lists it): the prefill fails,
+    and the router prefills on prefill-0 instead, with a placement of its own."""
+    for decode in ("decode-0", "decode-1"):
+        await plane.gossip.report_link_sample(
+            LinkSample("prefill-0", decode, bandwidth_bps=1e6, rtt_s=1e-4, samples=4)
+        )
+    await asyncio.sleep(0.2)
+    await plane.handles["prefill-1"].server.stop(0)
+    request = generate("r-joint-gone", placement_policy="kvrs")
+    tokens, summary, error = await collect(router(plane), request)
+    assert error is None
+    assert tokens == reference(PROMPT, 24)
+    assert summary.prefill_instance_id == "prefill-0"
+    for name in ("prefill-0", "decode-0", "decode-1"):
+        assert await plane.resident_requests(name) == 0
+    (prefill_span,) = [
+        s
+        for s in plane.exporter.get_finished_spans()
+        if s.name == "router.prefill"
+        and s.attributes.get("kvrs.request_id") == "r-joint-gone"
+        and s.attributes.get("kvrs.instance_id") == "prefill-1"
+    ]
+    assert not prefill_span.status.is_ok
+
+
 @pytest.mark.parametrize(
     ("stream_kv", "min_tokens", "streamed"),
     [(True, len(PROMPT), True), (False, 0, False), (True, len(PROMPT) + 1, False)],
