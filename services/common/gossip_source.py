@@ -44,9 +44,11 @@ class GossipSource:
     snapshot carries every instance, and `changed` says which of them the fetch
     updated (None: all of them, after a full listing), so the view rebuilds only those.
 
-    A failed fetch replaces the gossip client: a fresh channel tries to connect at once,
-    where the old one would wait out gRPC's reconnect backoff (up to two minutes), so a
-    restarted gossip store is seen again within one refresh.
+    A fetch that found gossip unreachable replaces the gossip client: a fresh channel
+    tries to connect at once, where the old one would wait out gRPC's reconnect backoff
+    (up to two minutes), so a restarted gossip store is seen again within one refresh.
+    One that ran past its deadline keeps it: the channel works, and a gossip too busy to
+    answer in time would only get connection set-ups on top.
     """
 
     def __init__(
@@ -71,7 +73,8 @@ class GossipSource:
         try:
             changed, links = await asyncio.gather(self.registry.poll(client), client.list_links())
         except KvrsError as exc:
-            self._reconnect()
+            if isinstance(exc, Unavailable):
+                self._reconnect()
             # Whatever gossip answered, there is no fresh view: the cached one keeps serving.
             if isinstance(exc, Unavailable | DeadlineExceeded):
                 raise

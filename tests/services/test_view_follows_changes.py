@@ -8,6 +8,7 @@ import time
 import pytest
 import redis
 
+from kvrs.errors import DeadlineExceeded, Unavailable
 from kvrs.learning import AssignedWork
 from services.common.decision_inputs import InputsConfig, load_inputs
 from services.common.gossip_records import NodeLoad
@@ -153,3 +154,35 @@ async def test_router_membership_keeps_what_a_registry_loss_dropped_for_one_ttl(
     await asyncio.sleep(1.2)
     assert await membership.refresh()
     assert membership.alive("decode") == []
+
+
+async def test_a_fetch_past_its_deadline_keeps_the_channel_and_an_unreachable_gossip_replaces_it(
+    redis_url, redis_prefix, unused_tcp_port
+):
+    """A busy gossip (a deadline) gets no new connection on top of its work; a gossip
+    that cannot be reached gets a fresh channel, which connects at once when it is back."""
+    clients: list[GossipClient] = []
+
+    def connect(address: str, timeout_s: float):
+        def open_client() -> GossipClient:
+            clients.append(GossipClient(address, timeout_s=timeout_s))
+            return clients[-1]
+
+        return open_client
+
+    handle = await start_gossip(redis_url, redis_prefix)
+    try:
+        busy = GossipSource(connect(f"127.0.0.1:{handle.port}", 1e-6))
+        with pytest.raises(DeadlineExceeded):
+            await busy.fetch()
+        assert busy.client is clients[0] and len(clients) == 1
+
+        gone = GossipSource(connect(f"127.0.0.1:{unused_tcp_port}", 1.0))
+        with pytest.raises(Unavailable):
+            await gone.fetch()
+        assert len(clients) == 3 and gone.client is clients[2]
+    finally:
+        await asyncio.sleep(0)  # the replaced client closes in a task of its own
+        for client in clients:
+            await client.close()
+        await handle.stop(0)
