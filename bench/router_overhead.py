@@ -14,6 +14,10 @@ Reported (medians over rounds, with p90): TTFT (token 0, from prefill), the firs
 token (token 1: + placement + KV pull + one step), and the mean time between tokens of
 each decode stream; overhead = router - direct. Goals: TBT overhead < 0.5 ms; TTFT overhead
 no more than one scheduler RPC.
+
+Then what the joint prefill choice costs: the same prompt through the router, unpinned,
+under netkv (SelectDecode overlaps the prefill) and under kvrs (SelectDecode first, with
+every prefill instance as an option), alternating; TTFT medians side by side.
 """
 
 from __future__ import annotations
@@ -64,13 +68,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def via_router(stub, prompt: list[int], tokens: int) -> tuple[float, float, list[float]]:
+async def via_router(
+    stub, prompt: list[int], tokens: int, policy: str = ""
+) -> tuple[float, float, list[float]]:
+    """Through the router: pinned to prefill-0 / decode-0, or under `policy` unpinned."""
+    pins = {} if policy else {"prefill_instance_id": "prefill-0", "decode_instance_id": "decode-0"}
     request = router_pb2.GenerateRequest(
         request_id=f"bench-{uuid.uuid4().hex[:10]}",
         prompt_token_ids=prompt,
         max_new_tokens=tokens,
-        prefill_instance_id="prefill-0",
-        decode_instance_id="decode-0",
+        placement_policy=policy,
+        **pins,
     )
     started = time.perf_counter()
     arrivals = []
@@ -161,6 +169,13 @@ async def bench(state, rounds: int, tokens: int, prompt_tokens: int) -> dict:
             if round_index:
                 select_s.append(time.perf_counter() - started)
         await scheduler.close()
+        joint_ttft: dict[str, list[float]] = {"netkv": [], "kvrs": []}
+        for round_index in range(rounds + 1):
+            order = ("netkv", "kvrs") if round_index % 2 else ("kvrs", "netkv")
+            for policy in order:
+                ttft, _, _ = await via_router(router, prompt, 4, policy)
+                if round_index:
+                    joint_ttft[policy].append(ttft)
     print(
         f"\n{rounds} rounds, prompt {prompt_tokens} tokens, {tokens} tokens each "
         "(medians; p90 in brackets), milliseconds"
@@ -201,6 +216,16 @@ async def bench(state, rounds: int, tokens: int, prompt_tokens: int) -> dict:
         f"TTFT overhead {ttft_over:+.3f} ms vs one SelectDecode RPC {select_ms:.3f} ms: "
         f"ratio {ttft_over / select_ms:.2f} (goal <= 1)"
     )
+    decode_only, joint = (statistics.median(joint_ttft[p]) * 1e3 for p in ("netkv", "kvrs"))
+    print(
+        f"joint prefill choice, unpinned: TTFT netkv {decode_only:.3f} ms, kvrs {joint:.3f} ms "
+        f"({joint - decode_only:+.3f} ms; one SelectDecode RPC {select_ms:.3f} ms)"
+    )
+    figures["joint_prefill_ttft_s"] = {
+        "netkv_median_s": decode_only / 1e3,
+        "kvrs_median_s": joint / 1e3,
+        "difference_s": (joint - decode_only) / 1e3,
+    }
     figures.update(
         select_decode_median_s=select_ms / 1e3,
         tbt_overhead_s=tbt_over / 1e3,
