@@ -103,17 +103,34 @@ async def test_one_request_streams_the_reference_tokens_under_one_trace(plane):
     assert root.attributes["kvrs.outcome"] == "completed"
 
 
+async def slow_paths_from_prefill_0(plane) -> None:
+    """Reports prefill-0's paths to both decode instances at 1 Mbit/s, and waits until
+    the scheduler's view prices them so."""
+    for decode in ("decode-0", "decode-1"):
+        await plane.gossip.report_link_sample(
+            LinkSample("prefill-0", decode, bandwidth_bps=1e6, rtt_s=1e-4, samples=4)
+        )
+    view = plane.handles["scheduler"].view
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        current = view.current()
+        rates = [
+            current.cost.network.rate_and_rtt("prefill-0", d, current.cluster.now_s)[0]
+            for d in ("decode-0", "decode-1")
+        ]
+        if max(rates) <= 2e6:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"view still prices {rates}"
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.parametrize(("policy", "prefill"), [("kvrs", "prefill-1"), ("netkv", "prefill-0")])
 async def test_the_prompt_prefills_where_a_joint_placement_policy_puts_it(plane, policy, prefill):
     """Both prefill instances idle, the prefill rule alone takes prefill-0 (the lower id);
     its paths to both decode instances measure 1 Mbit/s. kvrs chooses prefill and decode
     together, so the router asks before the prefill and the prompt goes to prefill-1;
     netkv places the decode side only, and the prompt stays on prefill-0."""
-    for decode in ("decode-0", "decode-1"):
-        await plane.gossip.report_link_sample(
-            LinkSample("prefill-0", decode, bandwidth_bps=1e6, rtt_s=1e-4, samples=4)
-        )
-    await asyncio.sleep(0.2)  # the scheduler re-reads gossip every 50 ms
+    await slow_paths_from_prefill_0(plane)
     request = generate(f"r-joint-{policy}", placement_policy=policy)
     tokens, summary, error = await collect(router(plane), request)
     assert error is None
@@ -127,11 +144,7 @@ async def test_a_prefill_instance_the_joint_choice_moved_to_that_is_gone_costs_n
     """kvrs moves the prompt to prefill-1 (prefill-0's paths are slow), but prefill-1's
     server is gone while its heartbeats go on (gossip still lists it): the prefill fails,
     and the router prefills on prefill-0 instead, with a placement of its own."""
-    for decode in ("decode-0", "decode-1"):
-        await plane.gossip.report_link_sample(
-            LinkSample("prefill-0", decode, bandwidth_bps=1e6, rtt_s=1e-4, samples=4)
-        )
-    await asyncio.sleep(0.2)
+    await slow_paths_from_prefill_0(plane)
     await plane.handles["prefill-1"].server.stop(0)
     request = generate("r-joint-gone", placement_policy="kvrs")
     tokens, summary, error = await collect(router(plane), request)
