@@ -30,6 +30,7 @@ __all__ = [
     "computed_hit_tokens",
     "prefill_finish_s",
     "prefill_finishes",
+    "soonest",
 ]
 
 
@@ -90,6 +91,18 @@ def prefill_finishes(
     return finish
 
 
+def soonest(finish: np.ndarray, queue_depth: Sequence[int] | np.ndarray | None = None) -> int:
+    """The index of the earliest of `finish` (`prefill_finishes`); ties go to the lower
+    `queue_depth` when given, then to the earlier candidate."""
+    best = int(finish.argmin())
+    if queue_depth is not None:
+        tied = np.flatnonzero(finish == finish[best])
+        if tied.size > 1:
+            depths = np.asarray(queue_depth)
+            best = int(tied[depths[tied].argmin()])
+    return best
+
+
 def choose_prefill(
     wait_s: Sequence[float] | np.ndarray,
     prompt_tokens: int,
@@ -104,10 +117,5 @@ def choose_prefill(
     listed hold none); `queue_depth`, when given, breaks ties before the order does.
     """
     finish = prefill_finishes(wait_s, prompt_tokens, profile, hit_tokens)
-    best = int(finish.argmin())
-    if queue_depth is not None:
-        tied = np.flatnonzero(finish == finish[best])
-        if tied.size > 1:
-            depths = np.asarray(queue_depth)
-            best = int(tied[depths[tied].argmin()])
+    best = soonest(finish, queue_depth)
     return best, float(finish[best])

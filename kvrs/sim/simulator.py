@@ -29,7 +29,7 @@ from kvrs.cluster import InstanceList, InstanceState
 from kvrs.costmodel import CostModel
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvrs.placement import PlacementPolicy, PlacementRequest, make_placement_policy
-from kvrs.prefill import choose_prefill, prefill_finishes
+from kvrs.prefill import prefill_finishes, soonest
 from kvrs.recovery import (
     NEEDS_SLOT,
     Action,
@@ -417,11 +417,9 @@ class Simulator:
                 if blocks:
                     # kvrs.costmodel.prefix_hit_tokens, over the pool as telemetry saw it.
                     hits[i] = min(blocks * self.block_tokens, tokens)
-        index, _ = choose_prefill(
-            routing.wait_s - age_s, tokens, self.compute, hits, routing.queue_depth
-        )
+        finishes = prefill_finishes(routing.wait_s - age_s, tokens, self.compute, hits)
+        index = soonest(finishes, routing.queue_depth)
         if self.policy_spec.prefill == "joint":
-            finishes = prefill_finishes(routing.wait_s - age_s, tokens, self.compute, hits)
             choose = self.placement.choose_prefill  # type: ignore[union-attr]
             index = choose(
                 PlacementRequest(

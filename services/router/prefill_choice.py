@@ -59,18 +59,16 @@ def choose_prefill(
         if instance.resident_prefix_hashes
     }
     waits = [i.queued_work_s + inflight_s.get(i.instance_id, 0.0) for i in ordered]
-    index, finish_s = prefill.choose_prefill(
-        waits, prompt_tokens, profile, hit_tokens=hits, queue_depth=[i.queue_depth for i in ordered]
-    )
-    work_s = finish_s - max(0.0, waits[index])
+    finishes = prefill.prefill_finishes(waits, prompt_tokens, profile, hits)
+    index = prefill.soonest(finishes, [i.queue_depth for i in ordered])
+    work_s = prefill.prefill_finish_s(profile, prompt_tokens, 0.0, hits.get(index, 0))
     if not options:
         return PrefillChoice(ordered[index], work_s)
-    finishes = prefill.prefill_finishes(waits, prompt_tokens, profile, hits).tolist()
     return PrefillChoice(
         ordered[index],
         work_s,
         tuple(
-            PrefillOption(instance.instance_id, finishes[k], hits.get(k, 0))
-            for k, instance in enumerate(ordered)
+            PrefillOption(instance.instance_id, finish_s, hits.get(k, 0))
+            for k, (instance, finish_s) in enumerate(zip(ordered, finishes.tolist(), strict=True))
         ),
     )
