@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -34,6 +33,7 @@ from kvrs.cli.launcher.services import (
     ClusterOptions,
     ServiceSpec,
     Wiring,
+    command_line,
     common_env,
     generate_certs,
     has_main,
@@ -90,14 +90,18 @@ def start_cluster(
         spare = [port for port in spare if port not in ports]
     else:
         ports, spare = spare[: len(listeners)], spare[len(listeners) :]
+
+    def on_host(name: str, port: int) -> str:
+        return f"{options.host_of(name).address}:{port}"
+
     metrics_addresses = {
-        spec.name: f"127.0.0.1:{port}" for spec, port in zip(metered, spare, strict=False)
+        spec.name: on_host(spec.name, port) for spec, port in zip(metered, spare, strict=False)
     }
     addresses = {
-        spec.name: f"127.0.0.1:{port}" for spec, port in zip(services, ports, strict=False)
+        spec.name: on_host(spec.name, port) for spec, port in zip(services, ports, strict=False)
     }
     health_addresses = {
-        spec.name: f"127.0.0.1:{port}"
+        spec.name: on_host(spec.name, port)
         for spec, port in zip(listeners[len(services) :], ports[len(services) :], strict=True)
     }
     wiring = Wiring(
@@ -137,14 +141,10 @@ def start_cluster(
                     ),
                     **spec.env(wiring),
                 }
-                if spec.command is not None:
-                    command = spec.command(wiring)
-                else:
-                    command = [sys.executable, "-m", spec.module, *spec.args]
                 record = spawn(
                     spec.name,
                     spec.kind,
-                    command,
+                    command_line(spec, wiring),
                     spec.module,
                     addresses[spec.name],
                     env,

@@ -23,6 +23,16 @@ GEN_CERTS = REPO_ROOT / "deploy" / "gen-certs.sh"
 
 
 @dataclass(frozen=True)
+class Host:
+    """Where one process runs: the address it binds and its peers reach it at, and the
+    command prefix that puts it there (`ip netns exec <namespace>` for a worker in a
+    network namespace of its own, whose link can then be shaped or cut)."""
+
+    address: str = "127.0.0.1"
+    enter: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ClusterOptions:
     """What `kvrs up` was asked for."""
 
@@ -55,6 +65,14 @@ class ClusterOptions:
     """How long one stage may take to report SERVING."""
     log_level: str = "INFO"
     """KVRS_LOG_LEVEL of every service."""
+    host: str = "127.0.0.1"
+    """The address every process listens on and is reached at, unless `hosts` names one:
+    loopback, so a local cluster opens no port to the network."""
+    hosts: Mapping[str, Host] = field(default_factory=dict)
+    """Process name -> a host of its own (an address and how to enter it)."""
+
+    def host_of(self, name: str) -> Host:
+        return self.hosts.get(name, Host(self.host))
 
 
 @dataclass(frozen=True)
@@ -167,6 +185,17 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ),
 )
 """The cluster, in start order: adding a service is adding a row."""
+
+
+def command_line(spec: ServiceSpec, wiring: Wiring) -> list[str]:
+    """How `spec`'s process starts: its own command or `python -m <module>`, entered into
+    its host."""
+    if spec.command is not None:
+        command = spec.command(wiring)
+    else:
+        command = [sys.executable, "-m", spec.module, *spec.args]
+    return [*wiring.options.host_of(spec.name).enter, *command]
+
 
 ADAPTER_PREFIX = "openai-http-"
 
