@@ -64,6 +64,11 @@ class Config:
     router takes for each alive decode instance; beyond that a new request is refused at
     once with RESOURCE_EXHAUSTED (load shedding: it fails fast instead of queueing past
     its deadline). 0 = no limit."""
+    deadline_admission: bool = False
+    """ROUTER_DEADLINE_ADMISSION: refuse at once, with RESOURCE_EXHAUSTED, a request with
+    a deadline that an equal share of the tokens the cluster is delivering now would
+    finish past it (`kvrs.admission`); requests without a deadline are always admitted.
+    0 = off."""
     stream_kv: bool = True
     """ROUTER_STREAM_KV: layer-wise streaming. The decode instance is chosen while the
     prompt prefills and pulls each layer's KV as soon as the prefill has computed it, so
@@ -100,6 +105,7 @@ class Config:
             control_timeout_s=env_float("ROUTER_CONTROL_TIMEOUT_S", 2.0, env),
             instance_wait_s=env_float("ROUTER_INSTANCE_WAIT_S", 5.0, env),
             max_requests_per_decode=env_int("ROUTER_MAX_REQUESTS_PER_DECODE", 0, env),
+            deadline_admission=env_bool("ROUTER_DEADLINE_ADMISSION", False, env),
             stream_kv=env_bool("ROUTER_STREAM_KV", True, env),
             stream_kv_min_tokens=env_int("ROUTER_STREAM_KV_MIN_TOKENS", 512, env),
             batch_window_s=env_float("ROUTER_BATCH_WINDOW_S", 0.05, env),

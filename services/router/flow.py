@@ -34,6 +34,7 @@ from typing import Protocol, TypeVar
 
 from opentelemetry.trace import Span, Tracer
 
+from kvrs.admission import DeliveryRate, admits, expected_duration_s
 from kvrs.costmodel import prefix_hit_tokens
 from kvrs.errors import (
     DeadlineExceeded,
@@ -137,6 +138,7 @@ class RouterSettings:
     batch_window_s: float = 0.05
     instance_wait_s: float = 5.0
     max_requests_per_decode: int = 0
+    deadline_admission: bool = False
     stream_kv: bool = True
     """Layer-wise streaming: the decode instance pulls the KV while the prefill computes
     it, each layer as soon as it is done, instead of after the prefill."""
@@ -180,6 +182,8 @@ class Router:
         self._reports: set[asyncio.Task] = set()
         self._admitted = 0
         """Requests between admission and their last message."""
+        self.delivered = DeliveryRate()
+        """Tokens streamed to clients lately: what deadline admission judges by."""
         membership.add_failure_listener(self._gossip_failure)
         # Every action's series exists from the start, at zero: a dashboard shows "0
         # recoveries" rather than no data until the first failure.
@@ -211,13 +215,14 @@ class Router:
             )
             run.summary.trace_id = format(span.get_span_context().trace_id, "032x")
             run.span = span
-            self._admit(span)
+            self._admit(request, span)
             self._admitted += 1
             tasks: list[asyncio.Task] = []
             try:
                 first, placing = await self._prefill(run, tasks)
                 run.generated.append(first)
                 self._first_token(run, started)
+                self.delivered.add(time.monotonic())
                 if placing is None and run.remaining_tokens > 0:
                     # Started before token 0 is handed out: the pull must not wait for the
                     # client's write (the generator is suspended at the yield until then).
@@ -229,6 +234,7 @@ class Router:
                     async for token in self._decode_all(run, placing):
                         now_s = time.monotonic()
                         self.metrics.tbt_s.observe(now_s - last_s)
+                        self.delivered.add(now_s)
                         last_s = now_s
                         yield token
                 self._finish(run, started, span)
@@ -252,22 +258,40 @@ class Router:
                 # release, or KV stays on a worker.
                 await asyncio.shield(self._close(run, tasks))
 
-    def _admit(self, span: Span) -> None:
+    def _admit(self, request: GenerateInput, span: Span) -> None:
         """Sheds the request when the cluster already has its fill: more requests in
-        flight than `max_requests_per_decode` for each alive decode instance. Refused at
-        once, a client can retry elsewhere or later; admitted, it would queue behind work
-        the cluster cannot finish in time, and slow every stream already running."""
+        flight than `max_requests_per_decode` for each alive decode instance, or (with
+        deadline admission) more than it can finish this one among by its deadline.
+        Refused at once, a client can retry elsewhere or later; admitted, it would queue
+        behind work the cluster cannot finish in time, and slow every stream already
+        running."""
         per_decode = self.settings.max_requests_per_decode
         decodes = len(self.membership.alive("decode")) if per_decode else 0
-        if not decodes or self._admitted < per_decode * decodes:
+        if decodes and self._admitted >= per_decode * decodes:
+            self._shed(span)
+            raise ResourceExhausted(
+                f"{self._admitted} requests in flight, the most for {decodes} alive decode "
+                f"instances ({per_decode} each); retry later",
+                field="max_requests_per_decode",
+            )
+        if not (self.settings.deadline_admission and request.deadline_unix_ms):
             return
+        left_s = request.deadline_unix_ms / 1000.0 - time.time()
+        rate = self.delivered.per_s(time.monotonic())
+        if admits(request.max_new_tokens, self._admitted, rate, left_s):
+            return
+        self._shed(span)
+        expected_s = expected_duration_s(request.max_new_tokens, self._admitted, rate)
+        raise ResourceExhausted(
+            f"{request.max_new_tokens} tokens would take about {expected_s:.1f} s, sharing "
+            f"the {rate:.0f} tokens/s the cluster delivers now with {self._admitted} "
+            f"requests in flight, past the deadline {left_s:.1f} s away; retry later",
+            field="deadline_unix_ms",
+        )
+
+    def _shed(self, span: Span) -> None:
         self.metrics.requests.labels(outcome="shed").inc()
         span.set_attribute("kvrs.outcome", "shed")
-        raise ResourceExhausted(
-            f"{self._admitted} requests in flight, the most for {decodes} alive decode "
-            f"instances ({per_decode} each); retry later",
-            field="max_requests_per_decode",
-        )
 
     def _first_token(self, run: Run, started: float) -> None:
         summary = run.summary

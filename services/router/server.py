@@ -94,6 +94,7 @@ async def build_server(
             batch_window_s=config.batch_window_s,
             instance_wait_s=config.instance_wait_s,
             max_requests_per_decode=config.max_requests_per_decode,
+            deadline_admission=config.deadline_admission,
             stream_kv=config.stream_kv,
             stream_kv_min_tokens=config.stream_kv_min_tokens,
             vocab_size=spec.vocab_size,

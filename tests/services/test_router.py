@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 
 import grpc
 import pytest
@@ -479,6 +480,36 @@ async def test_a_request_beyond_the_admission_limit_is_shed_at_once(redis_url, r
         tokens, summary, error = await collect(router(plane), generate("admitted"))
         assert error is None and tokens == reference(PROMPT, 24)
         await tasks[1]
+    finally:
+        await plane.stop()
+
+
+async def test_deadline_admission_refuses_only_a_request_its_share_would_finish_late(
+    redis_url, redis_prefix
+):
+    """Two streams running set the delivery rate: a 1,000-token request due in 0.2 s,
+    sharing it three ways, would be late at any rate below 15,000 tokens/s (this machine
+    delivers far fewer), so it is refused at once, naming its deadline; a 24-token request
+    with a minute to go is admitted."""
+    plane = Plane(redis_url, redis_prefix)
+    await plane.start(deadline_admission=True)
+    try:
+        running = [generate(f"paced-{i}", max_new_tokens=1500) for i in range(2)]
+        tasks = await start_streams(plane, running, min_tokens=20)
+        due_soon = generate(
+            "due-soon", max_new_tokens=1000, deadline_unix_ms=int(time.time() * 1000) + 200
+        )
+        tokens, summary, error = await collect(router(plane), due_soon)
+        assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error.details().startswith("deadline_unix_ms: "), error.details()
+        assert "2 requests in flight" in error.details(), error.details()
+        assert tokens == [] and summary is None
+        in_time = generate("in-time", deadline_unix_ms=int(time.time() * 1000) + 60_000)
+        tokens, summary, error = await collect(router(plane), in_time)
+        assert error is None and tokens == reference(PROMPT, 24)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         await plane.stop()
 
