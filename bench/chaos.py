@@ -5,14 +5,15 @@
 - `scheduler_kill`: kill -9 of one scheduler replica (clients fail over), restarted;
 - `redis_restart`: the private Redis SIGKILLed and started again on its port, empty (it
   persists nothing): registry, leases and events are gone until the workers re-register;
-- `link_flap`: a decode worker's listeners (gRPC and KV rendezvous) unreachable for
-  `flap_s`: every packet to them on the loopback dropped (iptables), then let through;
+- `link_flap`: a decode worker's link blackholed for `flap_s` (every packet into its
+  network namespace dropped, mid-connection: tc swaps its veth's queue for one of length
+  0), then given back;
 - `cpu_starve`: a worker stopped 60 % of the time (SIGSTOP 0.3 s / SIGCONT 0.2 s) for
   `starve_s`.
 
-The link flap drops packets on the host's loopback rather than shaping a veth between
-network namespaces: the soak's cluster runs every process on the host. It needs root and
-`iptables`; without them the fault is recorded as skipped, with the reason.
+The link flap needs the workers in network namespaces (`bench.netns`: root, `ip`,
+`iptables`, `tc`); where the soak could not put them there, the fault is recorded as
+skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -20,17 +21,13 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import grpc
-
+from bench.netns import NetnsLab
 from kvrs.cli.launcher import ClusterState, is_running, start_private_redis
-from kvrs.v1 import worker_pb2, worker_pb2_grpc
 
 FAULTS = (
     "decode_kill",
@@ -57,10 +54,14 @@ class Chaos:
         supervisor,
         rng: random.Random,
         restart_after_s: float,
+        lab: NetnsLab | None,
+        why_no_lab: str = "",
         flap_s: float = 3.0,
         starve_s: float = 6.0,
     ) -> None:
         self.supervisor = supervisor
+        self.lab = lab
+        self.why_no_lab = why_no_lab
         self.rng = rng
         self.restart_after_s = restart_after_s
         self.flap_s = flap_s
@@ -111,25 +112,14 @@ class Chaos:
         return {"victim": "redis", "down_s": 2.0}
 
     async def _flap(self, victim: str) -> dict:
-        if os.geteuid() != 0 or shutil.which("iptables") is None:
-            return {"victim": victim, "skipped": "needs root and iptables"}
-        address = self.supervisor.record(victim).address
-        async with grpc.aio.insecure_channel(address) as channel:
-            stats = await worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerStats(
-                worker_pb2.GetWorkerStatsRequest(), timeout=5
-            )
-        ports = (_port(address), _port(stats.transfer_address))
-        rules = [
-            ("INPUT", "-i", "lo", "-p", "tcp", "--dport", str(port), "-j", "DROP") for port in ports
-        ]
-        for rule in rules:
-            subprocess.run(["iptables", "-I", *rule], check=True, capture_output=True)
+        if self.lab is None:
+            return {"victim": victim, "skipped": f"no network namespaces: {self.why_no_lab}"}
+        await asyncio.to_thread(self.lab.blackhole, victim)
         try:
             await asyncio.sleep(self.flap_s)
         finally:
-            for rule in rules:
-                subprocess.run(["iptables", "-D", *rule], check=False, capture_output=True)
-        return {"victim": victim, "ports": list(ports), "down_s": self.flap_s}
+            await asyncio.to_thread(self.lab.restore, victim)
+        return {"victim": victim, "down_s": self.flap_s}
 
     async def _starve(self, victim: str) -> dict:
         pid = self.supervisor.record(victim).pid

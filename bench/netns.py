@@ -78,8 +78,16 @@ class NetnsLab:
     def blackhole(self, name: str) -> None:
         """Drops every packet into `name`'s namespace from now on, mid-connection (a queue of
         length 0 replaces the link's qdisc: 100 % loss without netem, which not every
-        kernel has); `shape` brings the link back."""
+        kernel has); `shape` or `restore` brings the link back."""
         self._root_qdisc(name, "pfifo", "limit", "0")
+
+    def restore(self, name: str) -> None:
+        """Gives `name`'s link back its default queue: unshaped, no longer blackholed."""
+        subprocess.run(
+            ["tc", "qdisc", "del", "dev", self._veths[name], "root"],
+            check=False,
+            capture_output=True,
+        )
 
     def sent_bytes(self, name: str) -> int:
         """Bytes the link's current qdisc has passed into `name`'s namespace."""

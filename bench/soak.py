@@ -41,13 +41,16 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench import netns
 from bench.chaos import Chaos
 from kvrs.cli.launcher import (
     SERVICES,
     ClusterOptions,
     ClusterState,
+    Host,
     ServiceSpec,
     Wiring,
+    command_line,
     common_env,
     is_running,
     spawn,
@@ -68,9 +71,12 @@ from services.worker.model import Transformer
 
 DECODE_WORKERS = ("decode-0", "decode-1")
 PREFILL_WORKERS = ("prefill-0", "prefill-1")
+WORKERS = (*PREFILL_WORKERS, *DECODE_WORKERS)
 PROMPTS = 32
 """Distinct prompts the load draws from (their reference continuations are computed once)."""
 SOAK_SERVICES = tuple(spec for spec in SERVICES if spec.name != "openai-http")
+SHED_FIELDS = ("max_requests_per_decode: ", "deadline_unix_ms: ")
+"""The fields the router's admission refusals name."""
 
 
 # -- the reference model ---------------------------------------------------------------------
@@ -107,7 +113,8 @@ class Outcome:
     actions: list[str] = field(default_factory=list)
     error: str = ""
     shed: bool = False
-    """Refused at admission (RESOURCE_EXHAUSTED: the router had its fill of requests): a
+    """Refused at admission (RESOURCE_EXHAUSTED: the router had its fill of requests, or
+    the request's share of the cluster would have finished it past its deadline): a
     clear, chosen end that cost the cluster nothing."""
     aborted: bool = False
     """The recovery policy gave up on it (its summary ends "abort" after an ABORT
@@ -121,6 +128,7 @@ async def generate(stub, index: int, args: argparse.Namespace, clock_origin_s: f
         request_id=f"soak-{uuid.uuid4().hex[:12]}",
         prompt_token_ids=list(tokens_in),
         max_new_tokens=args.max_new_tokens,
+        deadline_unix_ms=int((time.time() + args.deadline_s) * 1000) if args.deadline_s else 0,
     )
     started_s = time.monotonic()
     outcome = Outcome(request.request_id, started_s - clock_origin_s)
@@ -143,10 +151,9 @@ async def generate(stub, index: int, args: argparse.Namespace, clock_origin_s: f
                 outcome.aborted = message.summary.finish_reason == "abort" and decided == "ABORT"
     except grpc.aio.AioRpcError as exc:
         outcome.error = f"{exc.code().name}: {exc.details()}"
-        outcome.shed = (
-            exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            and "max_requests_per_decode" in (exc.details() or "")
-        )
+        outcome.shed = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+            exc.details() or ""
+        ).startswith(SHED_FIELDS)
     outcome.total_s = time.monotonic() - started_s
     outcome.tokens = len(streamed)
     outcome.exact = tuple(streamed) == reference(tokens_in, args.max_new_tokens)
@@ -180,11 +187,17 @@ async def closed_loop(stub, args, concurrency: int, duration_s: float) -> float:
 def _with_env(spec: ServiceSpec, args: argparse.Namespace) -> ServiceSpec:
     """Workers heartbeat with `--heartbeat-ttl-s`: how soon a killed one is noticed, and
     how late a starved one may be before it is (falsely) declared failed. The router sheds
-    requests beyond `--max-requests-per-decode` for each alive decode instance."""
+    requests beyond `--max-requests-per-decode` for each alive decode instance, and with
+    `--deadline-admission` those it would finish past their deadline; a request that
+    finds no instance to use waits `--instance-wait-s` for one."""
     if spec.kind in ("prefill", "decode"):
         extra = {"WORKER_HEARTBEAT_TTL_S": str(args.heartbeat_ttl_s)}
     elif spec.name == "router":
-        extra = {"ROUTER_MAX_REQUESTS_PER_DECODE": str(args.max_requests_per_decode)}
+        extra = {
+            "ROUTER_MAX_REQUESTS_PER_DECODE": str(args.max_requests_per_decode),
+            "ROUTER_DEADLINE_ADMISSION": "1" if args.deadline_admission else "0",
+            "ROUTER_INSTANCE_WAIT_S": str(args.instance_wait_s),
+        }
     else:
         return spec
     base = spec.env
@@ -240,7 +253,7 @@ class Supervisor:
         record = spawn(
             name,
             spec.kind,
-            [sys.executable, "-m", spec.module, *spec.args],
+            command_line(spec, wiring),
             spec.module,
             old.address,
             env,
@@ -269,7 +282,7 @@ async def held_at_the_end(state: ClusterState) -> dict[str, dict]:
         "granted_total": stats.granted_total,
         "expired_total": stats.expired_total,
     }
-    for name in (*PREFILL_WORKERS, *DECODE_WORKERS):
+    for name in WORKERS:
         async with grpc.aio.insecure_channel(state.address(name)) as channel:
             stats = await worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerStats(
                 worker_pb2.GetWorkerStatsRequest(), timeout=5
@@ -283,7 +296,13 @@ async def held_at_the_end(state: ClusterState) -> dict[str, dict]:
     return held
 
 
-async def run_load(state: ClusterState, supervisor: Supervisor, args) -> dict:
+async def run_load(
+    state: ClusterState,
+    supervisor: Supervisor,
+    args,
+    lab: netns.NetnsLab | None = None,
+    why_no_lab: str = "",
+) -> dict:
     report: dict = {
         "args": {
             key: str(value) if isinstance(value, Path) else value
@@ -317,7 +336,13 @@ async def run_load(state: ClusterState, supervisor: Supervisor, args) -> dict:
         faults: list[dict] = []
 
         async def inject_chaos() -> None:
-            chaos = Chaos(supervisor, random.Random(args.seed + 1), args.restart_after_s)
+            chaos = Chaos(
+                supervisor,
+                random.Random(args.seed + 1),
+                args.restart_after_s,
+                lab,
+                why_no_lab,
+            )
             turn = 0
             while True:
                 next_s = origin_s + args.first_fault_s + turn * args.fault_every_s
@@ -389,7 +414,7 @@ def declared_failed(state: ClusterState) -> dict[str, int]:
     that finds itself declared failed re-registers): more than the kills = false alarms."""
     counts: dict[str, int] = {}
     logs = Path(state.run_dir) / "logs"
-    for name in (*PREFILL_WORKERS, *DECODE_WORKERS):
+    for name in WORKERS:
         try:
             text = (logs / f"{name}.log").read_text(errors="replace")
         except OSError:
@@ -500,6 +525,25 @@ def main(argv: list[str] | None = None) -> int:
         "request queues)",
     )
     parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=0.0,
+        help="each request's deadline, from when it is sent (0: none); the recovery policy "
+        "ABORTs against it",
+    )
+    parser.add_argument(
+        "--deadline-admission",
+        action="store_true",
+        help="the router refuses at once a request it would finish past its deadline "
+        "(ROUTER_DEADLINE_ADMISSION)",
+    )
+    parser.add_argument(
+        "--instance-wait-s",
+        type=float,
+        default=5.0,
+        help="how long a request with no instance to use waits for one (ROUTER_INSTANCE_WAIT_S)",
+    )
+    parser.add_argument(
         "--heartbeat-ttl-s",
         type=float,
         default=2.0,
@@ -527,18 +571,31 @@ def main(argv: list[str] | None = None) -> int:
     options = ClusterOptions(
         run_dir=args.run_dir / "cluster", workers_model="tiny", startup_timeout_s=180
     )
+    # Chaos flaps links: each worker then runs in a network namespace of its own, the
+    # control plane on the namespaces' bridge.
+    why_no_lab = netns.available() if args.chaos else "not a chaos run"
+    lab = None if why_no_lab else netns.NetnsLab(WORKERS).start()
+    if lab is not None:
+        hosts = {name: Host(lab.ips[name], lab.exec_prefix(name)) for name in WORKERS}
+        options = dataclasses.replace(options, host=lab.host_ip, hosts=hosts)
     services = tuple(_with_env(spec, args) for spec in SOAK_SERVICES)
-    started_s = time.monotonic()
-    state = start_cluster(options, services)
-    print(
-        f"cluster up in {time.monotonic() - started_s:.1f} s: "
-        f"{', '.join(r.name for r in state.processes)}",
-        flush=True,
-    )
     try:
-        report = asyncio.run(run_load(state, Supervisor(state, options, services), args))
+        started_s = time.monotonic()
+        state = start_cluster(options, services)
+        print(
+            f"cluster up in {time.monotonic() - started_s:.1f} s: "
+            f"{', '.join(r.name for r in state.processes)}"
+            f"{'' if lab is None else ', workers in network namespaces'}",
+            flush=True,
+        )
+        try:
+            supervisor = Supervisor(state, options, services)
+            report = asyncio.run(run_load(state, supervisor, args, lab, why_no_lab))
+        finally:
+            stop_cluster(options.run_dir, grace_s=5.0)
     finally:
-        stop_cluster(options.run_dir, grace_s=5.0)
+        if lab is not None:
+            lab.stop()
     print_report(report)
     out = args.out or args.run_dir / f"soak-{time.strftime('%Y%m%dT%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
