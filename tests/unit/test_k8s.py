@@ -1,10 +1,12 @@
 """deploy/k8s, rendered by `kubectl kustomize`, agrees with the services and with compose:
 the same modules, ports and variables, probes on the serving ports, the topology and the
 addresses of deploy/.env, and an InferencePool that points at the picker and the decode
-pods' OpenAI port. (Schema validation: deploy/k8s/validate.sh, run by CI.)"""
+pods' OpenAI port; the mtls-per-pod overlay gives each worker pod a certificate naming only
+that pod. (Schema validation: deploy/k8s/validate.sh, run by CI.)"""
 
 from __future__ import annotations
 
+import base64
 import importlib
 import os
 import re
@@ -221,3 +223,144 @@ def test_the_inference_pool_targets_the_decode_pods_openai_port_and_the_picker(r
     )
     assert int(epp_env["EPP_TARGET_PORT"]) == pool["spec"]["targetPorts"][0]["number"]
     assert route["spec"]["rules"][0]["backendRefs"][0]["name"] == pool["metadata"]["name"]
+
+
+# cert-manager's csi-driver, whose name also prefixes its volume attributes.
+CSI_DRIVER = "csi.cert-manager.io"
+CSI = f"{CSI_DRIVER}/"
+TLS_DIR = "/etc/kvrs-tls"
+
+
+@pytest.fixture(scope="module")
+def per_pod(tmp_path_factory) -> dict[tuple[str, str], dict]:
+    """overlays/mtls-per-pod rendered as its header says to prepare it (as validate.sh
+    does): gen-certs.sh's files in a copy's overlays/mtls/certs, their CA's ca.pem and
+    ca.key copied into overlays/mtls-per-pod/certs."""
+    k8s = tmp_path_factory.mktemp("per-pod") / "k8s"
+    # Without any certs/ a developer keeps in the tree: the test makes its own.
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("certs"))
+    certs = k8s / "overlays" / "mtls" / "certs"
+    subprocess.run(
+        ["bash", str(DEPLOY / "gen-certs.sh"), str(certs)],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    ca = k8s / "overlays" / "mtls-per-pod" / "certs"
+    ca.mkdir()
+    for name in ("ca.pem", "ca.key"):
+        shutil.copy(certs / name, ca / name)
+    return {
+        (doc["kind"], doc["metadata"]["name"]): doc
+        for doc in render(k8s / "overlays" / "mtls-per-pod")
+    }
+
+
+def tls_volumes(workload: dict) -> list[dict]:
+    """The volume each container of the workload's pods mounts at /etc/kvrs-tls."""
+    spec = workload["spec"]["template"]["spec"]
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    return [
+        volumes[mount["name"]]
+        for container in spec["containers"]
+        for mount in container.get("volumeMounts", [])
+        if mount["mountPath"] == TLS_DIR
+    ]
+
+
+def secret_data(resources, name: str) -> dict[str, bytes]:
+    (secret,) = [
+        doc for (kind, n), doc in resources.items() if kind == "Secret" and generated(n) == name
+    ]
+    return {key: base64.b64decode(value) for key, value in secret["data"].items()}
+
+
+def public_key(pem: bytes, *command: str) -> bytes:
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is required (gen-certs.sh uses it too)"
+    result = subprocess.run(
+        [openssl, *command], input=pem, capture_output=True, timeout=30, check=True
+    )
+    assert b"BEGIN PUBLIC KEY" in result.stdout, result.stderr
+    return result.stdout
+
+
+def test_each_worker_pod_mounts_a_certificate_naming_its_own_instance_id(per_pod):
+    """Gossip takes a worker's RegisterNode and Heartbeat only for an instance_id its
+    certificate names: in the per-pod overlay every prefill and decode container mounts a
+    csi-driver volume whose common name is ${POD_NAME}, the pod name WORKER_INSTANCE_ID is
+    built from, and whose DNS names hold the address the worker advertises."""
+    workers = {name for name, _, module in kvrs_containers(per_pod) if module == "services.worker"}
+    assert workers == {"prefill", "decode"}
+    for name in sorted(workers):
+        workload = per_pod[("StatefulSet", name)]
+        containers = workload["spec"]["template"]["spec"]["containers"]
+        volumes = tls_volumes(workload)
+        assert len(volumes) == len(containers), name  # the OpenAI adapter's too
+        for volume in volumes:
+            assert "secret" not in volume, name
+            csi = volume["csi"]
+            assert csi["driver"] == CSI_DRIVER and csi["readOnly"] is True, name
+            attributes = csi["volumeAttributes"]
+            assert attributes[CSI + "common-name"] == "${POD_NAME}", name
+            dns_names = attributes[CSI + "dns-names"].split(",")
+            assert {"${POD_NAME}", f"${{POD_NAME}}.{name}"} <= set(dns_names), name
+        worker = next(c for c in containers if c["command"][2] == "services.worker")
+        env = {item["name"]: item for item in worker["env"]}
+        # The csi-driver's ${POD_NAME} is the pod's name, as is the downward API's.
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert env["WORKER_INSTANCE_ID"]["value"] == "$(POD_NAME)", name
+        advertised = env["WORKER_ADVERTISE_ADDR"]["value"].rsplit(":", 1)[0]
+        assert advertised.replace("$(POD_NAME)", "${POD_NAME}") in dns_names, name
+
+
+def test_worker_certificates_are_for_client_auth_under_the_files_kvrs_tls_env_names(per_pod):
+    """The worker presents its certificate as a client (to gossip, the broker, ...) and as a
+    server (to the router and peers), from the paths KVRS_TLS_* point at."""
+    tls_env = config_maps(per_pod)["kvrs-tls-env"]
+    expected = {
+        "certificate-file": tls_env["KVRS_TLS_CERT_FILE"],
+        "privatekey-file": tls_env["KVRS_TLS_KEY_FILE"],
+        "ca-file": tls_env["KVRS_TLS_CA_FILE"],
+    }
+    assert tls_env["KVRS_TLS_REQUIRE_CLIENT_CERT"] == "1"
+    for name in ("prefill", "decode"):
+        for volume in tls_volumes(per_pod[("StatefulSet", name)]):
+            attributes = volume["csi"]["volumeAttributes"]
+            usages = {usage.strip() for usage in attributes[CSI + "key-usages"].split(",")}
+            assert {"client auth", "server auth"} <= usages, name
+            for attribute, path in expected.items():
+                assert f"{TLS_DIR}/{attributes[CSI + attribute]}" == path, (name, attribute)
+
+
+def test_worker_certificates_come_from_the_overlays_issuer_over_the_control_planes_ca(per_pod):
+    """The Issuer the volumes name is defined by the overlay and signs with the CA whose
+    certificate the control plane trusts (kvrs-tls's ca.pem), with that CA's own key."""
+    issuers = {name: doc for (kind, name), doc in per_pod.items() if kind == "Issuer"}
+    named = set()
+    for name in ("prefill", "decode"):
+        for volume in tls_volumes(per_pod[("StatefulSet", name)]):
+            attributes = volume["csi"]["volumeAttributes"]
+            assert attributes[CSI + "issuer-kind"] == "Issuer", name
+            assert attributes.get(CSI + "issuer-group", "cert-manager.io") == "cert-manager.io"
+            named.add(attributes[CSI + "issuer-name"])
+    assert named and named <= set(issuers)
+    for issuer in (issuers[name] for name in sorted(named)):
+        assert issuer["apiVersion"] == "cert-manager.io/v1"
+        key_pair = secret_data(per_pod, issuer["spec"]["ca"]["secretName"])
+        assert key_pair["tls.crt"] == secret_data(per_pod, "kvrs-tls")["ca.pem"]
+        assert public_key(key_pair["tls.key"], "pkey", "-pubout") == public_key(
+            key_pair["tls.crt"], "x509", "-noout", "-pubkey"
+        )
+
+
+def test_the_control_plane_keeps_the_shared_kvrs_tls_secret(per_pod):
+    """Every other kvrs service still mounts kvrs-tls (the server certificate naming the
+    Services)."""
+    shared = {name for name, _, _ in kvrs_containers(per_pod)} - {"prefill", "decode"}
+    assert {"gossip", "router", "scheduler-1", "slot-broker", "epp"} <= shared
+    for name in sorted(shared):
+        volumes = tls_volumes(workloads(per_pod)[name])
+        assert volumes, name
+        for volume in volumes:
+            assert generated(volume["secret"]["secretName"]) == "kvrs-tls", name
