@@ -2,8 +2,11 @@
 
 With `--chaos`, every `--fault-every-s` one fault of `bench.chaos.FAULTS` (decode, prefill
 or scheduler kill, Redis restart, link flap, CPU-starved worker) is drawn at random from
-`--seed` instead; a request must then end token-exact, or with the error the recovery
-policy chose (ABORT, its summary's finish reason "abort") — anything else is a failure.
+`--seed` instead, with each worker in a network namespace of its own (where the machine
+allows) so a link flap can blackhole its link; a request must then end token-exact, with
+the error the recovery policy chose (ABORT, its summary's finish reason "abort"), or be
+refused at admission (RESOURCE_EXHAUSTED naming the limit or the deadline it would miss)
+— anything else is a failure.
 
 `python -m bench.soak --minutes 10` starts the whole `kvrs up` cluster (private Redis,
 gossip, slot broker, cost oracle, two schedulers, two prefill and two decode workers on
@@ -450,7 +453,9 @@ def summarise(outcomes: list[Outcome]) -> dict:
     errors: dict[str, int] = {}
     for outcome in outcomes:
         if outcome.error:
-            key = re.sub(r"soak-[0-9a-f]+", "<request>", outcome.error)[:160]
+            # Grouped by kind: request ids and measured figures vary from one to the next.
+            key = re.sub(r"soak-[0-9a-f]+", "<request>", outcome.error)
+            key = re.sub(r"(?<![\w-])-?\d+(\.\d+)?", "#", key)[:160]
             errors[key] = errors.get(key, 0) + 1
 
     def latency(group: list[Outcome]) -> dict:
