@@ -28,7 +28,15 @@ from dataclasses import dataclass
 
 from kvrs.errors import KvrsError
 from services.common.gossip_follow import RegistryCopy
-from services.common.gossip_records import ALIVE, FAILED, LEFT, SUSPECT, GossipReader, NodeRecord
+from services.common.gossip_records import (
+    ALIVE,
+    FAILED,
+    JOINED,
+    LEFT,
+    SUSPECT,
+    GossipReader,
+    NodeRecord,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +97,9 @@ class Membership:
         self._down: set[str] = set()
         """Instances a failure event named; down until a `joined` event (a restarted
         worker registers again), whatever a listing fetched before the event says."""
+        self._joined_at_s: dict[str, float] = {}
+        """When a `joined` event last named each instance (monotonic s): it registered
+        again after it failed, left or was forgotten."""
         self._listeners: list[FailureListener] = []
         self._tasks: list[asyncio.Task] = []
         self._loaded = asyncio.Event()
@@ -136,6 +147,11 @@ class Membership:
         return instance_id in self._down or (
             known is not None and not known.alive and not known.suspect
         )
+
+    def joined_since(self, instance_id: str, since_s: float) -> bool:
+        """Whether the instance registered again after `since_s` (monotonic): a restarted
+        worker is a new process, whatever its predecessor did to a request."""
+        return self._joined_at_s.get(instance_id, -float("inf")) > since_s
 
     def alive(self, role: str) -> list[Instance]:
         """The alive instances of `role` in id order (shared: the caller must not modify
@@ -238,8 +254,12 @@ class Membership:
                         log.info("gossip: %s suspect (%s)", event.instance_id, event.reason)
                         self.mark_suspect(event.instance_id)
                     else:
+                        seen_s = time.monotonic()
                         self._down.discard(event.instance_id)
                         await self.refresh()
+                        if event.type == JOINED:
+                            # Once the refresh has it alive, as a caller asking expects.
+                            self._joined_at_s[event.instance_id] = seen_s
             except KvrsError as exc:
                 log.warning("gossip event stream failed, reopening: %s", exc)
                 await asyncio.sleep(0.2)

@@ -907,20 +907,29 @@ class Router:
     ) -> Decision:
         request = run.request
         assert run.prefill is not None
-        exclude = run.failed - {lost.instance_id}
-        item = RecoveryRequest(
-            request_id=request.request_id,
-            prompt_tokens=len(request.prompt),
-            generated_tokens=len(run.generated),
-            source_prefill_id=run.prefill.instance_id,
-            deadline_s=request.deadline_unix_ms / 1000.0 if request.deadline_unix_ms else None,
-            source_kv_available=not run.prefill_kv_lost,
-            exclude_ids=frozenset(exclude),
-            prefix_hashes=run.prefix_hashes,
-        )
+        source_prefill_id = run.prefill.instance_id
         started = time.monotonic()
 
         def ask(first: bool) -> Awaitable[Decision]:
+            # An instance that failed this request earlier is left out, unless it has been
+            # restarted since (asked again while the request waits for an instance, it may
+            # have been): in a small cluster the request may have nowhere else to go.
+            exclude = frozenset(
+                instance_id
+                for instance_id, lost_s in run.failed.items()
+                if instance_id != lost.instance_id
+                and not self.membership.joined_since(instance_id, lost_s)
+            )
+            item = RecoveryRequest(
+                request_id=request.request_id,
+                prompt_tokens=len(request.prompt),
+                generated_tokens=len(run.generated),
+                source_prefill_id=source_prefill_id,
+                deadline_s=request.deadline_unix_ms / 1000.0 if request.deadline_unix_ms else None,
+                source_kv_available=not run.prefill_kv_lost,
+                exclude_ids=exclude,
+                prefix_hashes=run.prefix_hashes,
+            )
             # Only the first ask joins a batch: the others of it were decided meanwhile.
             return self._ask(run, item, lost, first and batchable and not exclude)
 

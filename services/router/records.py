@@ -8,6 +8,7 @@ No gRPC here: `servicer.py` builds a `GenerateInput` from protobuf and turns `To
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
@@ -233,8 +234,9 @@ class Run:
     """The name of the KV on `decode` (the request id, or a recompute's own id)."""
     held: dict[tuple[str, str], Endpoint] = field(default_factory=dict)
     """Every (instance id, kv id) this request created, released when it ends."""
-    failed: set[str] = field(default_factory=set)
-    """Instances that failed this request: recoveries exclude them."""
+    failed: dict[str, float] = field(default_factory=dict)
+    """Instances that failed this request, and when (monotonic s): recoveries exclude
+    them until they register again."""
     unreachable: set[str] = field(default_factory=set)
     """Instances that stopped answering: nothing is released there (their KV died)."""
     recomputes: int = 0
@@ -253,6 +255,6 @@ class Run:
         self.held[(at.instance_id, kv_id)] = at
 
     def lose(self, lost: Lost) -> None:
-        self.failed.add(lost.instance_id)
+        self.failed[lost.instance_id] = time.monotonic()
         if lost.unreachable:
             self.unreachable.add(lost.instance_id)

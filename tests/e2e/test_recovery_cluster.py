@@ -384,3 +384,31 @@ async def test_a_recovery_with_no_decode_worker_left_waits_for_one_to_come_back(
     # The decision waited for decode-1 to register: far longer than one Recover call.
     assert recovery.decision_s > 1.0, recovery.decision_s
     await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-1"))
+
+
+async def test_a_request_goes_back_to_a_restarted_instance_that_failed_it_before(cluster):
+    """decode-0 dies under the request, which recovers to decode-1; decode-0 is restarted,
+    then decode-1 dies too. The new decode-0 is a new process: the request recovers there,
+    where before it was excluded for what its predecessor did, waited for an instance it
+    could use and failed."""
+    cluster.kill("decode-1")
+    await _wait_state(cluster, "decode-1", "failed")
+    stream = Stream(request("back-to-decode-0", seed=52, max_new_tokens=3000))
+    async with grpc.aio.insecure_channel(cluster.address("router")) as channel:
+        task = await stream_under_way(channel, stream)
+        cluster.signal("decode-0", signal.SIGSTOP)
+        cluster.kill("decode-0")
+        await asyncio.to_thread(cluster.restart, "decode-1")
+        # Paused on decode-1 until decode-0 is back, so the stream is still running.
+        cluster.signal("decode-1", signal.SIGSTOP)
+        await asyncio.to_thread(cluster.restart, "decode-0")
+        cluster.kill("decode-1")
+        assert len(stream.tokens) < 3000, "the request ended before decode-1 died"
+        await task
+    assert_exact(stream)
+    first, second = stream.summary.recoveries
+    assert first.failed_instance_id == "decode-0", describe(stream)
+    assert first.succeeded and first.target_instance_id == "decode-1", describe(stream)
+    assert second.failed_instance_id == "decode-1", describe(stream)
+    assert second.succeeded and second.target_instance_id == "decode-0", describe(stream)
+    await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-0"))

@@ -114,6 +114,31 @@ async def test_router_membership_follows_changes(gossip):
     assert not membership.is_alive("decode-0")
 
 
+async def test_router_membership_knows_an_instance_registered_again_after_it_left(gossip):
+    """A request excludes an instance that failed it only until that instance registers
+    again: the membership says whether a `joined` event came after a given moment."""
+    await gossip.register(decode("decode-0", ttl_s=30.0))
+    membership = Membership(gossip, refresh_s=0.1)
+    await membership.start()
+    try:
+        await gossip.deregister("decode-0")
+        lost_s = time.monotonic()
+        deadline_s = lost_s + 5.0
+        while not membership.is_down("decode-0"):
+            assert time.monotonic() < deadline_s, "the left event never arrived"
+            await asyncio.sleep(0.02)
+        assert not membership.joined_since("decode-0", lost_s)
+        await gossip.register(decode("decode-0", ttl_s=30.0))
+        while not membership.joined_since("decode-0", lost_s):
+            assert time.monotonic() < deadline_s, "the joined event never arrived"
+            await asyncio.sleep(0.02)
+        assert membership.is_alive("decode-0")
+        assert not membership.joined_since("decode-0", time.monotonic())
+        assert not membership.joined_since("decode-1", lost_s)
+    finally:
+        await membership.close()
+
+
 async def test_work_assigned_since_the_last_heartbeat_moves_w_on_a_delta_refresh(gossip):
     await gossip.register(decode("decode-0", ttl_s=30.0))
     await gossip.register(decode("decode-1", ttl_s=30.0))
