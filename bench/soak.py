@@ -427,10 +427,12 @@ def declared_failed(state: ClusterState) -> dict[str, int]:
         gossip = (logs / "gossip.log").read_text(errors="replace")
     except OSError:
         gossip = ""
+    # "instance X failed: <why>": its confirmation window ran out, or the direct probe
+    # found nothing listening at its address.
     for line in gossip.splitlines():
-        if "failed: heartbeats stopped" in line:
+        if " failed: " in line and "instance " in line:
             name = line.split("instance ", 1)[1].split(" ", 1)[0]
-            counts[f"{name} (gossip sweep)"] = counts.get(f"{name} (gossip sweep)", 0) + 1
+            counts[f"{name} (gossip)"] = counts.get(f"{name} (gossip)", 0) + 1
     return counts
 
 
