@@ -34,6 +34,9 @@ from tests.tiny_reference import reference
 IN_FLIGHT = 64
 SENT = 80
 PROMPT_TOKENS = 48
+PROMPTS = 16
+"""Distinct prompts among the requests: each one's reference is computed once. A 48-token
+prompt fills no prefix block, so requests sharing a prompt share no KV."""
 MAX_NEW_TOKENS = 256
 """Long enough that 64 streams overlap."""
 CLUSTER_SERVICES = (
@@ -105,7 +108,7 @@ async def test_kill_9_of_a_decode_worker_with_64_requests_in_flight(cluster):
     requests = [
         router_pb2.GenerateRequest(
             request_id=f"scale-{i}-{uuid.uuid4().hex[:6]}",
-            prompt_token_ids=prompt(i),
+            prompt_token_ids=prompt(i % PROMPTS),
             max_new_tokens=MAX_NEW_TOKENS,
             decode_instance_id="decode-0",
         )
