@@ -217,8 +217,10 @@ return lease_reply('spare', ARGV[4], migrating())
 # ARGV: prefix, lease_id, request_id, src, dst, link, ttl_ms (0: the policy's), holder_id,
 # spare_ttl_ms, next_spare_id ('' = none).
 # Returns {claimed, lease fields..., in_use, next spare id or '', its expiry or 0}, or
-# {missing} (the spare expired or was released). With a next spare id, a spare takes the
-# claimed one's place in the same step (when `spare` allows one).
+# {missing, next spare id or '', its expiry or 0} (the spare expired, or was released
+# before its claim: a migration that ended at once). With a next spare id, a spare takes
+# the claimed one's place in the same step (when `spare` allows one), claimed or missing:
+# the holder keeps as many spares as it had either way.
 _CLAIM = (
     _LUA_COMMON
     + _LUA_SPARE
@@ -226,8 +228,19 @@ _CLAIM = (
 local lease_id, request_id, link = ARGV[2], ARGV[3], ARGV[6]
 local now = now_ms()
 purge(now)
+local function replace(reply)
+  local next_id = ARGV[10]
+  if next_id ~= '' and spare(ARGV[8], tonumber(ARGV[9]), next_id, now) then
+    table.insert(reply, next_id)
+    table.insert(reply, tonumber(redis.call('ZSCORE', KEYS[1], next_id)))
+  else
+    table.insert(reply, '')
+    table.insert(reply, 0)
+  end
+  return reply
+end
 if redis.call('SREM', KEYS[5], lease_id) == 0 then
-  return {'missing'}
+  return replace({'missing'})
 end
 local existing = redis.call('GET', ARGV[1] .. 'request:' .. request_id)
 if existing and existing ~= lease_id then
@@ -242,16 +255,7 @@ if ttl_ms == 0 then
 end
 local holder_id = redis.call('HGET', ARGV[1] .. 'lease:' .. lease_id, 'holder_id')
 grant(lease_id, request_id, holder_id, ARGV[4], ARGV[5], link, now + ttl_ms)
-local reply = lease_reply('claimed', lease_id, migrating())
-local next_id = ARGV[10]
-if next_id ~= '' and spare(ARGV[8], tonumber(ARGV[9]), next_id, now) then
-  table.insert(reply, next_id)
-  table.insert(reply, tonumber(redis.call('ZSCORE', KEYS[1], next_id)))
-else
-  table.insert(reply, '')
-  table.insert(reply, 0)
-end
-return reply
+return replace(lease_reply('claimed', lease_id, migrating()))
 """
 )
 
@@ -546,8 +550,9 @@ class SlotStore:
     ) -> Claim:
         """Makes the spare `lease_id` the lease of migrating `request_id` over src -> dst
         (an earlier lease of the request is dropped); with `replace_for`, a new spare of
-        that holder takes its place in the same step, when `reserve_spare` would give one.
-        The claimed lease is None when the spare is gone (expired, or released)."""
+        that holder takes its place in the same step, when `reserve_spare` would give one,
+        whether or not the claimed one was still there. The claimed lease is None when the
+        spare is gone (expired, or released before this claim)."""
         _require("lease_id", lease_id)
         _require("request_id", request_id)
         link = json.dumps([src_instance_id, dst_instance_id])
@@ -566,13 +571,13 @@ class SlotStore:
                 uuid.uuid4().hex if replace_for else "",
             ],
         )
-        if _text(reply[0]) == "missing":
-            return Claim(None, None)
-        self._count("granted", int(reply[7]))
-        spare_id = _text(reply[8])
+        spare_id, spare_expires_unix_ms = _text(reply[-2]), int(reply[-1])
         spare = None
         if spare_id:
-            spare = Lease(spare_id, "", replace_for, "", "", int(reply[9]))
+            spare = Lease(spare_id, "", replace_for, "", "", spare_expires_unix_ms)
+        if _text(reply[0]) == "missing":
+            return Claim(None, spare)
+        self._count("granted", int(reply[7]))
         return Claim(_lease(reply), spare)
 
     async def renew(self, lease_id: str, ttl_s: float = 0.0) -> Lease:

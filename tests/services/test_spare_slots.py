@@ -81,9 +81,22 @@ async def test_a_spare_that_lapsed_or_was_released_cannot_be_claimed(store):
     lapsing = await store.reserve_spare("replica-0", ttl_s=0.2)
     assert lapsing is not None
     await asyncio.sleep(0.4)
-    assert (await store.claim(lapsing.lease_id, "m1", "p0", "d0", replace_for="r")).lease is None
+    assert (await store.claim(lapsing.lease_id, "m1", "p0", "d0")).lease is None
     stats = await store.stats()
     assert (stats.slots_in_use, stats.spare_slots, stats.expired_total) == (0, 0, 1)
+
+
+async def test_a_claim_whose_spare_was_released_first_still_leaves_a_replacement(store):
+    # The migration ended (its lease released) before the scheduler's claim landed: the
+    # claim holds nothing, and the holder keeps as many spares as it had.
+    spare = await store.reserve_spare("replica-0")
+    assert spare is not None and await store.release(spare.lease_id)
+    claim = await store.claim(spare.lease_id, "m0", "p0", "d0", replace_for="replica-0")
+    assert claim.lease is None
+    assert claim.spare is not None and claim.spare.holder_id == "replica-0"
+    assert claim.spare.lease_id != spare.lease_id
+    stats = await store.stats()
+    assert (stats.slots_in_use, stats.spare_slots, stats.links) == (0, 1, ())
 
 
 async def test_a_claim_reserves_the_spare_that_replaces_it_in_the_same_step(store):
