@@ -6,6 +6,7 @@ import grpc
 
 from kvrs.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.outcomes import outcome_from_pb
+from services.scheduler.after_reply import deferring
 from services.scheduler.convert import (
     batch_to_pb,
     corrections_to_pb,
@@ -33,24 +34,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         core_request = recovery_request_from_pb(
             request, request.failed_instance_id, request.exclude_instance_ids
         )
-        outcome = await self.scheduler.recover(
-            core_request,
-            failed_id=request.failed_instance_id,
-            policy_name=request.policy,
-            skip_slot=request.skip_slot,
-        )
+        with deferring(context):
+            outcome = await self.scheduler.recover(
+                core_request,
+                failed_id=request.failed_instance_id,
+                policy_name=request.policy,
+                skip_slot=request.skip_slot,
+            )
         return recovery_to_pb(outcome)
 
     async def RecoverBatch(
         self, request: scheduler_pb2.RecoverBatchRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.RecoverBatchResponse:
-        outcome = await self.scheduler.recover_batch(
-            batch_id=request.batch_id,
-            failed_id=request.failed_instance_id,
-            items=recover_items_from_pb(request),
-            policy_name=request.policy,
-            skip_slot=request.skip_slot,
-        )
+        with deferring(context):
+            outcome = await self.scheduler.recover_batch(
+                batch_id=request.batch_id,
+                failed_id=request.failed_instance_id,
+                items=recover_items_from_pb(request),
+                policy_name=request.policy,
+                skip_slot=request.skip_slot,
+            )
         return batch_to_pb(outcome)
 
     async def ReportOutcome(

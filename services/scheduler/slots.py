@@ -15,7 +15,9 @@ Spares take even that round trip off the decision's path. A replica keeps a few 
 reserved ahead for no request (`SlotStore.reserve_spare`: they count against the
 cluster cap like any other, so the cap stays exact); a decision that needs a slot takes
 one of them and answers at once, and the spare is claimed for its request in Redis
-(fields, link, TTL) right after, off the path. Spares are short-lived and replaced
+(fields, link, TTL) once the reply is sent (`after_reply`), off the path. A migration
+that ends before the claim lands has released the spare already: the claim then holds
+nothing, and still reserves the spare that replaces it. Spares are short-lived and replaced
 before they lapse, so a crashed replica's return within `SPARE_TTL_S`; they are only
 taken far from the cap (while under half of it is held) and without a per-link cap, so
 under pressure every reservation is the exact one-trip check, and the spares left lapse.
@@ -34,6 +36,7 @@ import redis.exceptions
 from kvrs.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from kvrs.rpc.errors import relayed
 from services.common.slot_leases import NoSlotPolicy, SlotStore
+from services.scheduler.after_reply import after_reply
 from services.scheduler.leases import Lease
 from services.scheduler.peers import SlotBrokerClient
 
@@ -73,9 +76,13 @@ class RedisSlots:
     async def reserve(self, request_id: str, src_id: str, dst_id: str) -> Lease:
         spare = self._take_spare()
         if spare is not None:
-            claim = asyncio.create_task(self._claim(spare, request_id, src_id, dst_id))
-            self._claims.add(claim)
-            claim.add_done_callback(self._claims.discard)
+
+            def start_claim() -> None:
+                claim = asyncio.create_task(self._claim(spare, request_id, src_id, dst_id))
+                self._claims.add(claim)
+                claim.add_done_callback(self._claims.discard)
+
+            after_reply(start_claim)
             expires_unix_ms = int((time.time() + (self.ttl_s or SPARE_TTL_S)) * 1000)
             return Lease(
                 lease_id=spare,
