@@ -151,45 +151,52 @@ class ClusterView:
     ) -> ClusterView:
         """A new view: these instances with `changed` replaced or added, `removed` dropped.
 
-        For a role whose alive membership stays the same, the new alive list is the old
-        one with the changed states swapped in, and what decisions derived from the old
-        list is carried over, patched at those positions (whatever offers `patched`,
-        such as the placement columns); so the first decision on the new view does not
-        rebuild every column. A role whose membership changed gets its list rebuilt.
+        For every cached list (a role's alive instances, minus an exclusion set) whose
+        membership stays the same, the new list is the old one with the changed states
+        swapped in, and what decisions derived from the old list is carried over, patched
+        at those positions (whatever offers `patched`, such as the placement columns); so
+        the first decision on the new view does not rebuild every column, nor the
+        recoveries of a failed instance (whose lists exclude it) their path terms. A list
+        whose membership changed is rebuilt when next asked for.
         """
         instances = dict(self.instances)
         instances.update(changed)
         for instance_id in removed:
             instances.pop(instance_id, None)
         view = ClusterView(instances=instances, now_s=self.now_s if now_s is None else now_s)
-        for role in Role:
-            old = self._lists.get((role, frozenset()))
-            if old is None:
-                continue
-            patched = self._patched_list(old, role, changed, removed)
+        for (role, exclude), old in self._lists.items():
+            patched = self._patched_list(old, role, exclude, changed, removed)
             if patched is not None:
-                view._lists[(role, frozenset())] = patched
+                view._lists[(role, exclude)] = patched
         return view
 
     def _patched_list(
         self,
         old: InstanceList,
         role: Role,
+        exclude: frozenset[str],
         changed: Mapping[str, InstanceState],
         removed: Collection[str],
     ) -> InstanceList | None:
-        """`old` (this view's alive list of `role`) with `changed` swapped in; None when
-        an instance joins or leaves the list (it is rebuilt instead)."""
+        """`old` (this view's alive list of `role` minus `exclude`) with `changed` swapped
+        in; None when an instance joins or leaves the list (it is rebuilt instead)."""
+
+        def listed(state: InstanceState | None) -> bool:
+            return (
+                state is not None
+                and state.alive
+                and state.role is role
+                and state.instance_id not in exclude
+            )
+
         for instance_id in removed:
-            known = self.instances.get(instance_id)
-            if known is not None and known.alive and known.role is role:
+            if listed(self.instances.get(instance_id)):
                 return None
         positions = old.positions()
         indices = []
         for instance_id, state in changed.items():
-            before = self.instances.get(instance_id)
-            was_in = before is not None and before.alive and before.role is role
-            if was_in != (state.alive and state.role is role):
+            was_in = listed(self.instances.get(instance_id))
+            if was_in != listed(state):
                 return None
             if was_in:
                 indices.append(positions[instance_id])

@@ -107,6 +107,29 @@ def test_unchanged_membership_carries_the_columns_patched():
     assert fan.rtt_wait == fresh.fan(cost.network, "prefill-0", 1.0).rtt_wait
 
 
+def test_lists_without_a_failed_instance_are_carried_patched_too():
+    # Every recovery of a failed instance decides on the lists that exclude it; work booked
+    # on a target between two of them must not make the next rebuild its path terms.
+    rng = random.Random(4)
+    cost, view = cluster(rng)
+    warm(view, cost)
+    failed = view.decode_instances()[0]
+    excluded = frozenset({failed.instance_id})
+    old = Columns.of(view.decode_instances(excluded))
+    target = view.decode_instances(excluded)[3]
+    updated = view.updated({target.instance_id: replace(target, wait_s=9.0)})
+    columns = updated.decode_instances(excluded).derived[Columns]
+    assert columns is not old and columns.wait[3] == 9.0 and columns.ids is old.ids
+    fan = columns.fan(cost.network, "prefill-1", 1.0)
+    assert fan.table is old.fan(cost.network, "prefill-1", 1.0).table, "path terms kept"
+    # A change to the excluded instance alone leaves the list as it was.
+    again = updated.updated({failed.instance_id: replace(failed, wait_s=5.0)})
+    assert again.decode_instances(excluded) is updated.decode_instances(excluded)
+    # One that joins an exclusion list's role rebuilds it.
+    joined = again.updated({"decode-new": InstanceState("decode-new", Role.DECODE)})
+    assert "decode-new" in {s.instance_id for s in joined.decode_instances(excluded)}
+
+
 def test_a_membership_change_rebuilds_the_list():
     rng = random.Random(5)
     cost, view = cluster(rng)
