@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -91,6 +92,13 @@ def calibrate(lengths: list[int], path: Path) -> ComputeProfile:
     return ComputeProfile.load(path)
 
 
+def _prompt(length: int, salt: int) -> list[int]:
+    """A prompt of `length` tokens; one per `salt` shares no prefix block with another, so
+    every recompute computes all of its tokens (a worker reuses resident prefix blocks,
+    and a curve measured over prefixes of one prompt would price a prefix hit)."""
+    return [(11 * i + 5 + 7919 * salt) % 50000 for i in range(length)]
+
+
 def link_id(rate_bps: float) -> str:
     """The paced link at `rate_bps` as the learner names it (one link per pacing rate)."""
     return f"remote@{rate_bps / 1e9:g}G"
@@ -113,8 +121,9 @@ async def measure(
     pool = WorkerPool(GrpcSettings(), None, timeout_s=600)
     remote, local, decode = endpoints["remote"], endpoints["local"], endpoints["decode"]
     longest = max(lengths)
-    prompt = [(11 * i + 5) % 50000 for i in range(longest)]
+    prompt = _prompt(longest, 0)
     await pool.prefill(remote, "held", prompt)
+    recomputed = itertools.count(1)
 
     async def timed_pull(
         source: Endpoint, kv_id: str, tokens: int, pacing_bps: float
@@ -164,7 +173,7 @@ async def measure(
             )
         kv_id = f"train-{uuid.uuid4().hex[:8]}"
         started = time.perf_counter()
-        prefilled = await pool.prefill(local, kv_id, prompt[:length])
+        prefilled = await pool.prefill(local, kv_id, _prompt(length, next(recomputed)))
         prefill_wall_s = time.perf_counter() - started
         wall_s, wire_s = await timed_pull(local, kv_id, length, 0.0)
         await pool.release_kv(local, kv_id)
@@ -198,7 +207,7 @@ async def measure(
         for _ in range(repeats):
             kv_id = f"re-{uuid.uuid4().hex[:8]}"
             started = time.perf_counter()
-            await pool.prefill(local, kv_id, prompt[:length])
+            await pool.prefill(local, kv_id, _prompt(length, next(recomputed)))
             await pool.pull_kv(decode, kv_id, local, 0, length, length)
             runs.append(time.perf_counter() - started)
             await pool.release_kv(decode, kv_id)
