@@ -944,12 +944,10 @@ class Router:
             raise
         except KvrsError as exc:
             record.error = f"no recovery plan: {exc}"
-            raise Aborted(
-                Unavailable(
-                    f"request {request.request_id} cannot continue after losing "
-                    f"{lost.instance_id}: {exc}"
-                )
-            ) from exc
+            why = f"request {request.request_id} cannot continue after losing {lost.instance_id}"
+            if isinstance(exc, WaitPastDeadline):
+                raise Aborted(DeadlineExceeded(f"{why}: {exc}")) from exc
+            raise Aborted(Unavailable(f"{why}: {exc}")) from exc
         finally:
             record.decision_s = time.monotonic() - started
             self._detach(run)
@@ -974,10 +972,15 @@ class Router:
         excluded), asks again every `INSTANCE_POLL_S` for up to the configured wait, never
         past the request's deadline, recording each wait as `event` on `span`: a suspect
         instance is refuted or a restarted one registers within seconds, and the request
-        goes on there instead of failing."""
+        goes on there instead of failing. A wait the deadline ends is DEADLINE_EXCEEDED,
+        as a recovery aborted for its deadline is; one the configured wait ends, the
+        FAILED_PRECONDITION of the last ask."""
         wait_s = self.settings.instance_wait_s
+        until_deadline = False
         if deadline_unix_ms:
-            wait_s = min(wait_s, deadline_unix_ms / 1000.0 - time.time())
+            left_s = deadline_unix_ms / 1000.0 - time.time()
+            until_deadline = left_s < wait_s
+            wait_s = min(wait_s, left_s)
         give_up_s = time.monotonic() + wait_s
         first = True
         while True:
@@ -985,6 +988,10 @@ class Router:
                 return await ask(first)
             except FailedPrecondition as exc:
                 if time.monotonic() + INSTANCE_POLL_S > give_up_s:
+                    if until_deadline:
+                        raise WaitPastDeadline(
+                            f"the request's deadline comes before an instance does: {exc}"
+                        ) from None
                     raise
                 if span is not None:
                     span.add_event(event, {"kvrs.reason": str(exc)})
@@ -1017,6 +1024,11 @@ class Router:
                     at.instance_id,
                     result,
                 )
+
+
+class WaitPastDeadline(DeadlineExceeded):
+    """The request's own deadline came while it waited for an instance (not a call of
+    the router's that timed out: that one is the control plane's failure)."""
 
 
 def _abort_error(run: Run, decision: Decision) -> KvrsError:

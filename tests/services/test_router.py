@@ -446,7 +446,8 @@ async def test_a_request_with_no_instance_to_use_waits_for_one_to_register(
 
 async def test_the_calls_grpc_deadline_bounds_the_wait_for_an_instance(redis_url, redis_prefix):
     """No prefill worker and a 60 s instance wait, but the call has 3 s: the router gives
-    up before the call's deadline, saying why, instead of the call timing out."""
+    up before the call's deadline, DEADLINE_EXCEEDED saying why, instead of the call
+    timing out with no word from it."""
     plane = Plane(redis_url, redis_prefix)
     await plane.start(workers=[w for w in WORKERS if w[1] == "decode"], instance_wait_s=60.0)
     try:
@@ -454,10 +455,41 @@ async def test_the_calls_grpc_deadline_bounds_the_wait_for_an_instance(redis_url
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             async for _ in router(plane).Generate(generate("r-deadline"), timeout=3.0):
                 pass
-        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value.details()
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, raised.value.details()
+        assert "deadline comes before an instance" in raised.value.details()
         assert "no alive prefill instance" in raised.value.details()
         waited_s = asyncio.get_running_loop().time() - started
         assert 2.0 < waited_s < 3.0, f"gave up after {waited_s:.2f} s"
+    finally:
+        await plane.stop()
+
+
+async def test_a_recovery_waiting_for_an_instance_past_its_deadline_ends_deadline_exceeded(
+    redis_url, redis_prefix
+):
+    """Both decode workers gone mid-stream, a 60 s instance wait, and the request due in
+    4 s: the recovery waits for an instance until the request's deadline, then the stream
+    ends DEADLINE_EXCEEDED saying so (not UNAVAILABLE, which a wait that outlived its
+    configured limit ends with), its KV released."""
+    plane = Plane(redis_url, redis_prefix)
+    await plane.start(instance_wait_s=60.0)
+    try:
+        due_ms = int((time.time() + 4.0) * 1000)
+        request = generate(
+            "r-due", max_new_tokens=1500, decode_instance_id="decode-0", deadline_unix_ms=due_ms
+        )
+        (task,) = await start_streams(plane, [request], min_tokens=5)
+        await plane.handles.pop("decode-1").stop(0)
+        await plane.handles.pop("decode-0").stop(0)
+        tokens, summary, error = await task
+        assert error is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "cannot continue after losing decode-0" in error.details(), error.details()
+        assert "deadline comes before an instance" in error.details(), error.details()
+        assert time.time() * 1000 >= due_ms - 500, "gave up long before the deadline"
+        assert summary.finish_reason == "abort"
+        assert tokens == reference(PROMPT, 1500)[: len(tokens)]
+        assert await plane.resident_requests("prefill-0") == 0
+        assert await plane.resident_requests("prefill-1") == 0
     finally:
         await plane.stop()
 
