@@ -284,6 +284,7 @@ async def held_at_the_end(state: ClusterState) -> dict[str, dict]:
         "slots_in_use": stats.slots_in_use,
         "granted_total": stats.granted_total,
         "expired_total": stats.expired_total,
+        "spares_lapsed_total": stats.spares_lapsed_total,
     }
     for name in WORKERS:
         async with grpc.aio.insecure_channel(state.address(name)) as channel:

@@ -410,6 +410,8 @@ def _slots(stats: Any) -> dict[str, Any]:
         "granted_total": stats.granted_total,
         "denied_total": stats.denied_total,
         "expired_total": stats.expired_total,
+        "spare_slots": stats.spare_slots,
+        "spares_lapsed_total": stats.spares_lapsed_total,
         "links": [
             {
                 "src_instance_id": link.src_instance_id,
@@ -573,7 +575,8 @@ def _render(report: dict[str, Any]) -> str:
         parts.append(
             f"  {slots['slots_in_use']} in use of {slots['cluster_cap']}"
             f"  (granted {slots['granted_total']}, denied {slots['denied_total']},"
-            f" expired {slots['expired_total']})"
+            f" expired {slots['expired_total']}; spares held {slots['spare_slots']},"
+            f" lapsed {slots['spares_lapsed_total']})"
         )
         if slots["links"]:
             rows = [

@@ -89,7 +89,7 @@ class LinkSlotStats(_message.Message):
     def __init__(self, src_instance_id: _Optional[str] = ..., dst_instance_id: _Optional[str] = ..., in_use: _Optional[int] = ..., cap: _Optional[int] = ...) -> None: ...
 
 class GetSlotStatsResponse(_message.Message):
-    __slots__ = ("slots_in_use", "cluster_cap", "links", "granted_total", "denied_total", "expired_total", "spare_slots")
+    __slots__ = ("slots_in_use", "cluster_cap", "links", "granted_total", "denied_total", "expired_total", "spare_slots", "spares_lapsed_total")
     SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_CAP_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class GetSlotStatsResponse(_message.Message):
     DENIED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SPARE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SPARES_LAPSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     slots_in_use: int
     cluster_cap: int
     links: _containers.RepeatedCompositeFieldContainer[LinkSlotStats]
@@ -104,4 +105,5 @@ class GetSlotStatsResponse(_message.Message):
     denied_total: int
     expired_total: int
     spare_slots: int
-    def __init__(self, slots_in_use: _Optional[int] = ..., cluster_cap: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkSlotStats, _Mapping]]] = ..., granted_total: _Optional[int] = ..., denied_total: _Optional[int] = ..., expired_total: _Optional[int] = ..., spare_slots: _Optional[int] = ...) -> None: ...
+    spares_lapsed_total: int
+    def __init__(self, slots_in_use: _Optional[int] = ..., cluster_cap: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkSlotStats, _Mapping]]] = ..., granted_total: _Optional[int] = ..., denied_total: _Optional[int] = ..., expired_total: _Optional[int] = ..., spare_slots: _Optional[int] = ..., spares_lapsed_total: _Optional[int] = ...) -> None: ...

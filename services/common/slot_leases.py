@@ -6,7 +6,8 @@ Keys (under one hash-tagged prefix, so each script touches a single slot):
     slots:lease:<id>       hash    request_id, holder_id, src/dst, link, expires_unix_ms
     slots:request:<rid>    string  request id -> lease id (idempotent retries)
     slots:links            hash    json([src, dst]) -> leases held on that link
-    slots:totals           hash    granted / denied / expired / superseded counters
+    slots:totals           hash    granted / denied / expired / superseded / spares_lapsed
+                                   counters
     slots:policy           hash    cluster_cap, link_cap, default_ttl_ms, max_ttl_ms
     slots:attempt:<id>     string  the denial one reserve call got, kept a minute
     slots:spares           set     lease ids reserved ahead for no request yet (spares)
@@ -77,15 +78,22 @@ local function drop(lease_id)
   redis.call('DEL', lease)
   return true
 end
+-- Drops every lease past its expiry; returns how many a migration held (its holder never
+-- released it). Spares a replica let lapse are counted apart: that is how they end.
 local function purge(now)
   local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+  local spares = 0
   for _, lease_id in ipairs(expired) do
+    spares = spares + redis.call('SISMEMBER', KEYS[5], lease_id)
     drop(lease_id)
   end
-  if #expired > 0 then
-    redis.call('HINCRBY', KEYS[3], 'expired', #expired)
+  if #expired > spares then
+    redis.call('HINCRBY', KEYS[3], 'expired', #expired - spares)
   end
-  return #expired
+  if spares > 0 then
+    redis.call('HINCRBY', KEYS[3], 'spares_lapsed', spares)
+  end
+  return #expired - spares
 end
 -- Makes `lease_id` the lease of migrating `request_id` over `link` until `expires`.
 local function grant(lease_id, request_id, holder_id, src, dst, link, expires)
@@ -376,9 +384,13 @@ class SlotStats:
     granted_total: int
     denied_total: int
     expired_total: int
+    """Leases a migration held until they expired: their holder never released them."""
     spare_slots: int = 0
     """Leases reserved ahead by scheduler replicas, for no request yet (they count
     against the cluster cap)."""
+    spares_lapsed_total: int = 0
+    """Spares that lapsed unclaimed: how a replica's spares end when it does not need
+    them (not a leak)."""
 
 
 def _text(value: bytes | str | None) -> str:
@@ -618,11 +630,13 @@ class SlotStore:
             denied_total=int(totals.get("denied", 0)),
             expired_total=int(totals.get("expired", 0)),
             spare_slots=int(spares),
+            spares_lapsed_total=int(totals.get("spares_lapsed", 0)),
         )
 
     async def purge(self) -> int:
-        """Drops expired leases now; returns how many. Puts this store's caps back if they
-        are gone (Redis restarted empty), so that direct reservations resume too."""
+        """Drops expired leases now; returns how many a migration held (lapsed spares are
+        counted apart). Puts this store's caps back if they are gone (Redis restarted
+        empty), so that direct reservations resume too."""
         in_use, _, _, purged, cluster_cap, _, _ = await self._stats(
             keys=self._keys, args=[self._prefix]
         )

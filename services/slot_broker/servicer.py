@@ -63,4 +63,5 @@ class SlotBrokerServicer(slots_pb2_grpc.SlotBrokerServiceServicer):
             denied_total=stats.denied_total,
             expired_total=stats.expired_total,
             spare_slots=stats.spare_slots,
+            spares_lapsed_total=stats.spares_lapsed_total,
         )
