@@ -200,13 +200,15 @@ local function beat(id, first, last)
     fail(id, now)
     return {-2, 'failed'}
   end
+  local refuted_after_ms = nil
   if state == 'suspect' then
     local suspected = tonumber(redis.call('HGET', node, 'suspect_unix_ms')) or now
     redis.call('HSET', node, 'state', 'alive')
     redis.call('HDEL', node, 'suspect_unix_ms')
     changed(id)
+    refuted_after_ms = now - suspected
     emit('refuted', id, node, now,
-      'heartbeat ' .. ((now - suspected) / 1000) .. ' s after the suspicion')
+      'heartbeat ' .. (refuted_after_ms / 1000) .. ' s after the suspicion')
   end
   if last >= first then
     local names, values, fields = {}, {}, {}
@@ -228,6 +230,9 @@ local function beat(id, first, last)
   redis.call('HSET', node, 'last_seen_unix_ms', now)
   local expiry = now + tonumber(redis.call('HGET', node, 'ttl_ms'))
   redis.call('ZADD', KEYS[1], expiry, id)
+  if refuted_after_ms then
+    return {expiry, refuted_after_ms}
+  end
   return {expiry}
 end
 local replies, i = {}, 5
@@ -715,6 +720,12 @@ class GossipStore:
         if code == -2:
             raise FailedPrecondition(
                 f"instance {instance_id!r} is {_text(reply[1])}; register it again"
+            )
+        if len(reply) > 1:
+            log.info(
+                "instance %s refuted: heartbeat %.2f s after the suspicion",
+                instance_id,
+                int(reply[1]) / 1000.0,
             )
         return code
 

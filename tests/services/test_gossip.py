@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from dataclasses import replace
 
@@ -622,8 +623,9 @@ def closed_port() -> int:
 
 
 async def test_a_late_heartbeat_makes_an_instance_suspect_and_the_next_one_refutes_it(
-    confirming,
+    confirming, caplog
 ):
+    caplog.set_level(logging.INFO, logger="services.gossip.store")
     handle, client = confirming
     # Its address is a live listener (the gossip server's own): the probe proves nothing.
     await client.register(replace(decode("decode-0"), address=f"127.0.0.1:{handle.port}"))
@@ -636,6 +638,8 @@ async def test_a_late_heartbeat_makes_an_instance_suspect_and_the_next_one_refut
     events = await collect(client, "0", 3)
     assert [e.type for e in events] == ["joined", "suspect", "refuted"]
     assert events[1].reason.startswith("no heartbeat for ")
+    refuted = [r.getMessage() for r in caplog.records if "refuted" in r.getMessage()]
+    assert len(refuted) == 1 and refuted[0].startswith("instance decode-0 refuted: heartbeat ")
 
 
 async def test_a_suspect_that_stays_silent_is_failed_after_its_confirmation_window(confirming):
