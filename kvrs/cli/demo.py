@@ -280,8 +280,7 @@ async def _warm_up(router, encode, run_id: str, args: argparse.Namespace) -> Non
 
 
 async def _stream(router, stream: Stream, args: argparse.Namespace) -> None:
-    import grpc
-
+    from kvrs.rpc.generate import generate_into
     from kvrs.v1 import router_pb2
 
     request = router_pb2.GenerateRequest(
@@ -289,14 +288,9 @@ async def _stream(router, stream: Stream, args: argparse.Namespace) -> None:
         prompt_token_ids=stream.prompt,
         max_new_tokens=args.max_new_tokens,
     )
-    try:
-        async for message in router.Generate(request, timeout=args.timeout_s):
-            if message.index >= 0:
-                stream.tokens.append(message.token_id)
-            if message.HasField("summary"):
-                stream.summary = message.summary
-    except grpc.aio.AioRpcError as exc:
-        stream.error = f"{exc.code().name}: {exc.details()}"
+    stream.summary, error = await generate_into(router, request, stream.tokens, args.timeout_s)
+    if error is not None:
+        stream.error = f"{error.code().name}: {error.details()}"
 
 
 async def _wait_for_workers(state, settings, timeout_s: float = 30.0) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from kvrs.rpc.generate import generate_into
 from kvrs.v1 import (
     common_pb2,
     router_pb2,
@@ -85,15 +86,7 @@ def describe(stream: Stream) -> str:
 
 
 async def run_stream(stub, stream: Stream) -> Stream:
-    try:
-        async for message in stub.Generate(stream.request, timeout=120):
-            if message.index >= 0:
-                assert message.index == len(stream.tokens), "index out of order"
-                stream.tokens.append(message.token_id)
-            if message.HasField("summary"):
-                stream.summary = message.summary
-    except grpc.aio.AioRpcError as exc:
-        stream.error = exc
+    stream.summary, stream.error = await generate_into(stub, stream.request, stream.tokens, 120)
     return stream
 
 

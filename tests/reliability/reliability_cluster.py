@@ -12,11 +12,10 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-import grpc
-
 from kvrs.cli.launcher import SERVICES, ClusterOptions, start_cluster, stop_cluster
 from kvrs.cli.launcher.services import ServiceSpec
 from kvrs.cli.launcher.state import ClusterState
+from kvrs.rpc.generate import generate_into
 from kvrs.v1 import router_pb2
 from tests.tiny_reference import reference
 
@@ -78,12 +77,7 @@ class Stream:
 
 async def run(stub, stream: Stream) -> Stream:
     """Stream `stream.request` through the router's Generate to its end or its error."""
-    try:
-        async for message in stub.Generate(stream.request, timeout=120):
-            if message.index >= 0:
-                stream.tokens.append(message.token_id)
-            if message.HasField("summary"):
-                stream.summary = message.summary
-    except grpc.aio.AioRpcError as exc:
-        stream.error = f"{exc.code().name}: {exc.details()}"
+    stream.summary, error = await generate_into(stub, stream.request, stream.tokens, 120)
+    if error is not None:
+        stream.error = f"{error.code().name}: {error.details()}"
     return stream

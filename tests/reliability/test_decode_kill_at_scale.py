@@ -20,6 +20,7 @@ from reliability_cluster import launched
 from kvrs.cli.launcher import (
     is_running,
 )
+from kvrs.rpc.generate import generate_into
 from kvrs.v1 import (
     common_pb2,
     router_pb2,
@@ -72,16 +73,10 @@ def prompt(seed: int) -> list[int]:
 
 
 async def generate(stub, request, tokens: list[int], summary: list) -> grpc.aio.AioRpcError | None:
-    try:
-        async for message in stub.Generate(request, timeout=180):
-            if message.index >= 0:
-                assert message.index == len(tokens), "a token was repeated or skipped"
-                tokens.append(message.token_id)
-            if message.HasField("summary"):
-                summary.append(message.summary)
-    except grpc.aio.AioRpcError as exc:
-        return exc
-    return None
+    ended, error = await generate_into(stub, request, tokens, 180)
+    if ended is not None:
+        summary.append(ended)
+    return error
 
 
 async def leaked(state, workers) -> dict[str, int]:

@@ -25,6 +25,7 @@ import redis
 from reliability_stack import ControlPlane, ServiceProcess, free_port, unique_prefix
 
 from bench import netns as netns_lab
+from kvrs.rpc.generate import generate_into
 from kvrs.v1 import router_pb2, router_pb2_grpc
 from tests.tiny_reference import reference
 
@@ -117,16 +118,8 @@ def new_request(seed: int, prompt_tokens: int, decode_instance_id: str = ""):
 
 async def generate(stub, request) -> tuple[list[int], router_pb2.GenerateSummary | None, str]:
     tokens: list[int] = []
-    summary = None
-    try:
-        async for message in stub.Generate(request, timeout=120):
-            if message.index >= 0:
-                tokens.append(message.token_id)
-            if message.HasField("summary"):
-                summary = message.summary
-    except grpc.aio.AioRpcError as exc:
-        return tokens, summary, f"{exc.code().name}: {exc.details()}"
-    return tokens, summary, ""
+    summary, error = await generate_into(stub, request, tokens, 120)
+    return tokens, summary, f"{error.code().name}: {error.details()}" if error else ""
 
 
 async def until_every_decode_worker_serves(stub) -> None:

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import redis.asyncio as redis_async
 
+from kvrs.rpc.generate import generate_into
 from kvrs.tokenizer import prefix_block_hashes
 from kvrs.v1 import (
     common_pb2,
@@ -47,22 +48,12 @@ def router(plane: Plane) -> router_pb2_grpc.RouterServiceStub:
     return router_pb2_grpc.RouterServiceStub(plane.channel("router"))
 
 
-async def collect(stub, request: router_pb2.GenerateRequest, progress: list | None = None):
-    """(tokens, summary, error) of one Generate stream."""
-    tokens: list[int] = []
-    summary = None
-    try:
-        async for message in stub.Generate(request, timeout=60):
-            if message.index >= 0:
-                assert message.index == len(tokens)
-                tokens.append(message.token_id)
-                if progress is not None:
-                    progress.append(message.index)
-            if message.HasField("summary"):
-                summary = message.summary
-    except grpc.aio.AioRpcError as exc:
-        return tokens, summary, exc
-    return tokens, summary, None
+async def collect(stub, request: router_pb2.GenerateRequest, tokens: list[int] | None = None):
+    """(tokens, summary, error) of one Generate stream; `tokens`, when given, is the list
+    the tokens are appended to as they arrive (a caller watches it)."""
+    tokens = [] if tokens is None else tokens
+    summary, error = await generate_into(stub, request, tokens, 60)
+    return tokens, summary, error
 
 
 def generate(request_id: str, prompt=PROMPT, max_new_tokens: int = 24, **fields):
