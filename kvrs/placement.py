@@ -26,7 +26,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -47,6 +47,7 @@ __all__ = [
     "Kvrs",
     "LeastLoaded",
     "NetKv",
+    "JointPlacementPolicy",
     "Placement",
     "PlacementPolicy",
     "PlacementRequest",
@@ -133,6 +134,25 @@ class PlacementPolicy(Protocol):
         cost: CostModel,
         now_s: float,
     ) -> Placement: ...
+
+
+@runtime_checkable
+class JointPlacementPolicy(PlacementPolicy, Protocol):
+    """A placement policy that also chooses the prefill instance, given each prefill
+    option's finish (`Kvrs.choose_prefill`): its caller asks before the prompt prefills.
+    The router (by policy name, `chooses_prefill`), the scheduler and the simulator (by
+    the policy object) all tell such a policy by this one protocol."""
+
+    def choose_prefill(
+        self,
+        request: PlacementRequest,
+        prefill_s: Sequence[tuple[str, float]],
+        routed: int,
+        decodes: Sequence[InstanceState],
+        cost: CostModel,
+        now_s: float,
+        prefix_hits: Sequence[int] = (),
+    ) -> int: ...
 
 
 # -- scoring --------------------------------------------------------------------------
@@ -712,8 +732,9 @@ def prepare_candidates(view: ClusterView, previous: ClusterView | None = None) -
 
 def chooses_prefill(name: str) -> bool:
     """Whether the policy called `name` chooses the prefill instance too, given the
-    options (`Kvrs.choose_prefill`): a caller then asks before the prompt prefills."""
-    return name == Kvrs.name
+    options (a `JointPlacementPolicy`): a caller then asks before the prompt prefills."""
+    # By the class's method: a protocol with a data member (`name`) has no issubclass.
+    return callable(getattr(_POLICIES.get(name), "choose_prefill", None))
 
 
 def make_placement_policy(name: str, **params: Any) -> PlacementPolicy:

@@ -28,7 +28,12 @@ from kvrs.batch import plan_batch
 from kvrs.cluster import InstanceList, InstanceState
 from kvrs.costmodel import CostModel
 from kvrs.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvrs.placement import PlacementPolicy, PlacementRequest, make_placement_policy
+from kvrs.placement import (
+    JointPlacementPolicy,
+    PlacementPolicy,
+    PlacementRequest,
+    make_placement_policy,
+)
 from kvrs.prefill import prefill_finishes, soonest
 from kvrs.recovery import (
     NEEDS_SLOT,
@@ -278,6 +283,16 @@ class Simulator:
         else:
             self.placement = None
             self.placement_recovery = make_recovery_policy(policy.policy)
+        self.joint_placement: JointPlacementPolicy | None = None
+        """The placement policy, when it chooses the prefill too (`policy.prefill: joint`)."""
+        if policy.prefill == "joint":
+            if not isinstance(self.placement, JointPlacementPolicy):
+                raise InvalidArgument(
+                    "policy.prefill",
+                    f"joint needs a placement policy that chooses the prefill too (kvrs), "
+                    f"not {policy.mode} {policy.policy!r}",
+                )
+            self.joint_placement = self.placement
         self.recovery_policy = make_recovery_policy(config.recovery.policy)
 
         self.records: list[RequestRecord] = []
@@ -419,9 +434,8 @@ class Simulator:
                     hits[i] = min(blocks * self.block_tokens, tokens)
         finishes = prefill_finishes(routing.wait_s - age_s, tokens, self.compute, hits)
         index = soonest(finishes, routing.queue_depth)
-        if self.policy_spec.prefill == "joint":
-            choose = self.placement.choose_prefill  # type: ignore[union-attr]
-            index = choose(
+        if self.joint_placement is not None:
+            index = self.joint_placement.choose_prefill(
                 PlacementRequest(
                     str(request.index), candidates[index].instance_id, tokens, request.hash_ids
                 ),

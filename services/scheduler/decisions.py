@@ -36,7 +36,12 @@ from kvrs.learning import (
     recovery_terms,
 )
 from kvrs.network import TransferEstimate
-from kvrs.placement import Kvrs, PlacementPolicy, PlacementRequest, make_placement_policy
+from kvrs.placement import (
+    JointPlacementPolicy,
+    PlacementPolicy,
+    PlacementRequest,
+    make_placement_policy,
+)
 from kvrs.recovery import (
     NEEDS_SLOT,
     Action,
@@ -231,7 +236,7 @@ class Scheduler:
         options = [o for o in request.prefill_options if self.view.is_known(o.instance_id)]
         for option in options:
             self._require_role("prefill_options.instance_id", option.instance_id, Role.PREFILL)
-        if not isinstance(policy, Kvrs) or len(options) < 2:
+        if not isinstance(policy, JointPlacementPolicy) or len(options) < 2:
             return request.prefill_id
         ids = [option.instance_id for option in options]
         routed = ids.index(request.prefill_id)

@@ -15,7 +15,14 @@ from kvrs.errors import InvalidArgument
 from kvrs.estimator import LinkTrend
 from kvrs.model import model_spec
 from kvrs.network import NetworkModel
-from kvrs.placement import Kvrs, NetKv, PlacementRequest, make_placement_policy
+from kvrs.placement import (
+    JointPlacementPolicy,
+    Kvrs,
+    NetKv,
+    PlacementRequest,
+    chooses_prefill,
+    make_placement_policy,
+)
 from kvrs.profile import compute_profile
 from kvrs.topology import InstanceSpec, Location, Role, Tier, TierSpec, Topology
 
@@ -257,3 +264,12 @@ def test_kvrs_parameters_are_checked_and_named():
     with pytest.raises(InvalidArgument, match="joint_margin"):
         Kvrs(joint_margin=1.0)
     assert math.isfinite(Kvrs().kv_penalty_s_per_token)
+
+
+def test_the_policy_names_and_objects_that_choose_the_prefill_agree():
+    # The router asks by name, the scheduler and the simulator by the policy object.
+    for name in ("round_robin", "least_loaded", "cache_load", "netkv", "kvrs"):
+        joint = isinstance(make_placement_policy(name), JointPlacementPolicy)
+        assert chooses_prefill(name) is joint, name
+    assert chooses_prefill("kvrs") and not chooses_prefill("netkv")
+    assert not chooses_prefill("no-such-policy")

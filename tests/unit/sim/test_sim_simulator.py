@@ -231,3 +231,14 @@ def test_kvrs_placement_with_joint_prefill_is_deterministic_and_moves_prefills()
     assert [r.prefill_id for r in routed.records] != [r.prefill_id for r in first.records]
     with pytest.raises(InvalidArgument, match="policy.prefill"):
         PolicySpec("kvrs", "kvrs", prefill="both")
+
+
+def test_a_joint_prefill_needs_a_placement_policy_that_chooses_it():
+    config = SimConfig.from_dict({"cluster": {"layout": "segregated"}})
+    requests = [TraceRequest(0, 0.0, 512, 8, (1,))]
+    for spec in (
+        PolicySpec("netkv", "netkv", prefill="joint"),
+        PolicySpec("kvrs", "kvrs", mode="recovery", prefill="joint"),
+    ):
+        with pytest.raises(InvalidArgument, match="policy.prefill.*chooses the prefill"):
+            run_policy(config, requests, spec)
