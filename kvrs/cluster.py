@@ -148,16 +148,21 @@ class ClusterView:
         changed: Mapping[str, InstanceState],
         removed: Collection[str] = (),
         now_s: float | None = None,
+        carry_exclusions: bool = False,
     ) -> ClusterView:
         """A new view: these instances with `changed` replaced or added, `removed` dropped.
 
-        For every cached list (a role's alive instances, minus an exclusion set) whose
-        membership stays the same, the new list is the old one with the changed states
-        swapped in, and what decisions derived from the old list is carried over, patched
-        at those positions (whatever offers `patched`, such as the placement columns); so
-        the first decision on the new view does not rebuild every column, nor the
-        recoveries of a failed instance (whose lists exclude it) their path terms. A list
-        whose membership changed is rebuilt when next asked for.
+        For each role whose alive membership stays the same, the new list is the old one
+        with the changed states swapped in, and what decisions derived from the old list
+        is carried over, patched at those positions (whatever offers `patched`, such as
+        the placement columns); so the first decision on the new view does not rebuild
+        every column. A list whose membership changed is rebuilt when next asked for.
+
+        With `carry_exclusions` the lists minus an exclusion set (a failed instance's
+        recoveries) are carried the same way: work booked between two recoveries of one
+        failure must not make the next rebuild its path terms. Without it they are
+        dropped, so that a list no decision asks for again is not patched at every
+        refresh.
         """
         instances = dict(self.instances)
         instances.update(changed)
@@ -165,6 +170,8 @@ class ClusterView:
             instances.pop(instance_id, None)
         view = ClusterView(instances=instances, now_s=self.now_s if now_s is None else now_s)
         for (role, exclude), old in self._lists.items():
+            if exclude and not carry_exclusions:
+                continue
             patched = self._patched_list(old, role, exclude, changed, removed)
             if patched is not None:
                 view._lists[(role, exclude)] = patched

@@ -249,7 +249,9 @@ class ViewCache:
         if state is None or known is None or work_s <= 0.0:
             return
         raised = dataclasses.replace(known, wait_s=known.wait_s + work_s)
-        cluster = state.cluster.updated({instance_id: raised}, now_s=state.cluster.now_s)
+        cluster = state.cluster.updated(
+            {instance_id: raised}, now_s=state.cluster.now_s, carry_exclusions=True
+        )
         self._state = dataclasses.replace(state, cluster=cluster)
 
     def request_refresh(self) -> None:

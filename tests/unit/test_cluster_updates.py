@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
+
 from kvrs._columns import Columns
 from kvrs.cluster import ClusterView, InstanceState
 from kvrs.costmodel import CostModel
@@ -74,13 +76,14 @@ def changes(view: ClusterView, rng: random.Random, count: int) -> dict[str, Inst
     }
 
 
-def test_an_updated_view_decides_as_a_view_built_from_scratch():
+@pytest.mark.parametrize("carry_exclusions", [False, True])
+def test_an_updated_view_decides_as_a_view_built_from_scratch(carry_exclusions):
     rng = random.Random(7)
     cost, view = cluster(rng)
     for _ in range(5):
         warm(view, cost)
         changed = changes(view, rng, 9)
-        updated = view.updated(changed, now_s=1.0)
+        updated = view.updated(changed, now_s=1.0, carry_exclusions=carry_exclusions)
         scratch = ClusterView({**view.instances, **changed}, now_s=1.0)
         assert decisions(updated, cost) == decisions(scratch, cost)
         view = updated
@@ -107,7 +110,7 @@ def test_unchanged_membership_carries_the_columns_patched():
     assert fan.rtt_wait == fresh.fan(cost.network, "prefill-0", 1.0).rtt_wait
 
 
-def test_lists_without_a_failed_instance_are_carried_patched_too():
+def test_a_booking_carries_the_lists_without_a_failed_instance_patched_too():
     # Every recovery of a failed instance decides on the lists that exclude it; work booked
     # on a target between two of them must not make the next rebuild its path terms.
     rng = random.Random(4)
@@ -117,16 +120,22 @@ def test_lists_without_a_failed_instance_are_carried_patched_too():
     excluded = frozenset({failed.instance_id})
     old = Columns.of(view.decode_instances(excluded))
     target = view.decode_instances(excluded)[3]
-    updated = view.updated({target.instance_id: replace(target, wait_s=9.0)})
+    refreshed = view.updated({target.instance_id: replace(target, wait_s=9.0)})
+    assert Columns not in refreshed.decode_instances(excluded).derived, "a refresh drops them"
+    updated = view.updated({target.instance_id: replace(target, wait_s=9.0)}, carry_exclusions=True)
     columns = updated.decode_instances(excluded).derived[Columns]
     assert columns is not old and columns.wait[3] == 9.0 and columns.ids is old.ids
     fan = columns.fan(cost.network, "prefill-1", 1.0)
     assert fan.table is old.fan(cost.network, "prefill-1", 1.0).table, "path terms kept"
     # A change to the excluded instance alone leaves the list as it was.
-    again = updated.updated({failed.instance_id: replace(failed, wait_s=5.0)})
+    again = updated.updated(
+        {failed.instance_id: replace(failed, wait_s=5.0)}, carry_exclusions=True
+    )
     assert again.decode_instances(excluded) is updated.decode_instances(excluded)
     # One that joins an exclusion list's role rebuilds it.
-    joined = again.updated({"decode-new": InstanceState("decode-new", Role.DECODE)})
+    joined = again.updated(
+        {"decode-new": InstanceState("decode-new", Role.DECODE)}, carry_exclusions=True
+    )
     assert "decode-new" in {s.instance_id for s in joined.decode_instances(excluded)}
 
 
