@@ -26,7 +26,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -48,6 +48,7 @@ __all__ = [
     "LeastLoaded",
     "NetKv",
     "JointPlacementPolicy",
+    "as_joint",
     "Placement",
     "PlacementPolicy",
     "PlacementRequest",
@@ -136,12 +137,11 @@ class PlacementPolicy(Protocol):
     ) -> Placement: ...
 
 
-@runtime_checkable
 class JointPlacementPolicy(PlacementPolicy, Protocol):
     """A placement policy that also chooses the prefill instance, given each prefill
     option's finish (`Kvrs.choose_prefill`): its caller asks before the prompt prefills.
-    The router (by policy name, `chooses_prefill`), the scheduler and the simulator (by
-    the policy object) all tell such a policy by this one protocol."""
+    The router tells one by its name (`chooses_prefill`), the scheduler and the simulator
+    by the object (`as_joint`): both by its `choose_prefill` method."""
 
     def choose_prefill(
         self,
@@ -733,8 +733,18 @@ def prepare_candidates(view: ClusterView, previous: ClusterView | None = None) -
 def chooses_prefill(name: str) -> bool:
     """Whether the policy called `name` chooses the prefill instance too, given the
     options (a `JointPlacementPolicy`): a caller then asks before the prompt prefills."""
-    # By the class's method: a protocol with a data member (`name`) has no issubclass.
-    return callable(getattr(_POLICIES.get(name), "choose_prefill", None))
+    return _has_choose_prefill(_POLICIES.get(name))
+
+
+def as_joint(policy: PlacementPolicy | None) -> JointPlacementPolicy | None:
+    """`policy` when it chooses the prefill too, else None. The same test as
+    `chooses_prefill`, on the object; not isinstance against a runtime-checkable protocol,
+    which costs ~12 µs on a decision's path."""
+    return cast(JointPlacementPolicy, policy) if _has_choose_prefill(policy) else None
+
+
+def _has_choose_prefill(policy_or_class: object) -> bool:
+    return callable(getattr(policy_or_class, "choose_prefill", None))
 
 
 def make_placement_policy(name: str, **params: Any) -> PlacementPolicy:

@@ -32,6 +32,7 @@ from kvrs.placement import (
     JointPlacementPolicy,
     PlacementPolicy,
     PlacementRequest,
+    as_joint,
     make_placement_policy,
 )
 from kvrs.prefill import prefill_finishes, soonest
@@ -286,13 +287,13 @@ class Simulator:
         self.joint_placement: JointPlacementPolicy | None = None
         """The placement policy, when it chooses the prefill too (`policy.prefill: joint`)."""
         if policy.prefill == "joint":
-            if not isinstance(self.placement, JointPlacementPolicy):
+            self.joint_placement = as_joint(self.placement)
+            if self.joint_placement is None:
                 raise InvalidArgument(
                     "policy.prefill",
                     f"joint needs a placement policy that chooses the prefill too (kvrs), "
                     f"not {policy.mode} {policy.policy!r}",
                 )
-            self.joint_placement = self.placement
         self.recovery_policy = make_recovery_policy(config.recovery.policy)
 
         self.records: list[RequestRecord] = []

@@ -36,12 +36,7 @@ from kvrs.learning import (
     recovery_terms,
 )
 from kvrs.network import TransferEstimate
-from kvrs.placement import (
-    JointPlacementPolicy,
-    PlacementPolicy,
-    PlacementRequest,
-    make_placement_policy,
-)
+from kvrs.placement import PlacementPolicy, PlacementRequest, as_joint, make_placement_policy
 from kvrs.recovery import (
     NEEDS_SLOT,
     Action,
@@ -236,11 +231,12 @@ class Scheduler:
         options = [o for o in request.prefill_options if self.view.is_known(o.instance_id)]
         for option in options:
             self._require_role("prefill_options.instance_id", option.instance_id, Role.PREFILL)
-        if not isinstance(policy, JointPlacementPolicy) or len(options) < 2:
+        joint = as_joint(policy)
+        if joint is None or len(options) < 2:
             return request.prefill_id
         ids = [option.instance_id for option in options]
         routed = ids.index(request.prefill_id)
-        chosen = policy.choose_prefill(
+        chosen = joint.choose_prefill(
             PlacementRequest(
                 request.request_id, request.prefill_id, request.prompt_tokens, request.prefix_hashes
             ),
