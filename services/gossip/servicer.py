@@ -23,6 +23,7 @@ from kvrs.v1 import gossip_pb2, gossip_pb2_grpc
 from services.common.gossip_records import ALIVE, ROLES, NodeRecord
 from services.common.metrics import Metrics
 from services.gossip import convert
+from services.gossip.change_feed import ChangeFeed
 from services.gossip.store import GossipStore
 
 WATCH_BLOCK_S = 0.25
@@ -42,6 +43,7 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
     def __init__(self, store: GossipStore, metrics: Metrics, check_identity: bool = False) -> None:
         """`check_identity`: the servers demand client certificates (mTLS); see the module."""
         self._store = store
+        self._feed = ChangeFeed(store)
         self._metrics = metrics
         self._check_identity = check_identity
         self._closing = asyncio.Event()
@@ -154,6 +156,9 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         )
 
     async def ListChanges(self, request, context: grpc.aio.ServicerContext):
+        reply = await self._feed.answer(request.after_change_id)
+        if reply is not None:
+            return reply
         listing = await self._store.list_changes(request.after_change_id)
         if listing.full:
             self._count_alive(listing.nodes)
