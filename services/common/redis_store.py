@@ -42,10 +42,11 @@ def _closed_under(exc: AttributeError) -> redis.exceptions.ConnectionError:
 
 
 class _Pipeline(ClusterPipeline):
-    """A cluster pipeline whose failover-time client error is a ConnectionError (see
-    `_Cluster`)."""
+    """A cluster pipeline whose failover-time client error is a ConnectionError, and that
+    waits for the topology first (see `_Cluster`)."""
 
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
+        await self.cluster_client.initialize()
         try:
             return await super().execute(raise_on_error, allow_redirections)
         except AttributeError as exc:
@@ -59,9 +60,16 @@ class _Cluster(RedisCluster):
     re-read the topology, including connections other commands are using at that
     moment; those fail with an AttributeError from inside the client. It is a lost
     connection, and raising it as a ConnectionError lets every caller treat it as one
-    (UNAVAILABLE, a retry, an expiry resume)."""
+    (UNAVAILABLE, a retry, an expiry resume).
+
+    The same happens on a new client: commands started together before it has read the
+    topology (a gossip replica's first operation runs one script per registry shard at
+    once) look up their nodes from the start-up nodes, and the topology read then closes
+    those connections under them. Every command therefore waits for the topology first
+    (`initialize` returns at once once it is read, and re-reads it after a failure)."""
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        await self.initialize()
         try:
             return await super().execute_command(*args, **kwargs)
         except AttributeError as exc:
