@@ -7,21 +7,27 @@ import asyncio
 import pytest
 import redis.asyncio as redis_async
 
+from services.common import connect_redis
 from services.common.gossip_records import NodeLoad
 from services.gossip.change_feed import ChangeFeed, position
 from services.gossip.client import GossipClient
 from services.gossip.store import GossipStore
-from tests.services.test_gossip import decode, start_gossip
+from tests.services.test_gossip import REGISTRIES, decode, start_gossip
 
 
-@pytest.fixture(params=[1, 4], ids=["one-shard", "four-shards"])
-def shards(request) -> int:
-    return request.param
+@pytest.fixture(params=list(REGISTRIES))
+def registry(request, redis_url) -> tuple[str, int]:
+    """Where the registry lives (one Redis in one hash tag or four, or a Redis Cluster)
+    and its shard count."""
+    if request.param == "redis-cluster":
+        return request.getfixturevalue("shared_redis_cluster").url, REGISTRIES[request.param]
+    return redis_url, REGISTRIES[request.param]
 
 
 @pytest.fixture
-async def store(redis_url, redis_prefix, shards):
-    client = redis_async.from_url(redis_url)
+async def store(registry, redis_prefix):
+    url, shards = registry
+    client = connect_redis(url)
     yield GossipStore(client, redis_prefix, default_ttl_s=5.0, shards=shards)
     await client.aclose()
 
@@ -43,10 +49,9 @@ def ids(reply) -> set[str]:
     return {info.instance_id for info in reply.nodes}
 
 
-async def test_views_at_different_cursors_get_what_the_store_answers(
-    redis_url, redis_prefix, shards, store
-):
-    server = await start_gossip(redis_url, redis_prefix, shards=shards)
+async def test_views_at_different_cursors_get_what_the_store_answers(registry, redis_prefix, store):
+    url, shards = registry
+    server = await start_gossip(url, redis_prefix, shards=shards)
     views = [GossipClient(f"127.0.0.1:{server.port}", timeout_s=5) for _ in range(2)]
     try:
         for i in range(4):
@@ -123,7 +128,7 @@ async def test_a_reply_ages_each_instance_to_its_own_time(store):
     assert ages["decode-0"] >= 0.2, "aged to this reply's time, not the poll that read it"
 
 
-async def test_cursors_the_feed_cannot_place_are_left_to_the_store(store, shards):
+async def test_cursors_the_feed_cannot_place_are_left_to_the_store(store):
     feed = ChangeFeed(store, retain_s=0.0)
     await store.register(decode("decode-0"))
     old = await store.list_changes("")

@@ -16,7 +16,7 @@ from kvrs.v1 import common_pb2, gossip_pb2, gossip_pb2_grpc
 from services.common import ConfigError, GrpcSettings, open_channel, setup_tracing
 from services.common.gossip_records import LinkSample, NodeLoad, Registration
 from services.gossip.client import GossipClient, HeartbeatLoop
-from services.gossip.config import Config
+from services.gossip.config import CLUSTER_SHARDS, Config
 from services.gossip.server import build_server
 
 TTL_S = 0.4
@@ -55,11 +55,24 @@ async def start_gossip(
     )
 
 
-@pytest.fixture(params=[1, 4], ids=["one-shard", "four-shards"])
+REGISTRIES = {"one-shard": 1, "four-shards": 4, "redis-cluster": CLUSTER_SHARDS}
+"""Where a registry fixture puts the registry: one Redis with one hash tag or four, or
+a three-primary Redis Cluster with the shards a cluster gets."""
+
+
+async def start_registry(request, redis_url: str, redis_prefix: str):
+    """A gossip server over the registry `request.param` (one of REGISTRIES) names."""
+    url = redis_url
+    if request.param == "redis-cluster":
+        url = request.getfixturevalue("shared_redis_cluster").url
+    return await start_gossip(url, redis_prefix, shards=REGISTRIES[request.param])
+
+
+@pytest.fixture(params=list(REGISTRIES))
 async def server(request, redis_url, redis_prefix):
-    """The registry in one hash tag, and spread over four (as on Redis Cluster): every
-    test that uses it holds for both."""
-    handle = await start_gossip(redis_url, redis_prefix, shards=request.param)
+    """The registry in one hash tag, spread over four, and on a Redis Cluster: every test
+    that uses it holds for all three."""
+    handle = await start_registry(request, redis_url, redis_prefix)
     yield handle
     await handle.stop(0)
 

@@ -14,7 +14,7 @@ from services.common.gossip_records import NodeLoad
 from services.gossip import client as gossip_client
 from services.gossip.client import GossipClient, HeartbeatLoop
 from services.gossip.store import GossipStore
-from tests.services.test_gossip import TTL_S, decode, start_gossip
+from tests.services.test_gossip import REGISTRIES, TTL_S, decode, start_registry
 
 LOAD = NodeLoad(
     queue_depth=3,
@@ -25,11 +25,11 @@ LOAD = NodeLoad(
 )
 
 
-@pytest.fixture(params=[1, 4], ids=["one-shard", "four-shards"])
+@pytest.fixture(params=list(REGISTRIES))
 async def server(request, redis_url, redis_prefix):
-    """The registry in one hash tag, and spread over four (some of them empty at first:
-    a change id then carries an empty shard's "0-0")."""
-    handle = await start_gossip(redis_url, redis_prefix, shards=request.param)
+    """The registry in one hash tag, spread over four (some of them empty at first: a
+    change id then carries an empty shard's "0-0"), and on a Redis Cluster."""
+    handle = await start_registry(request, redis_url, redis_prefix)
     yield handle
     await handle.stop(0)
 
