@@ -402,3 +402,19 @@ async def test_schedulers_reserving_on_the_cluster_keep_the_cap_through_a_failov
         assert await plane.slots_in_use() == 3
     finally:
         await plane.close()
+
+
+async def test_commands_started_together_on_a_new_cluster_client_all_run(shared_redis_cluster):
+    """A gossip replica's first operation runs a script per registry shard at once; on a
+    client that has not read the topology yet none of them may lose its connection."""
+    for attempt in range(8):
+        client = connect_redis(shared_redis_cluster.url)
+        try:
+            replies = await asyncio.gather(
+                *(client.xread({f"{{new-client.{shard}}}:s": "0-0"}) for shard in range(16)),
+                return_exceptions=True,
+            )
+        finally:
+            await client.aclose()
+        failed = [reply for reply in replies if isinstance(reply, Exception)]
+        assert not failed, f"client {attempt}: {failed[0]!r}"
