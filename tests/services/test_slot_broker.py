@@ -239,12 +239,13 @@ async def test_expired_lease_frees_its_slot(redis_url, redis_prefix):
 
 
 async def test_renewal_keeps_a_lease_past_its_ttl(broker):
-    lease = (await broker.reserve("m0", ttl_s=0.3)).lease
+    # Renewed every third of its TTL (room for a loaded machine's stalls), for 1.5 TTLs.
+    lease = (await broker.reserve("m0", ttl_s=1.0)).lease
     expires_ms = lease.expires_unix_ms
     for _ in range(5):
-        await asyncio.sleep(0.15)
+        await asyncio.sleep(0.3)
         renewed = await broker.stub.RenewSlot(
-            slots_pb2.RenewSlotRequest(lease_id=lease.lease_id, ttl_s=0.3), timeout=5
+            slots_pb2.RenewSlotRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5
         )
         assert renewed.lease.expires_unix_ms > expires_ms
         expires_ms = renewed.lease.expires_unix_ms
