@@ -19,8 +19,9 @@ each one's CPU says what its half of the work costs) and a slot broker, then:
 
 `--gossip-addr ADDR --scheduler-addr ADDR [--scheduler-addr ...]` runs phase 2 against a
 running cluster instead (`kvrs up` without `--tls`: its gossip and schedulers are in its
-client environment), then probes those schedulers' view age; the instances (unreachable
-addresses, a TTL of four intervals) leave at the end.
+client environment), then probes those schedulers' view age; the instances (a TTL of four
+intervals, listening at one port per driver process, which accepts and hangs up) leave at
+the end.
 
 Not a test: figures depend on the machine (shared here: the load average is printed);
 nothing asserts.
@@ -277,8 +278,16 @@ def _run_instances(
     """One driver process: a `HeartbeatLoop` per instance (each with its own stream), the
     starts spread over one interval; reports when all are registered, then beats."""
 
+    async def hang_up(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
     async def main() -> None:
-        async with GossipClient(address, GrpcSettings.from_env(), timeout_s=30) as gossip:
+        # The instances listen, as live ones do: gossip's direct probe of one whose beat
+        # is late finds it there and leaves it suspect until its next beat refutes it
+        # (at an address nobody listens at, the probe would declare it failed at once).
+        listener = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        listening_at = f"127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+        async with listener, GossipClient(address, GrpcSettings.from_env(), timeout_s=30) as gossip:
             beats = [0] * len(indices)
 
             def source(slot: int):
@@ -292,7 +301,11 @@ def _run_instances(
                 HeartbeatLoop(
                     gossip,
                     # A TTL of four intervals, as workers beat (every TTL / 4).
-                    dataclasses.replace(registration(index), heartbeat_ttl_s=4 * interval_s),
+                    dataclasses.replace(
+                        registration(index),
+                        address=listening_at,
+                        heartbeat_ttl_s=4 * interval_s,
+                    ),
                     load=source(slot),
                     interval_s=interval_s,
                 )
@@ -514,8 +527,9 @@ def views(
 def against_cluster(args: argparse.Namespace, decode: int) -> dict:
     """Registers the instances in a running cluster (`kvrs up`) and probes its schedulers.
 
-    The instances are placement candidates there (with unreachable addresses) until they
-    leave at the end: use a cluster that serves nothing else meanwhile.
+    The instances are placement candidates there (at addresses that accept a connection
+    and hang up) until they leave at the end: use a cluster that serves nothing else
+    meanwhile.
     """
     cluster = Cluster(args.gossip_addr, args.instances, args.drivers, args.interval_s, True)
     print(
