@@ -89,13 +89,7 @@ async def _measure(args) -> None:
         )
 
         async def from_store(cursor: str) -> gossip_pb2.ListChangesResponse:
-            listing = await store.list_changes(cursor)
-            return gossip_pb2.ListChangesResponse(
-                nodes=[convert.node_to_pb(record) for record in listing.nodes],
-                change_id=listing.change_id,
-                full=listing.full,
-                server_unix_ms=listing.now_ms,
-            )
+            return convert.changes_to_pb(await store.list_changes(cursor))
 
         async def from_feed(cursor: str) -> gossip_pb2.ListChangesResponse:
             reply = await feed.answer(cursor)

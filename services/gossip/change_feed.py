@@ -121,8 +121,7 @@ class ChangeFeed:
     async def _poll(self) -> None:
         listing = await self._store.list_changes(self._polls[-1].change_id)
         at = position(listing.change_id, self._store.shards)
-        if at is None:
-            return
+        assert at is not None, f"the store's own change id {listing.change_id!r}"
         now_s = time.monotonic()
         self._seq += 1
         self._now_ms = listing.now_ms

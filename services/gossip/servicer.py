@@ -162,12 +162,7 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         listing = await self._store.list_changes(request.after_change_id)
         if listing.full:
             self._count_alive(listing.nodes)
-        return gossip_pb2.ListChangesResponse(
-            nodes=[convert.node_to_pb(record) for record in listing.nodes],
-            change_id=listing.change_id,
-            full=listing.full,
-            server_unix_ms=listing.now_ms,
-        )
+        return convert.changes_to_pb(listing)
 
     async def ListLinks(self, request, context: grpc.aio.ServicerContext):
         records, now_ms = await self._store.list_links()

@@ -12,16 +12,14 @@ from services.common.gossip_records import NodeLoad
 from services.gossip.change_feed import ChangeFeed, position
 from services.gossip.client import GossipClient
 from services.gossip.store import GossipStore
-from tests.services.test_gossip import REGISTRIES, decode, start_gossip
+from tests.services.test_gossip import REGISTRIES, decode, registry_url, start_gossip
 
 
 @pytest.fixture(params=list(REGISTRIES))
 def registry(request, redis_url) -> tuple[str, int]:
     """Where the registry lives (one Redis in one hash tag or four, or a Redis Cluster)
     and its shard count."""
-    if request.param == "redis-cluster":
-        return request.getfixturevalue("shared_redis_cluster").url, REGISTRIES[request.param]
-    return redis_url, REGISTRIES[request.param]
+    return registry_url(request, redis_url), REGISTRIES[request.param]
 
 
 @pytest.fixture

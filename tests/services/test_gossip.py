@@ -60,11 +60,16 @@ REGISTRIES = {"one-shard": 1, "four-shards": 4, "redis-cluster": CLUSTER_SHARDS}
 a three-primary Redis Cluster with the shards a cluster gets."""
 
 
-async def start_registry(request, redis_url: str, redis_prefix: str):
-    """A gossip server over the registry `request.param` (one of REGISTRIES) names."""
-    url = redis_url
+def registry_url(request, redis_url: str) -> str:
+    """The Redis the registry `request.param` (one of REGISTRIES) lives in."""
     if request.param == "redis-cluster":
-        url = request.getfixturevalue("shared_redis_cluster").url
+        return request.getfixturevalue("shared_redis_cluster").url
+    return redis_url
+
+
+async def start_registry(request, redis_url: str, redis_prefix: str):
+    """A gossip server over the registry `request.param` names."""
+    url = registry_url(request, redis_url)
     return await start_gossip(url, redis_prefix, shards=REGISTRIES[request.param])
 
 
