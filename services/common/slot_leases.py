@@ -43,6 +43,7 @@ import json
 import logging
 import math
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvrs.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -222,23 +223,25 @@ return lease_reply('spare', ARGV[4], migrating())
 """
 )
 
-# ARGV: prefix, lease_id, request_id, src, dst, link, ttl_ms (0: the policy's), holder_id,
-# spare_ttl_ms, next_spare_id ('' = none).
-# Returns {claimed, lease fields..., in_use, next spare id or '', its expiry or 0}, or
-# {missing, next spare id or '', its expiry or 0} (the spare expired, or was released
-# before its claim: a migration that ended at once). With a next spare id, a spare takes
-# the claimed one's place in the same step (when `spare` allows one), claimed or missing:
-# the holder keeps as many spares as it had either way.
+# ARGV: prefix, ttl_ms (0: the policy's), holder_id, spare_ttl_ms, then six per claim:
+# lease_id, request_id, src, dst, link, next_spare_id ('' = none).
+# Returns, per claim in order, {claimed, lease fields..., in_use, next spare id or '', its
+# expiry or 0} or {missing, next spare id or '', its expiry or 0} (the spare expired, or
+# was released before its claim: a migration that ended at once). With a next spare id, a
+# spare takes the claimed one's place in the same step (when `spare` allows one), claimed
+# or missing: the holder keeps as many spares as it had either way.
 _CLAIM = (
     _LUA_COMMON
     + _LUA_SPARE
     + """
-local lease_id, request_id, link = ARGV[2], ARGV[3], ARGV[6]
 local now = now_ms()
 purge(now)
-local function replace(reply)
-  local next_id = ARGV[10]
-  if next_id ~= '' and spare(ARGV[8], tonumber(ARGV[9]), next_id, now) then
+local ttl_ms = tonumber(ARGV[2])
+if ttl_ms == 0 then
+  ttl_ms = tonumber(redis.call('HGET', KEYS[4], 'default_ttl_ms') or '10000')
+end
+local function replace(reply, next_id)
+  if next_id ~= '' and spare(ARGV[3], tonumber(ARGV[4]), next_id, now) then
     table.insert(reply, next_id)
     table.insert(reply, tonumber(redis.call('ZSCORE', KEYS[1], next_id)))
   else
@@ -247,23 +250,27 @@ local function replace(reply)
   end
   return reply
 end
-if redis.call('SREM', KEYS[5], lease_id) == 0 then
-  return replace({'missing'})
+local function claim(lease_id, request_id, src, dst, link, next_id)
+  if redis.call('SREM', KEYS[5], lease_id) == 0 then
+    return replace({'missing'}, next_id)
+  end
+  local existing = redis.call('GET', ARGV[1] .. 'request:' .. request_id)
+  if existing and existing ~= lease_id then
+    -- An earlier lease of the request (a retry that was answered twice, or a previous
+    -- recovery's): the migration now runs under this one.
+    drop(existing)
+    redis.call('HINCRBY', KEYS[3], 'superseded', 1)
+  end
+  local holder_id = redis.call('HGET', ARGV[1] .. 'lease:' .. lease_id, 'holder_id')
+  grant(lease_id, request_id, holder_id, src, dst, link, now + ttl_ms)
+  return replace(lease_reply('claimed', lease_id, migrating()), next_id)
 end
-local existing = redis.call('GET', ARGV[1] .. 'request:' .. request_id)
-if existing and existing ~= lease_id then
-  -- An earlier lease of the request (a retry that was answered twice, or a previous
-  -- recovery's): the migration now runs under this one.
-  drop(existing)
-  redis.call('HINCRBY', KEYS[3], 'superseded', 1)
+local replies = {}
+for i = 5, #ARGV, 6 do
+  table.insert(replies, claim(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4],
+    ARGV[i + 5]))
 end
-local ttl_ms = tonumber(ARGV[7])
-if ttl_ms == 0 then
-  ttl_ms = tonumber(redis.call('HGET', KEYS[4], 'default_ttl_ms') or '10000')
-end
-local holder_id = redis.call('HGET', ARGV[1] .. 'lease:' .. lease_id, 'holder_id')
-grant(lease_id, request_id, holder_id, ARGV[4], ARGV[5], link, now + ttl_ms)
-return replace(lease_reply('claimed', lease_id, migrating()))
+return replies
 """
 )
 
@@ -354,6 +361,16 @@ class Grant:
     cluster_cap: int
     retried: bool
     """True when the request id already held this lease (an idempotent retry)."""
+
+
+@dataclass(frozen=True)
+class SpareClaim:
+    """A spare handed out for a request: what `SlotStore.claim` makes of it."""
+
+    lease_id: str
+    request_id: str
+    src_instance_id: str
+    dst_instance_id: str
 
 
 @dataclass(frozen=True)
@@ -552,37 +569,41 @@ class SlotStore:
 
     async def claim(
         self,
-        lease_id: str,
-        request_id: str,
-        src_instance_id: str,
-        dst_instance_id: str,
+        claims: Sequence[SpareClaim],
         ttl_s: float = 0.0,
         replace_for: str = "",
         spare_ttl_s: float = 0.0,
-    ) -> Claim:
-        """Makes the spare `lease_id` the lease of migrating `request_id` over src -> dst
-        (an earlier lease of the request is dropped); with `replace_for`, a new spare of
-        that holder takes its place in the same step, when `reserve_spare` would give one,
-        whether or not the claimed one was still there. The claimed lease is None when the
-        spare is gone (expired, or released before this claim)."""
-        _require("lease_id", lease_id)
-        _require("request_id", request_id)
-        link = json.dumps([src_instance_id, dst_instance_id])
-        reply = await self._claim(
-            keys=self._keys,
-            args=[
-                self._prefix,
-                lease_id,
-                request_id,
-                src_instance_id,
-                dst_instance_id,
+    ) -> list[Claim]:
+        """Makes each spare the lease of migrating its request over its src -> dst (an
+        earlier lease of the request is dropped), all in one Redis step; with
+        `replace_for`, a new spare of that holder takes each one's place in the same step,
+        when `reserve_spare` would give one, whether or not the claimed one was still
+        there. A claim's lease is None when its spare is gone (expired, or released before
+        the claim). One `Claim` per claim, in order."""
+        if not claims:
+            return []
+        args: list[str | int] = [
+            self._prefix,
+            self._ttl_ms(ttl_s),
+            replace_for,
+            self._ttl_ms(spare_ttl_s),
+        ]
+        for claim in claims:
+            _require("lease_id", claim.lease_id)
+            _require("request_id", claim.request_id)
+            link = json.dumps([claim.src_instance_id, claim.dst_instance_id])
+            args += [
+                claim.lease_id,
+                claim.request_id,
+                claim.src_instance_id,
+                claim.dst_instance_id,
                 link,
-                self._ttl_ms(ttl_s),
-                replace_for,
-                self._ttl_ms(spare_ttl_s),
                 uuid.uuid4().hex if replace_for else "",
-            ],
-        )
+            ]
+        replies = await self._claim(keys=self._keys, args=args)
+        return [self._claimed(reply, replace_for) for reply in replies]
+
+    def _claimed(self, reply: list, replace_for: str) -> Claim:
         spare_id, spare_expires_unix_ms = _text(reply[-2]), int(reply[-1])
         spare = None
         if spare_id:

@@ -15,7 +15,8 @@ Spares take even that round trip off the decision's path. A replica keeps a few 
 reserved ahead for no request (`SlotStore.reserve_spare`: they count against the
 cluster cap like any other, so the cap stays exact); a decision that needs a slot takes
 one of them and answers at once, and the spare is claimed for its request in Redis
-(fields, link, TTL) once the reply is sent (`after_reply`), off the path. A migration
+(fields, link, TTL) after the reply is sent (`after_reply`), off the path: the claims of
+the spares handed out within `CLAIM_BATCH_S` share one script run. A migration
 that ends before the claim lands has released the spare already: the claim then holds
 nothing, and still reserves the spare that replaces it. Spares are short-lived and replaced
 before they lapse, so a crashed replica's return within `SPARE_TTL_S`; they are only
@@ -35,7 +36,7 @@ import redis.exceptions
 
 from kvrs.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from kvrs.rpc.errors import relayed
-from services.common.slot_leases import NoSlotPolicy, SlotStore
+from services.common.slot_leases import NoSlotPolicy, SlotStore, SpareClaim
 from services.scheduler.after_reply import after_reply
 from services.scheduler.leases import Lease
 from services.scheduler.peers import SlotBrokerClient
@@ -47,6 +48,10 @@ SPARE_TTL_S = 4.0
 SPARE_MARGIN_S = 1.0
 """A spare with less life than this left is not handed out (its claim must land first);
 it lapses and a new one takes its place."""
+CLAIM_BATCH_S = 0.02
+"""How long a handed-out spare's claim waits for others to share its Redis step: a
+failure's burst of decisions claims its spares in one script run, and the claim of a
+lone decision lands after its reply, not beside it. Far below `SPARE_MARGIN_S`."""
 TEND_INTERVAL_S = 0.25
 """How often the spares are checked (a Redis call only to replace a lapsing one)."""
 
@@ -70,19 +75,17 @@ class RedisSlots:
         """How many spares `keep_spares` holds (0: none; every reservation a round trip)."""
         self._spares: collections.deque[tuple[str, float]] = collections.deque()
         """(lease id, monotonic time it lapses) of the spares held, oldest first."""
+        self._pending: list[SpareClaim] = []
+        """Spares handed out whose claim waits for the next batch."""
+        self._batch_timer: asyncio.TimerHandle | None = None
         self._claims: set[asyncio.Task] = set()
         self._reserving = False
 
     async def reserve(self, request_id: str, src_id: str, dst_id: str) -> Lease:
         spare = self._take_spare()
         if spare is not None:
-
-            def start_claim() -> None:
-                claim = asyncio.create_task(self._claim(spare, request_id, src_id, dst_id))
-                self._claims.add(claim)
-                claim.add_done_callback(self._claims.discard)
-
-            after_reply(start_claim)
+            claim = SpareClaim(spare, request_id, src_id, dst_id)
+            after_reply(lambda: self._claim_soon(claim))
             expires_unix_ms = int((time.time() + (self.ttl_s or SPARE_TTL_S)) * 1000)
             return Lease(
                 lease_id=spare,
@@ -138,22 +141,43 @@ class RedisSlots:
                 return lease_id
         return None
 
-    async def _claim(self, lease_id: str, request_id: str, src_id: str, dst_id: str) -> None:
-        """Makes the spare the request's lease and, in the same Redis step, reserves the
-        spare that replaces it: a burst of decisions finds the next one ready."""
+    def _claim_soon(self, claim: SpareClaim) -> None:
+        """Queues `claim` for the next batch, which starts `CLAIM_BATCH_S` after the
+        first claim it holds."""
+        self._pending.append(claim)
+        if self._batch_timer is None:
+            self._batch_timer = asyncio.get_running_loop().call_later(
+                CLAIM_BATCH_S, self._start_batch
+            )
+
+    def _start_batch(self) -> None:
+        self._batch_timer = None
+        claims, self._pending = self._pending, []
+        if claims:
+            task = asyncio.create_task(self._claim(claims))
+            self._claims.add(task)
+            task.add_done_callback(self._claims.discard)
+
+    async def _claim(self, claims: list[SpareClaim]) -> None:
+        """Makes each spare its request's lease and, in the same Redis step, reserves the
+        spares that replace them: a burst of decisions finds the next ones ready."""
         reserved_s = time.monotonic()
         try:
-            claim = await self._store.claim(
-                lease_id, request_id, src_id, dst_id, self.ttl_s, self.holder_id, SPARE_TTL_S
-            )
+            results = await self._store.claim(claims, self.ttl_s, self.holder_id, SPARE_TTL_S)
         except (redis.exceptions.RedisError, InvalidArgument) as exc:
-            log.warning("claiming spare slot %s for %s failed: %r", lease_id, request_id, exc)
+            names = ", ".join(c.request_id for c in claims)
+            log.warning("claiming %d spare slots (for %s) failed: %r", len(claims), names, exc)
             return
-        if claim.lease is None:
-            # Released (its migration ended) or lapsed before this claim: nothing holds it.
-            log.info("spare slot %s was gone before its claim for %s", lease_id, request_id)
-        if claim.spare is not None:
-            self._spares.append((claim.spare.lease_id, reserved_s + SPARE_TTL_S))
+        for claim, result in zip(claims, results, strict=True):
+            if result.lease is None:
+                # Released (its migration ended) or lapsed before this claim.
+                log.info(
+                    "spare slot %s was gone before its claim for %s",
+                    claim.lease_id,
+                    claim.request_id,
+                )
+            if result.spare is not None:
+                self._spares.append((result.spare.lease_id, reserved_s + SPARE_TTL_S))
 
     async def keep_spares(self) -> None:
         """Holds `spares` spares until cancelled (see the module docstring), then gives
@@ -193,7 +217,11 @@ class RedisSlots:
             self._reserving = False
 
     async def _give_back(self) -> None:
-        """Lets the claims under way land, then releases the spares still held."""
+        """Lets the claims queued and under way land, then releases the spares still
+        held."""
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+            self._start_batch()
         if self._claims:
             await asyncio.wait(self._claims, timeout=SPARE_MARGIN_S)
         spares, self._spares = list(self._spares), collections.deque()
