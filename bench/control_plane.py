@@ -16,6 +16,7 @@ import asyncio
 import importlib
 import importlib.util
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -192,11 +193,18 @@ Cleanup = Callable[[object], Awaitable[None]]
 async def _time_interleaved(
     calls: dict[str, tuple[Call, Cleanup | None]], count: int, warmup: int
 ) -> dict[str, list[float]]:
-    """Seconds per call of each entry, taken in turn (so load drift hits them alike);
-    each entry's cleanup runs untimed after its call."""
+    """Seconds per call of each entry, one of each per round (so load drift hits them
+    alike) in an order shuffled every round (seeded): what a call leaves running after its
+    reply (a span's export, a lease's release, the slot broker's Redis step) slows
+    whatever comes next, and a fixed order would charge it to the same entry every time.
+    Each entry's cleanup runs untimed after its call."""
     samples: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    shuffle = random.Random(0).shuffle
     for i in range(-warmup, count):
-        for name, (call, after) in calls.items():
+        shuffle(order)
+        for name in order:
+            call, after = calls[name]
             started = time.perf_counter()
             result = await call(i)
             elapsed = time.perf_counter() - started
