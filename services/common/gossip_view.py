@@ -140,13 +140,19 @@ class ViewCache:
         """Each instance's last record and when it was reported (local clock)."""
         self._pending_ids: set[str] = set()
         """Instances whose W(x) counted assigned work at the last build."""
+        self._unbooked: list[tuple[str, float]] = []
+        """Work `assign`ed and not yet in the view's W(x) (see `book_assigned`)."""
 
     @property
     def state(self) -> DecisionState | None:
+        if self._unbooked:
+            self.book_assigned()
         return self._state
 
     def current(self, now_s: float | None = None) -> DecisionView:
         """The view to decide against now; Unavailable only before the first refresh."""
+        if self._unbooked:
+            self.book_assigned()
         state = self._state
         if state is None:
             raise Unavailable("no view of the cluster yet: gossip has not answered since start")
@@ -195,6 +201,7 @@ class ViewCache:
                     self._failing_since_s = self.clock()
                     log.warning("gossip unreachable, deciding from the cached view: %s", exc)
                 return False
+            self._unbooked = []  # the build reads the assigned work, this included
             self._state = self._build(snapshot)
             if self._failing_since_s is not None:
                 log.warning(
@@ -236,23 +243,38 @@ class ViewCache:
                 # An instance marked down since the last snapshot stays down.
                 changed[instance_id] = dataclasses.replace(reread, alive=known.alive)
         if changed:
+            self._unbooked = []  # re-read from the assigned work, this included
             cluster = state.cluster.updated(changed, now_s=state.cluster.now_s)
             self._state = dataclasses.replace(state, cluster=cluster)
 
     def assign(self, instance_id: str, work_s: float) -> None:
-        """Work just sent to `instance_id`: its W(x) in the current view rises now, so the
-        next decision (a burst's next placement, milliseconds later) sees it; the next
-        periodic refresh reads it again from the assigned work, until a heartbeat reports
-        it, so no fetch from gossip is asked for per decision."""
+        """Work just sent to `instance_id`: its W(x) rises before the next decision reads
+        the view (a burst's next placement, milliseconds later). The view itself is
+        patched by `book_assigned`, which a scheduler calls once its reply is sent, or by
+        the next `current()` if that comes first; either way no decision misses it. The
+        next periodic refresh reads it again from the assigned work, until a heartbeat
+        reports it, so no fetch from gossip is asked for per decision."""
+        if work_s > 0.0:
+            self._unbooked.append((instance_id, work_s))
+
+    def book_assigned(self) -> None:
+        """Raises W(x) in the current view by the work `assign`ed since the last call (all
+        of it in one patch of the view)."""
+        unbooked, self._unbooked = self._unbooked, []
         state = self._state
-        known = None if state is None else state.cluster.instances.get(instance_id)
-        if state is None or known is None or work_s <= 0.0:
+        if state is None or not unbooked:
             return
-        raised = dataclasses.replace(known, wait_s=known.wait_s + work_s)
-        cluster = state.cluster.updated(
-            {instance_id: raised}, now_s=state.cluster.now_s, carry_exclusions=True
-        )
-        self._state = dataclasses.replace(state, cluster=cluster)
+        instances = state.cluster.instances
+        changed: dict[str, InstanceState] = {}
+        for instance_id, work_s in unbooked:
+            known = changed.get(instance_id) or instances.get(instance_id)
+            if known is not None:
+                changed[instance_id] = dataclasses.replace(known, wait_s=known.wait_s + work_s)
+        if changed:
+            cluster = state.cluster.updated(
+                changed, now_s=state.cluster.now_s, carry_exclusions=True
+            )
+            self._state = dataclasses.replace(state, cluster=cluster)
 
     def request_refresh(self) -> None:
         self._wake.set()

@@ -2,7 +2,9 @@
 
 Some bookkeeping only has to land soon after a decision, not before its answer: claiming
 the spare migration slot a `Recover` handed out is one Redis round trip that, run at once,
-shares the scheduler's event loop (and the machine's cores) with sending the reply. A
+shares the scheduler's event loop (and the machine's cores) with sending the reply, and
+booking a decision's work into the view's columns is the largest piece of its
+bookkeeping (the view books it itself if another decision reads it first). A
 handler that runs inside `deferring(context)` collects such work and starts it when gRPC
 reports the RPC done; outside one (a test calling the scheduler directly) it starts at
 once.

@@ -52,6 +52,7 @@ from kvrs.topology import Role
 from services.common.gossip_view import DecisionView, ViewCache
 from services.common.metrics import Metrics
 from services.scheduler import spans
+from services.scheduler.after_reply import after_reply
 from services.scheduler.leases import Lease, SlotBroker
 from services.scheduler.outcomes import Learning
 from services.scheduler.records import (
@@ -517,6 +518,9 @@ class Scheduler:
             return
         self.assigned.add(instance_id, self._clock(), work_s)
         self.view.assign(instance_id, work_s)
+        # Patching the view's columns is the decision's largest piece of bookkeeping:
+        # done once the reply is sent, or by the next decision if it comes first.
+        after_reply(self.view.book_assigned)
 
     def _record(self, kind: str, outcomes: Sequence[RecoveryOutcome], started: float) -> None:
         """Counts each decision by action, its predicted cost and its slot outcome, and

@@ -26,7 +26,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def SelectDecode(
         self, request: scheduler_pb2.SelectDecodeRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SelectDecodeResponse:
-        return selection_to_pb(self.scheduler.select_decode(select_decode_from_pb(request)))
+        with deferring(context):
+            selection = self.scheduler.select_decode(select_decode_from_pb(request))
+        return selection_to_pb(selection)
 
     async def Recover(
         self, request: scheduler_pb2.RecoverRequest, context: grpc.aio.ServicerContext

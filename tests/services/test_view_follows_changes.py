@@ -160,6 +160,36 @@ async def test_work_assigned_since_the_last_heartbeat_moves_w_on_a_delta_refresh
     assert view.state.cluster.instances["decode-0"].wait_s == 0.5
 
 
+async def test_work_assigned_counts_for_the_next_decision_before_it_is_booked(gossip):
+    """A scheduler books a decision's work into the view after its reply; a decision
+    that reads the view first sees the work all the same, and a refresh that reads it
+    from the assigned work does not count it twice."""
+    for i in range(2):
+        await gossip.register(decode(f"decode-{i}", ttl_s=30.0))
+    assigned = AssignedWork()
+    source = GossipSource(lambda: gossip, resync_s=3600.0)
+    view = ViewCache(
+        load_inputs(InputsConfig()), source, refresh_s=0.1, stale_after_s=5.0, assigned=assigned
+    )
+    assert await view.refresh()
+
+    def waits() -> list[float]:
+        instances = view.current().cluster.instances
+        return [instances[f"decode-{i}"].wait_s for i in range(2)]
+
+    for instance_id, work_s in (("decode-0", 0.25), ("decode-0", 0.5), ("decode-1", 1.0)):
+        assigned.add(instance_id, time.time(), work_s)
+        view.assign(instance_id, work_s)
+    assert waits() == [0.75, 1.0], "read before the booking: counted all the same"
+    view.book_assigned()  # the reply's bookkeeping, after the next decision: nothing left
+    assert waits() == [0.75, 1.0]
+    assigned.add("decode-1", time.time(), 2.0)
+    view.assign("decode-1", 2.0)
+    assert await view.refresh()  # reads every assignment, the unbooked one included
+    view.book_assigned()
+    assert waits() == pytest.approx([0.75, 3.0], abs=0.05)
+
+
 async def test_router_membership_keeps_what_a_registry_loss_dropped_for_one_ttl(
     gossip, redis_url, redis_prefix
 ):
