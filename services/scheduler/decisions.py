@@ -264,6 +264,8 @@ class Scheduler:
         instance excluded, `source_kv_available` false when it said the KV is lost); an
         equal call within the replay window gets the same decision and lease."""
         with self.tracer.start_as_current_span("kvrs.recover") as span:
+            # What only the span reads is built only when the span is recorded.
+            traced = span.is_recording()
             attributes = spans.recover_input_attributes(request, failed_id, skip_slot)
             started = time.perf_counter()
             try:
@@ -275,9 +277,10 @@ class Scheduler:
                 if pending is not None:
                     outcome = dataclasses.replace(await asyncio.shield(pending), replayed=True)
                 else:
-                    outcome = await self._recover_once(request, call, policy, skip_slot)
+                    outcome = await self._recover_once(request, call, policy, skip_slot, traced)
                     self._record("recover", [outcome], started)
-                attributes.update(spans.recovery_attributes(outcome))
+                if traced:
+                    attributes.update(spans.recovery_attributes(outcome))
                 return outcome
             finally:
                 span.set_attributes(attributes)
@@ -288,6 +291,7 @@ class Scheduler:
         call: tuple[RecoveryRequest, str, str, bool],
         policy: RecoveryPolicy,
         skip_slot: bool,
+        priced: bool,
     ) -> RecoveryOutcome:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self.recent.put(request.request_id, call, future)
@@ -296,7 +300,7 @@ class Scheduler:
             core_request = _in_view(request, view)
             decision = policy.decide(core_request, view.cluster, view.cost, view.cluster.now_s)
             outcome = await self._hold_slot(
-                core_request, decision, policy, view, skip_slot, priced=True
+                core_request, decision, policy, view, skip_slot, priced=priced
             )
         except BaseException as exc:
             self.recent.forget(request.request_id, future)
