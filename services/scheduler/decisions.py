@@ -128,7 +128,7 @@ class Scheduler:
             }
             started = time.perf_counter()
             try:
-                selection = self._select_decode(request, attributes)
+                selection = self._select_decode(request, attributes, span.is_recording())
             finally:
                 span.set_attributes(attributes)
             if self.metrics is not None:
@@ -140,8 +140,9 @@ class Scheduler:
             return selection
 
     def _select_decode(
-        self, request: SelectDecodeInput, attributes: dict[str, AttributeValue]
+        self, request: SelectDecodeInput, attributes: dict[str, AttributeValue], traced: bool
     ) -> Selection:
+        """`traced`: the span is recorded, so what only it reads is built too."""
         _require_id("request_id", request.request_id)
         _require_non_negative("prompt_tokens", request.prompt_tokens)
         self.view.inputs.require_context_tokens("prompt_tokens", request.prompt_tokens)
@@ -151,7 +152,8 @@ class Scheduler:
         for instance_id in request.candidate_ids:
             self._require_known("candidate_instance_ids", instance_id)
         view = self.view.current()
-        attributes.update(spans.view_attributes(view))
+        if traced:
+            attributes.update(spans.view_attributes(view))
         # The view caches a list per exclusion set, and its columns with it: a request
         # that excludes instances (a retry) decides on prepared columns too.
         candidates: Sequence[InstanceState] = view.cluster.decode_instances(request.exclude_ids)
@@ -176,7 +178,8 @@ class Scheduler:
             view.cost,
             view.cluster.now_s,
         )
-        attributes.update(spans.placement_attributes(placement))
+        if traced:
+            attributes.update(spans.placement_attributes(placement))
         chosen = view.cluster.instances[placement.instance_id]
         predicted = placement_terms(placement, request.prompt_tokens, view.cost)
         jobs = 1 + self._pending_jobs(placement.instance_id)
