@@ -10,14 +10,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis.asyncio as redis_async
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvrs.model import model_spec
 from kvrs.placement import PlacementRequest, make_placement_policy
 from kvrs.profile import compute_profile
 from kvrs.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, slots_pb2, slots_pb2_grpc
-from services.common import GrpcSettings, open_channel, setup_tracing
+from services.common import GrpcSettings, connect_redis, open_channel, setup_tracing
 from services.common.decision_inputs import InputsConfig
 from services.common.gossip_records import LinkSample, NodeLoad, Registration
 from services.gossip.client import GossipClient
@@ -134,6 +133,9 @@ class Plane:
             "slot_broker_addr": f"127.0.0.1:{self.broker_handle.port}",
             "view_refresh_s": 0.05,
             "view_stale_after_s": 0.3,
+            # The tests check decisions, not deadlines: a fresh broker's first call on a
+            # loaded 2-core machine can take longer than the 0.5 s default.
+            "peer_timeout_s": 5.0,
             "holder_id": "test-scheduler",
             "inputs": InputsConfig(model=MODEL),
             "redis_url": self.redis_url,
@@ -172,8 +174,12 @@ class Plane:
         return [span for span in self.exporter.get_finished_spans() if span.name == name]
 
 
-@pytest.fixture
-async def plane(redis_url, redis_prefix):
+@pytest.fixture(params=("one-redis", "redis-cluster"))
+async def plane(request, redis_url, redis_prefix):
+    """The plane on one Redis and on the three-primary Redis Cluster: gossip, the slot
+    broker, the schedulers' slot reservations and their shared outcomes all on it."""
+    if request.param == "redis-cluster":
+        redis_url = request.getfixturevalue("shared_redis_cluster").url
     plane = Plane(redis_url, redis_prefix)
     await plane.start()
     yield plane
@@ -494,7 +500,7 @@ async def test_instances_a_registry_loses_stay_for_one_ttl_flagged_stale(plane):
     # decide where the second goes.
     stub = await plane.scheduler(view_refresh_s=60.0, view_stale_after_s=120.0, learning=False)
     assert not (await stub.SelectDecode(select(), timeout=5)).view_stale
-    client = redis_async.Redis.from_url(plane.redis_url)
+    client = connect_redis(plane.redis_url)
     try:
         keys = [key async for key in client.scan_iter(match=f"{plane.redis_prefix}gossip:*")]
         await client.delete(*keys)
@@ -706,7 +712,7 @@ async def test_a_recover_needing_a_slot_answers_from_a_spare_claimed_after_it(pl
         spare_slots=2,
         slot_ttl_s=30.0,
     )
-    client = redis_async.Redis.from_url(plane.redis_url)
+    client = connect_redis(plane.redis_url)
     spares_key = f"{plane.redis_prefix}slots:spares"
     try:
         deadline = time.monotonic() + 5
@@ -736,7 +742,7 @@ async def test_a_replica_reserving_in_redis_asks_the_broker_while_the_caps_are_g
     """Without the broker's caps in Redis (Redis restarted empty) there is no cap to hold a
     direct reservation to: the replica asks the broker, which puts them back."""
     await plane.register()
-    client = redis_async.Redis.from_url(plane.redis_url)
+    client = connect_redis(plane.redis_url)
     try:
         assert await client.delete(f"{plane.redis_prefix}slots:policy") == 1
     finally:
