@@ -13,14 +13,13 @@ import os
 from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 from opentelemetry.propagate import extract, inject
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 
-from kvrs.rpc.channels import client_interceptors, not_health_check
+from kvrs.rpc.channels import Untraced, client_interceptors, not_health_check
 
 __all__ = [
     "client_interceptors",
@@ -61,13 +60,13 @@ def setup_tracing(
 
     With `exporter` given (tests: an in-memory exporter) spans go there synchronously;
     otherwise they are batched to OTEL_EXPORTER_OTLP_ENDPOINT when it is set. When it is
-    not, no span goes anywhere, so none is built (`_Untraced`).
+    not, no span would go anywhere: the process does no tracing at all (`Untraced`).
     """
     _CONTEXT_LOG.addFilter(_CONTEXT_FILTER)  # once: adding the same filter again is a no-op
     source = os.environ if env is None else env
     name = source.get("OTEL_SERVICE_NAME") or service_name
     if exporter is None and not source.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        return _Untraced(resource=Resource.create({SERVICE_NAME: name}))
+        return Untraced(resource=Resource.create({SERVICE_NAME: name}))
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -85,19 +84,11 @@ def setup_tracing(
     return provider
 
 
-class _Untraced(TracerProvider):
-    """A provider whose spans are never recorded: with nowhere to export them, recording
-    a decision's span (its start, its fifty-odd attributes checked one by one) costs a
-    `Recover` about a tenth of its time for nothing. The tracers it hands out only pass
-    the caller's trace context through, so a process without an exporter is transparent
-    in a trace that the processes around it export."""
-
-    def get_tracer(self, *args, **kwargs) -> trace.Tracer:  # noqa: ARG002 - any tracer
-        return trace.NoOpTracer()
-
-
 def server_interceptors(provider: TracerProvider) -> list:
-    """The tracing interceptor for a grpc.aio server, health checks left out."""
+    """The tracing interceptor for a grpc.aio server, health checks left out (none for
+    an `Untraced` provider)."""
+    if isinstance(provider, Untraced):
+        return []
     return [aio_server_interceptor(tracer_provider=provider, filter_=not_health_check)]
 
 
