@@ -132,11 +132,8 @@ class Scheduler:
             finally:
                 span.set_attributes(attributes)
             if self.metrics is not None:
-                self.metrics.decisions.labels("select_decode", "placed").inc()
-                self.metrics.decision_latency_s.labels("select_decode").observe(
-                    time.perf_counter() - started
-                )
-                self.metrics.telemetry_age_s.set(selection.view_age_s)
+                elapsed_s = time.perf_counter() - started
+                after_reply(lambda: self._count_placement(elapsed_s, selection.view_age_s))
             return selection
 
     def _select_decode(
@@ -537,10 +534,15 @@ class Scheduler:
         for outcome in outcomes:
             for instance_id, work_s in assigned_work(outcome.decision):
                 self._assign(instance_id, work_s)
+        if self.metrics is not None:
+            elapsed_s = time.perf_counter() - started
+            after_reply(lambda: self._count(kind, outcomes, elapsed_s))
+
+    def _count(self, kind: str, outcomes: Sequence[RecoveryOutcome], elapsed_s: float) -> None:
+        """The decisions' metrics (after the reply: nothing on the decision's path)."""
         metrics = self.metrics
-        if metrics is None:
-            return
-        metrics.decision_latency_s.labels(kind).observe(time.perf_counter() - started)
+        assert metrics is not None
+        metrics.decision_latency_s.labels(kind).observe(elapsed_s)
         for outcome in outcomes:
             action = outcome.decision.action.value
             metrics.decisions.labels(kind, action).inc()
@@ -549,6 +551,13 @@ class Scheduler:
             if outcome.slot_outcome != SlotOutcome.NOT_NEEDED:
                 metrics.slot_requests.labels(outcome.slot_outcome).inc()
             metrics.telemetry_age_s.set(outcome.view_age_s)
+
+    def _count_placement(self, elapsed_s: float, view_age_s: float) -> None:
+        metrics = self.metrics
+        assert metrics is not None
+        metrics.decisions.labels("select_decode", "placed").inc()
+        metrics.decision_latency_s.labels("select_decode").observe(elapsed_s)
+        metrics.telemetry_age_s.set(view_age_s)
 
     # -- shared checks --------------------------------------------------------------------
 
