@@ -9,13 +9,14 @@ await on a decision's path is the migration slot reservation at the slot broker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
 
-from opentelemetry.trace import Tracer
+from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, Tracer
 from opentelemetry.util.types import AttributeValue
 
 from kvrs.batch import plan_batch
@@ -90,6 +91,7 @@ class Scheduler:
         self.metrics = metrics
         self.slots = slots
         self.tracer = tracer
+        self._traced = not isinstance(tracer, NoOpTracer)
         self.default_placement = placement_policy
         self.default_recovery = recovery_policy
         self.recent = recent
@@ -117,7 +119,7 @@ class Scheduler:
     # -- SelectDecode ---------------------------------------------------------------------
 
     def select_decode(self, request: SelectDecodeInput) -> Selection:
-        with self.tracer.start_as_current_span("kvrs.select_decode") as span:
+        with self._span("kvrs.select_decode") as span:
             # Collected and set once: each set_attributes call costs microseconds.
             attributes: dict[str, AttributeValue] = {
                 "kvrs.request_id": request.request_id,
@@ -263,10 +265,12 @@ class Scheduler:
         """Decides one request's recovery (`request` as its caller sent it: the failed
         instance excluded, `source_kv_available` false when it said the KV is lost); an
         equal call within the replay window gets the same decision and lease."""
-        with self.tracer.start_as_current_span("kvrs.recover") as span:
+        with self._span("kvrs.recover") as span:
             # What only the span reads is built only when the span is recorded.
             traced = span.is_recording()
-            attributes = spans.recover_input_attributes(request, failed_id, skip_slot)
+            attributes = (
+                spans.recover_input_attributes(request, failed_id, skip_slot) if traced else {}
+            )
             started = time.perf_counter()
             try:
                 self._validate_recover(request, failed_id, "")
@@ -415,7 +419,7 @@ class Scheduler:
         policy_name: str,
         skip_slot: bool,
     ) -> BatchOutcome:
-        with self.tracer.start_as_current_span("kvrs.recover_batch") as span:
+        with self._span("kvrs.recover_batch") as span:
             attributes: dict[str, AttributeValue] = {
                 "kvrs.batch_id": batch_id,
                 "kvrs.failed_instance_id": failed_id,
@@ -551,6 +555,13 @@ class Scheduler:
             if outcome.slot_outcome != SlotOutcome.NOT_NEEDED:
                 metrics.slot_requests.labels(outcome.slot_outcome).inc()
             metrics.telemetry_age_s.set(outcome.view_age_s)
+
+    def _span(self, name: str) -> contextlib.AbstractContextManager[Span]:
+        """The decision's span, current while it runs; where nothing records spans, none
+        (even a no-op span is a context switch on every decision)."""
+        if self._traced:
+            return self.tracer.start_as_current_span(name)
+        return contextlib.nullcontext(INVALID_SPAN)
 
     def _count_placement(self, elapsed_s: float, view_age_s: float) -> None:
         metrics = self.metrics
