@@ -213,7 +213,9 @@ class Router:
                     "kvrs.deadline_unix_ms": request.deadline_unix_ms,
                 }
             )
-            run.summary.trace_id = format(span.get_span_context().trace_id, "032x")
+            context = span.get_span_context()
+            # Untraced (no exporter): no trace to name.
+            run.summary.trace_id = format(context.trace_id, "032x") if context.is_valid else ""
             run.span = span
             self._admit(request, span)
             self._admitted += 1
