@@ -234,7 +234,7 @@ async def test_fault_free_requests_stream_the_reference_tokens(cluster):
         assert summary.prefill_instance_id.startswith("prefill-")
         assert summary.final_decode_instance_id == summary.decode_instance_id
         assert summary.kv_bytes == len(stream.request.prompt_token_ids) * 1024
-        assert len(summary.trace_id) == 32
+        assert summary.trace_id == "", "this cluster exports no spans: no trace to name"
     await assert_nothing_leaked(cluster, ("prefill-0", "prefill-1", "decode-0", "decode-1"))
 
 
