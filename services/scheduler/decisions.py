@@ -531,10 +531,10 @@ class Scheduler:
         after_reply(self.view.book_assigned)
 
     def _record(self, kind: str, outcomes: Sequence[RecoveryOutcome], started: float) -> None:
-        """Counts each decision by action, its predicted cost and its slot outcome, and
-        counts its work in W(x) of the instances that run it: RECOMPUTE's prefill on its
-        prefill instance, and on the target everything the target does (the pull it
-        drives and the compute)."""
+        """Counts each decision's work in W(x) of the instances that run it (RECOMPUTE's
+        prefill on its prefill instance, and on the target everything the target does: the
+        pull it drives and the compute) and, once the reply is sent, its metrics
+        (`_count`)."""
         for outcome in outcomes:
             for instance_id, work_s in assigned_work(outcome.decision):
                 self._assign(instance_id, work_s)
