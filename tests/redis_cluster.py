@@ -186,6 +186,25 @@ class LocalRedisCluster:
                 raise TimeoutError(f"no node replicates primary {primary_port}")
             time.sleep(0.05)
 
+    def _replicated(self, primary_port: int, timeout_s: float) -> None:
+        """Until every replica of the primary at `primary_port` has acknowledged the
+        primary's replication offset as of this call."""
+        with contextlib.closing(self.node(primary_port)) as client:
+            target = int(client.info("replication")["master_repl_offset"])
+            deadline = time.monotonic() + timeout_s
+            while True:
+                replication = client.info("replication")
+                offsets = [
+                    int(value["offset"])
+                    for key, value in replication.items()
+                    if key.startswith("slave") and isinstance(value, dict)
+                ]
+                if offsets and min(offsets) >= target:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the replicas of {primary_port} did not catch up")
+                time.sleep(0.02)
+
     def _synced(self, port: int) -> bool:
         """Whether the node at `port` is a primary, or a replica that has synced with its
         primary and follows it (one still syncing cannot take over)."""
@@ -247,7 +266,14 @@ class LocalRedisCluster:
 
     def kill(self, primary_port: int, timeout_s: float = 60.0) -> None:
         """SIGKILLs the primary at `primary_port` and waits until the cluster has
-        promoted its replica (after cluster-node-timeout) and is healthy again."""
+        promoted its replica (after cluster-node-timeout) and is healthy again.
+
+        Replication is asynchronous: a replica lags its primary, by seconds on a loaded
+        machine, and what it has not received when its primary dies is lost. The kill
+        waits until the replicas hold every write the primary had taken when it was
+        asked for, so a test sees what a failover does to what was replicated, not how
+        far replication lagged."""
+        self._replicated(primary_port, timeout_s)
         process = self.processes[primary_port]
         process.kill()
         process.wait()
