@@ -60,6 +60,15 @@ def shared_redis_cluster(tmp_path_factory):
         cluster.stop()
 
 
+@pytest.fixture(params=("one-redis", "redis-cluster"))
+def any_redis_url(request, redis_url: str) -> str:
+    """The Redis a test runs on: once on one Redis, once on the session's three-primary
+    Redis Cluster (started when first asked for)."""
+    if request.param == "redis-cluster":
+        return request.getfixturevalue("shared_redis_cluster").url
+    return redis_url
+
+
 @pytest.fixture
 def redis_prefix(redis_url: str):
     """A key prefix of one test (see `_isolated_prefix`)."""

@@ -43,16 +43,14 @@ def registration(instance_id: str, role: str, node: str, rack: str, pod: str) ->
     )
 
 
-@pytest.fixture(params=("one-redis", "redis-cluster"))
-async def cluster(request, redis_url, redis_prefix, tmp_path):
+@pytest.fixture
+async def cluster(any_redis_url, redis_prefix, tmp_path):
     """Gossip with prefill-0 and decode-0 in the topology file, decode-1 (same rack) and
     decode-2 (another pod) known only to gossip, and an oracle over both; gossip's
     registry on one Redis and on the three-primary Redis Cluster."""
-    if request.param == "redis-cluster":
-        redis_url = request.getfixturevalue("shared_redis_cluster").url
     provider = setup_tracing("test-oracle", exporter=InMemorySpanExporter())
     gossip = await build_gossip(
-        GossipConfig(listen_addr="127.0.0.1:0", redis_url=redis_url, redis_prefix=redis_prefix),
+        GossipConfig(listen_addr="127.0.0.1:0", redis_url=any_redis_url, redis_prefix=redis_prefix),
         provider,
     )
     client = GossipClient(f"127.0.0.1:{gossip.port}", timeout_s=5)

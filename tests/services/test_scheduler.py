@@ -174,13 +174,11 @@ class Plane:
         return [span for span in self.exporter.get_finished_spans() if span.name == name]
 
 
-@pytest.fixture(params=("one-redis", "redis-cluster"))
-async def plane(request, redis_url, redis_prefix):
+@pytest.fixture
+async def plane(any_redis_url, redis_prefix):
     """The plane on one Redis and on the three-primary Redis Cluster: gossip, the slot
     broker, the schedulers' slot reservations and their shared outcomes all on it."""
-    if request.param == "redis-cluster":
-        redis_url = request.getfixturevalue("shared_redis_cluster").url
-    plane = Plane(redis_url, redis_prefix)
+    plane = Plane(any_redis_url, redis_prefix)
     await plane.start()
     yield plane
     await plane.close()

@@ -76,11 +76,10 @@ class Broker:
         await self.handle.stop(0)
 
 
-@pytest.fixture(params=[False, True], ids=["one-redis", "redis-cluster"])
-async def broker(request, redis_url, redis_prefix):
+@pytest.fixture
+async def broker(any_redis_url, redis_prefix):
     """On one Redis and on a three-primary Redis Cluster."""
-    url = request.getfixturevalue("shared_redis_cluster").url if request.param else redis_url
-    started = Broker(await start_broker(url, redis_prefix), url)
+    started = Broker(await start_broker(any_redis_url, redis_prefix), any_redis_url)
     yield started
     await started.close()
 

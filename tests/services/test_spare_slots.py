@@ -124,73 +124,71 @@ async def test_a_claim_reserves_the_spare_that_replaces_it_in_the_same_step(stor
     assert (stats.slots_in_use, stats.spare_slots) == (2, 0)
 
 
-async def test_claims_in_one_step_each_get_their_lease_and_a_replacement(
-    store, redis_url, redis_prefix
-):
+@pytest.fixture
+async def roomy_store(redis_url, redis_prefix):
+    """A store whose cap leaves room for several spares and the leases claimed from them."""
     client = connect_redis(redis_url)
-    try:
-        store = SlotStore(client, redis_prefix, SlotPolicy(cluster_cap=16, default_ttl_s=5.0))
-        await store.publish_policy()
-        first, gone, second = [await store.reserve_spare("replica-0") for _ in range(3)]
-        assert first and gone and second
-        assert await store.release(gone.lease_id)  # its migration ended before the claim
-        claims = await store.claim(
-            [
-                SpareClaim(first.lease_id, "m0", "p0", "d0"),
-                SpareClaim(gone.lease_id, "m1", "p0", "d1"),
-                SpareClaim(second.lease_id, "m2", "p1", "d1"),
-            ],
-            ttl_s=5.0,
-            replace_for="replica-0",
-        )
-        assert [c.lease.request_id if c.lease else None for c in claims] == ["m0", None, "m2"]
-        assert claims[2].lease is not None and claims[2].lease.src_instance_id == "p1"
-        replacements = {c.spare.lease_id for c in claims if c.spare is not None}
-        assert len(replacements) == 3, "every claim, held or gone, gets its replacement"
-        stats = await store.stats()
-        assert (stats.slots_in_use, stats.spare_slots) == (2, 3)
-    finally:
-        await client.aclose()
+    store = SlotStore(client, redis_prefix, SlotPolicy(cluster_cap=16, default_ttl_s=5.0))
+    await store.publish_policy()
+    yield store
+    await client.aclose()
+
+
+async def test_claims_in_one_step_each_get_their_lease_and_a_replacement(roomy_store):
+    store = roomy_store
+    first, gone, second = [await store.reserve_spare("replica-0") for _ in range(3)]
+    assert first and gone and second
+    assert await store.release(gone.lease_id)  # its migration ended before the claim
+    claims = await store.claim(
+        [
+            SpareClaim(first.lease_id, "m0", "p0", "d0"),
+            SpareClaim(gone.lease_id, "m1", "p0", "d1"),
+            SpareClaim(second.lease_id, "m2", "p1", "d1"),
+        ],
+        ttl_s=5.0,
+        replace_for="replica-0",
+    )
+    assert [c.lease.request_id if c.lease else None for c in claims] == ["m0", None, "m2"]
+    assert claims[2].lease is not None and claims[2].lease.src_instance_id == "p1"
+    replacements = {c.spare.lease_id for c in claims if c.spare is not None}
+    assert len(replacements) == 3, "every claim, held or gone, gets its replacement"
+    stats = await store.stats()
+    assert (stats.slots_in_use, stats.spare_slots) == (2, 3)
 
 
 async def test_no_claims_is_no_redis_step(store):
     assert await store.claim([]) == []
 
 
-async def test_spares_handed_out_together_are_claimed_in_one_redis_step(redis_url, redis_prefix):
+async def test_spares_handed_out_together_are_claimed_in_one_redis_step(roomy_store):
     """A failure's burst of decisions takes several spares at once: their claims share one
     script run, and each request ends up holding its own lease."""
-    client = connect_redis(redis_url)
-    try:
-        store = SlotStore(client, redis_prefix, SlotPolicy(cluster_cap=16, default_ttl_s=5.0))
-        await store.publish_policy()
-        # The broker is never asked: the caps are published.
-        slots = RedisSlots(store, "replica-0", ttl_s=30.0, broker=None, spares=3)
-        keeper = asyncio.create_task(slots.keep_spares())
-        await until(lambda stats: stats.spare_slots == 3, store)
-        steps = []
-        claim = store.claim
+    store = roomy_store
+    # The broker is never asked: the caps are published.
+    slots = RedisSlots(store, "replica-0", ttl_s=30.0, broker=None, spares=3)
+    keeper = asyncio.create_task(slots.keep_spares())
+    await until(lambda stats: stats.spare_slots == 3, store)
+    steps = []
+    claim = store.claim
 
-        async def counted(claims, *args, **kwargs):
-            steps.append([c.request_id for c in claims])
-            return await claim(claims, *args, **kwargs)
+    async def counted(claims, *args, **kwargs):
+        steps.append([c.request_id for c in claims])
+        return await claim(claims, *args, **kwargs)
 
-        store.claim = counted  # the real claim, counted
-        leases = [await slots.reserve(f"m{i}", "p0", f"d{i}") for i in range(3)]
-        assert not steps, "no Redis step on a decision's path"
-        await until(lambda stats: stats.slots_in_use == 3, store)
-        assert steps == [["m0", "m1", "m2"]]
-        for i, lease in enumerate(leases):
-            held = await store.renew(lease.lease_id, ttl_s=5.0)
-            assert (held.request_id, held.dst_instance_id) == (f"m{i}", f"d{i}")
-        assert (await store.stats()).spare_slots == 3, "each claim reserved its replacement"
-        keeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await keeper
-        stats = await store.stats()
-        assert (stats.slots_in_use, stats.spare_slots) == (3, 0), "spares given back on stop"
-    finally:
-        await client.aclose()
+    store.claim = counted  # the real claim, counted
+    leases = [await slots.reserve(f"m{i}", "p0", f"d{i}") for i in range(3)]
+    assert not steps, "no Redis step on a decision's path"
+    await until(lambda stats: stats.slots_in_use == 3, store)
+    assert steps == [["m0", "m1", "m2"]]
+    for i, lease in enumerate(leases):
+        held = await store.renew(lease.lease_id, ttl_s=5.0)
+        assert (held.request_id, held.dst_instance_id) == (f"m{i}", f"d{i}")
+    assert (await store.stats()).spare_slots == 3, "each claim reserved its replacement"
+    keeper.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await keeper
+    stats = await store.stats()
+    assert (stats.slots_in_use, stats.spare_slots) == (3, 0), "spares given back on stop"
 
 
 async def until(condition, store: SlotStore, timeout_s: float = 5.0) -> None:
