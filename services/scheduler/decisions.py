@@ -187,6 +187,7 @@ class Scheduler:
         self._assign(
             placement.instance_id, predicted.setup_s + predicted.stream_s + predicted.extend_s
         )
+        self._book_after_reply()
         return Selection(
             placement=placement,
             address=chosen.address,
@@ -526,8 +527,11 @@ class Scheduler:
             return
         self.assigned.add(instance_id, self._clock(), work_s)
         self.view.assign(instance_id, work_s)
-        # Patching the view's columns is the decision's largest piece of bookkeeping:
-        # done once the reply is sent, or by the next decision if it comes first.
+
+    def _book_after_reply(self) -> None:
+        """Patching the view's columns with the work just assigned is a decision's largest
+        piece of bookkeeping: done once the reply is sent, or by the next decision that
+        reads the view first (`ViewCache.book_assigned`)."""
         after_reply(self.view.book_assigned)
 
     def _record(self, kind: str, outcomes: Sequence[RecoveryOutcome], started: float) -> None:
@@ -538,6 +542,7 @@ class Scheduler:
         for outcome in outcomes:
             for instance_id, work_s in assigned_work(outcome.decision):
                 self._assign(instance_id, work_s)
+        self._book_after_reply()
         if self.metrics is not None:
             elapsed_s = time.perf_counter() - started
             after_reply(lambda: self._count(kind, outcomes, elapsed_s))
