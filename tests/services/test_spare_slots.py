@@ -22,13 +22,22 @@ async def claim_one(
     return claim
 
 
+@contextlib.asynccontextmanager
+async def published_store(redis_url: str, redis_prefix: str, cluster_cap: int):
+    """A store whose policy (this cap, 5 s leases) is published, over its own client."""
+    client = connect_redis(redis_url)
+    try:
+        store = SlotStore(client, redis_prefix, SlotPolicy(cluster_cap, default_ttl_s=5.0))
+        await store.publish_policy()
+        yield store
+    finally:
+        await client.aclose()
+
+
 @pytest.fixture
 async def store(redis_url, redis_prefix):
-    client = connect_redis(redis_url)
-    store = SlotStore(client, redis_prefix, SlotPolicy(cluster_cap=4, default_ttl_s=5.0))
-    await store.publish_policy()
-    yield store
-    await client.aclose()
+    async with published_store(redis_url, redis_prefix, cluster_cap=4) as store:
+        yield store
 
 
 async def test_a_spare_counts_against_the_cap_but_not_among_the_slots_in_use(store):
@@ -127,11 +136,8 @@ async def test_a_claim_reserves_the_spare_that_replaces_it_in_the_same_step(stor
 @pytest.fixture
 async def roomy_store(redis_url, redis_prefix):
     """A store whose cap leaves room for several spares and the leases claimed from them."""
-    client = connect_redis(redis_url)
-    store = SlotStore(client, redis_prefix, SlotPolicy(cluster_cap=16, default_ttl_s=5.0))
-    await store.publish_policy()
-    yield store
-    await client.aclose()
+    async with published_store(redis_url, redis_prefix, cluster_cap=16) as store:
+        yield store
 
 
 async def test_claims_in_one_step_each_get_their_lease_and_a_replacement(roomy_store):
