@@ -328,7 +328,6 @@ class WorkerEngine:
             raise InvalidArgument("max_new_tokens", f"must be > 0, got {max_new_tokens}")
         entry = self.store.get(request_id)
         self._running_decodes += 1
-        finished = False
         try:
             async with self._using(entry):
                 if sampling is not None:
@@ -336,27 +335,27 @@ class WorkerEngine:
                 token, step_s = await self._catch_up(entry, generated)
                 index = len(generated)
                 for produced in range(max_new_tokens):
-                    last = produced == max_new_tokens - 1 or token == stop_token_id
+                    if produced == max_new_tokens - 1 or token == stop_token_id:
+                        break
                     # The next step is queued before this token is handed out, so the
                     # stream is in the compute loop's next pass, batched with the others,
                     # whatever its reader does meanwhile.
-                    step = None if last else self._start_step(entry, token)
+                    step = self._start_step(entry, token)
                     try:
-                        yield DecodedToken(
-                            token_id=token, index=index + produced, step_s=step_s, last=last
-                        )
+                        yield DecodedToken(token, index + produced, step_s, last=False)
                     except BaseException:
                         if isinstance(step, Job):
                             await self._abandon_step(entry, step)
                         raise
-                    if step is None:
-                        break
                     token, step_s = await self._finish_step(entry, token, step)
-                finished = True
+                if release_when_done:
+                    # Pinned: it goes as `_using` unpins it, before the last token leaves.
+                    # A reader holding the last token may close the stream at once; the
+                    # request's KV is gone by then, not a moment later or never.
+                    self.store.release(request_id)
         finally:
             self._running_decodes -= 1
-        if finished and release_when_done:
-            self.store.release(request_id)
+        yield DecodedToken(token, index + produced, step_s, last=True)
 
     async def _catch_up(self, entry: Resident, generated: list[int]) -> tuple[int, float]:
         """Feed generated tokens whose KV is not resident; the next token to emit."""

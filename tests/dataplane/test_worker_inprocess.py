@@ -1,5 +1,6 @@
 """Workers built in the test process: gossip registration and heartbeats (real gossip
-service, real Redis), one trace across PullKv → SendKv → transfer, the KV store's leases."""
+service, real Redis), one trace across PullKv → SendKv → transfer, the KV store's leases,
+when a Decode stream releases its KV."""
 
 from __future__ import annotations
 
@@ -169,6 +170,26 @@ async def test_a_worker_allocates_budgets_and_hashes_kv_in_its_configured_blocks
     # The second prompt shares the first's two leading blocks, and only its third is new.
     assert shared_cache.blocks[:2] == cache.blocks[:2]
     assert sharing.free_kv_blocks == stats.free_kv_blocks - 1
+
+
+async def test_a_stream_that_releases_its_kv_does_so_before_its_last_token():
+    """A reader may close the Decode stream on its last token (the router does): the
+    request's KV must be gone by then, not once the stream is read to its end."""
+    provider = setup_tracing("test", exporter=InMemorySpanExporter())
+    worker = await build_server(worker_config("decode-r", "decode"), provider)
+    channel = open_channel(f"127.0.0.1:{worker.port}", GrpcSettings())
+    try:
+        await worker_pb2_grpc.WorkerServiceStub(channel).Prefill(
+            pb.PrefillRequest(request_id="r-last", prompt_token_ids=list(range(1, 41)))
+        )
+        resident_at = []
+        async for token in worker.engine.decode("r-last", [], 3, release_when_done=True):
+            resident_at.append(worker.engine.store.find("r-last") is not None)
+            assert token.last == (len(resident_at) == 3)
+    finally:
+        await channel.close()
+        await worker.stop(0)
+    assert resident_at == [True, True, False]
 
 
 def test_kv_store_evicts_expired_first_then_least_recently_used():
