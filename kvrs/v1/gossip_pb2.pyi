@@ -223,8 +223,10 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., server_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ListLinksRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("measured_after_unix_ms",)
+    MEASURED_AFTER_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    measured_after_unix_ms: int
+    def __init__(self, measured_after_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ListLinksResponse(_message.Message):
     __slots__ = ("links", "server_unix_ms")

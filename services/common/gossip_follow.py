@@ -1,4 +1,5 @@
-"""A copy of the gossip registry kept current by its change feed (`ListChanges`).
+"""Copies of the gossip registry and of its link samples, kept current by asking for what
+changed (`ListChanges`, `ListLinks` measured after a time).
 
 Every view of the registry (scheduler replicas, cost oracle, router, prober) holds one.
 Reading the whole registry costs gossip and Redis in proportion to the cluster (at 4,096
@@ -18,10 +19,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from services.common.gossip_records import GossipReader, NodeRecord
+from services.common.gossip_records import GossipReader, LinkRecord, NodeRecord
 
 DEFAULT_RESYNC_S = 30.0
 """Seconds between full listings of a view that follows the change feed."""
+
+LINK_CLOCK_MARGIN_MS = 2_000
+"""How far before the newest measurement a link listing asks from. Every measurement
+on one Redis is stamped by its clock within the script that stores it, so one listing
+sees every link stamped before its own; the margin covers the shards of a Redis Cluster,
+whose nodes' clocks may differ by this much. What it lists twice is applied twice."""
 
 
 class RegistryCopy:
@@ -59,3 +66,42 @@ class RegistryCopy:
         for node in changes.nodes:
             self.nodes[node.registration.instance_id] = node
         return changes.nodes
+
+
+class LinkCopy:
+    """The newest sample of every measured link, by (src, dst), as of the last `poll`.
+
+    The first poll, and every `resync_s` after (each poll with `resync_s=0`), lists every
+    link; the polls between ask for the links measured since the newest measurement
+    held (less `LINK_CLOCK_MARGIN_MS`). A full listing also drops the links gossip
+    forgot (older than its down retention), which no partial one reports. A record's
+    `age_s` is as of the listing that brought it; its `measured_unix_ms` stays true.
+    """
+
+    def __init__(
+        self, resync_s: float = DEFAULT_RESYNC_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.resync_s = resync_s
+        self.links: dict[tuple[str, str], LinkRecord] = {}
+        self._clock = clock
+        self._full_at_s: float | None = None
+        self._newest_ms = 0
+
+    async def poll(self, reader: GossipReader) -> tuple[LinkRecord, ...]:
+        """Applies what was measured since the last poll; every link held. Errors of the
+        reader propagate (the copy is kept)."""
+        now_s = self._clock()
+        full = (
+            self._full_at_s is None
+            or self.resync_s <= 0
+            or now_s - self._full_at_s >= self.resync_s
+        )
+        after_ms = 0 if full else max(1, self._newest_ms - LINK_CLOCK_MARGIN_MS)
+        records = await reader.list_links(after_ms)
+        if full:
+            self.links = {}
+            self._full_at_s = now_s
+        for record in records:
+            self.links[(record.sample.src_instance_id, record.sample.dst_instance_id)] = record
+            self._newest_ms = max(self._newest_ms, record.measured_unix_ms)
+        return tuple(self.links.values())

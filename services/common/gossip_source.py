@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvrs.errors import DeadlineExceeded, InvalidArgument, KvrsError, Unavailable
-from services.common.gossip_follow import DEFAULT_RESYNC_S, RegistryCopy
+from services.common.gossip_follow import DEFAULT_RESYNC_S, LinkCopy, RegistryCopy
 from services.common.gossip_records import (
     FAILED,
     JOINED,
@@ -43,6 +43,7 @@ class GossipSource:
     The registry is followed by its change feed (`gossip_follow.RegistryCopy`): a
     snapshot carries every instance, and `changed` says which of them the fetch
     updated (None: all of them, after a full listing), so the view rebuilds only those.
+    The links are followed likewise (`gossip_follow.LinkCopy`).
 
     A fetch that found gossip unreachable replaces the gossip client: a fresh channel
     tries to connect at once, where the old one would wait out gRPC's reconnect backoff
@@ -62,6 +63,7 @@ class GossipSource:
         self.client = connect()
         self.slots = slots
         self.registry = RegistryCopy(resync_s)
+        self.links = LinkCopy(resync_s)
         self._closing: set[asyncio.Task] = set()
 
     async def fetch(self) -> GossipSnapshot:
@@ -71,7 +73,9 @@ class GossipSource:
             self.slots.pair_flows() if self.slots is not None else _no_flows()
         )
         try:
-            changed, links = await asyncio.gather(self.registry.poll(client), client.list_links())
+            changed, links = await asyncio.gather(
+                self.registry.poll(client), self.links.poll(client)
+            )
         except KvrsError as exc:
             if isinstance(exc, Unavailable):
                 self._reconnect()
@@ -84,7 +88,7 @@ class GossipSource:
                 await asyncio.wait([flows])
         return GossipSnapshot(
             nodes=tuple(self.registry.nodes.values()),
-            links=tuple(links),
+            links=links,
             fetched_at_s=fetched_at_s,
             flows=flows.result(),
             changed=changed,

@@ -172,9 +172,13 @@ class GossipClient:
         )
         return convert.changes_from_pb(reply)
 
-    async def list_links(self) -> list[LinkRecord]:
-        """The newest sample of every measured link, each with its age_s."""
-        reply = await self._call(self._stub.ListLinks, gossip_pb2.ListLinksRequest())
+    async def list_links(self, measured_after_unix_ms: int = 0) -> list[LinkRecord]:
+        """The newest sample of every measured link, each with its age_s; with
+        `measured_after_unix_ms`, only those measured after then."""
+        reply = await self._call(
+            self._stub.ListLinks,
+            gossip_pb2.ListLinksRequest(measured_after_unix_ms=measured_after_unix_ms),
+        )
         return [convert.link_from_pb(info) for info in reply.links]
 
     async def watch_events(self, after_event_id: str = "") -> AsyncIterator[NodeEvent]:

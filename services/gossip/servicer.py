@@ -165,7 +165,12 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         return convert.changes_to_pb(listing)
 
     async def ListLinks(self, request, context: grpc.aio.ServicerContext):
-        records, now_ms = await self._store.list_links()
+        if request.measured_after_unix_ms < 0:
+            raise InvalidArgument(
+                "measured_after_unix_ms",
+                f"must be >= 0 (0 lists every link), got {request.measured_after_unix_ms}",
+            )
+        records, now_ms = await self._store.list_links(request.measured_after_unix_ms)
         return gossip_pb2.ListLinksResponse(
             links=[convert.link_to_pb(record) for record in records], server_unix_ms=now_ms
         )

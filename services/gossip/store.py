@@ -8,6 +8,8 @@ Keys of one shard (all under one hash tag, so every script touches a single slot
                                Redis clock): suspicion for an alive one, failure for a suspect
     gossip:links       hash    json([src, dst]) -> "<measured_unix_ms> <json sample>", for
                                links whose source is in the shard
+    gossip:link_times  zset    json([src, dst]) -> its measured_unix_ms, so a view asks
+                               for the links measured since its last listing alone
     gossip:events      stream  joined / suspect / refuted / failed / left, trimmed to about
                                `events_maxlen`
     gossip:changes     stream  `id` of every instance whose registration, state or load
@@ -302,11 +304,12 @@ return fail(id, now_ms(), ARGV[6]) and 1 or 0
 """
 )
 
-# KEYS: links. ARGV: field, sample json.
+# KEYS: links, link_times. ARGV: field, sample json.
 _REPORT_LINK = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('HSET', KEYS[1], ARGV[1], now .. ' ' .. ARGV[2])
+redis.call('ZADD', KEYS[2], now, ARGV[1])
 return now
 """
 
@@ -410,6 +413,25 @@ _LINKS_NOW = """
 local t = redis.call('TIME')
 return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000),
   redis.call('HGETALL', KEYS[1])}
+"""
+
+# KEYS: links, link_times. ARGV: measured after (unix ms). Returns {now_ms, flat hash of
+# the shard's links measured after it}.
+_LINKS_AFTER = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local fields = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf')
+local flat = {}
+if #fields > 0 then
+  local values = redis.call('HMGET', KEYS[1], unpack(fields))
+  for i = 1, #fields do
+    if values[i] then
+      flat[#flat + 1] = fields[i]
+      flat[#flat + 1] = values[i]
+    end
+  end
+end
+return {now, flat}
 """
 
 _LOAD_FIELDS = (
@@ -527,6 +549,7 @@ class _Shard:
     nodes: str
     live: str
     links: str
+    link_times: str
     events: str
     changes: str
     common: list[str]
@@ -598,6 +621,7 @@ class GossipStore:
                     nodes=shard("gossip", "nodes"),
                     live=shard("gossip", "live"),
                     links=shard("gossip", "links"),
+                    link_times=shard("gossip", "link_times"),
                     events=shard("gossip", "events"),
                     changes=shard("gossip", "changes"),
                     common=[
@@ -618,6 +642,7 @@ class GossipStore:
         self._changes_since = client.register_script(_CHANGES_SINCE)
         self._members = client.register_script(_MEMBERS)
         self._links_now = client.register_script(_LINKS_NOW)
+        self._links_after = client.register_script(_LINKS_AFTER)
         self._resume_pending = True
         """Whether expiries need a fresh TTL before they are trusted (see module doc)."""
         self._resuming = asyncio.Lock()
@@ -912,15 +937,28 @@ class GossipStore:
         shard = self._shard(sample.src_instance_id)
         async with self._redis_call(trusts_expiries=False):
             return int(
-                await self._report_link(keys=[shard.links], args=[link, json.dumps(asdict(sample))])
+                await self._report_link(
+                    keys=[shard.links, shard.link_times], args=[link, json.dumps(asdict(sample))]
+                )
             )
 
-    async def list_links(self) -> tuple[list[LinkRecord], int]:
-        """Every link sample younger than the down retention, with its age."""
+    async def list_links(self, measured_after_unix_ms: int = 0) -> tuple[list[LinkRecord], int]:
+        """Every link sample younger than the down retention, with its age; or, with
+        `measured_after_unix_ms`, only those measured after then (a view's next listing:
+        its cost follows what the prober measured since, not how many links there are)."""
         async with self._redis_call(trusts_expiries=False):
-            replies = await asyncio.gather(
-                *(self._links_now(keys=[shard.links]) for shard in self._shards)
-            )
+            if measured_after_unix_ms > 0:
+                after = [str(measured_after_unix_ms)]
+                replies = await asyncio.gather(
+                    *(
+                        self._links_after(keys=[shard.links, shard.link_times], args=after)
+                        for shard in self._shards
+                    )
+                )
+            else:
+                replies = await asyncio.gather(
+                    *(self._links_now(keys=[shard.links]) for shard in self._shards)
+                )
         now_ms = max(int(reply[0]) for reply in replies)
         records: list[LinkRecord] = []
         for shard, reply in zip(self._shards, replies, strict=True):
@@ -933,7 +971,10 @@ class GossipStore:
                     continue
                 records.append(LinkRecord(LinkSample(**json.loads(body)), int(measured), age_s))
             if outdated:
-                await self._redis.hdel(shard.links, *outdated)
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.hdel(shard.links, *outdated)
+                    pipe.zrem(shard.link_times, *outdated)
+                    await pipe.execute()
         records.sort(key=lambda r: (r.sample.src_instance_id, r.sample.dst_instance_id))
         return records, now_ms
 

@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvrs import errors
 from kvrs.v1 import common_pb2, gossip_pb2, gossip_pb2_grpc
 from services.common import ConfigError, GrpcSettings, open_channel, setup_tracing
+from services.common.gossip_follow import LINK_CLOCK_MARGIN_MS, LinkCopy
 from services.common.gossip_records import LinkSample, NodeLoad, Registration
 from services.gossip.client import GossipClient, HeartbeatLoop
 from services.gossip.config import CLUSTER_SHARDS, Config
@@ -378,6 +379,7 @@ BAD_INPUTS = [
         "reason",
     ),
     ("ReportLinkSample", link_request(dst_instance_id="d" * 257), "dst_instance_id"),
+    ("ListLinks", gossip_pb2.ListLinksRequest(measured_after_unix_ms=-1), "measured_after_unix_ms"),
 ]
 
 
@@ -455,6 +457,53 @@ async def test_link_samples_with_age(client):
     await client.report_link_sample(LinkSample("p0", "d0", bandwidth_bps=4e9))
     [fresh] = [link for link in await client.list_links() if link.sample.src_instance_id == "p0"]
     assert fresh.sample.bandwidth_bps == 4e9 and fresh.age_s < forward.age_s
+
+
+async def test_links_measured_after_a_time_are_listed_alone(client):
+    await client.report_link_sample(LinkSample("p0", "d0", bandwidth_bps=8e9))
+    [listed] = await client.list_links()
+    first = listed.measured_unix_ms
+    await asyncio.sleep(0.01)
+    await client.report_link_sample(LinkSample("p1", "d1", bandwidth_bps=4e9))
+    later = await client.list_links(measured_after_unix_ms=first)
+    assert [(link.sample.src_instance_id, link.sample.bandwidth_bps) for link in later] == [
+        ("p1", 4e9)
+    ]
+    assert len(await client.list_links()) == 2
+    await client.report_link_sample(LinkSample("p0", "d0", bandwidth_bps=2e9))
+    again = await client.list_links(measured_after_unix_ms=first)
+    assert {link.sample.src_instance_id: link.sample.bandwidth_bps for link in again} == {
+        "p0": 2e9,
+        "p1": 4e9,
+    }
+
+
+async def test_a_link_copy_asks_for_what_was_measured_since_and_resyncs(client):
+    """Between full listings a copy asks only for the links measured since its newest
+    (less the clock margin): what it holds stays every link, each at its newest sample."""
+    asked: list[int] = []
+
+    class Recording:
+        async def list_links(self, measured_after_unix_ms: int = 0):
+            asked.append(measured_after_unix_ms)
+            return await client.list_links(measured_after_unix_ms)
+
+    now_s = [0.0]
+    copy = LinkCopy(resync_s=30.0, clock=lambda: now_s[0])
+    await client.report_link_sample(LinkSample("p0", "d0", bandwidth_bps=8e9))
+    [first] = await copy.poll(Recording())
+    assert first.sample.bandwidth_bps == 8e9
+    await client.report_link_sample(LinkSample("p1", "d1", bandwidth_bps=4e9))
+    await client.report_link_sample(LinkSample("p0", "d0", bandwidth_bps=2e9))
+    now_s[0] = 1.0
+    held = {
+        link.sample.src_instance_id: link.sample.bandwidth_bps
+        for link in await copy.poll(Recording())
+    }
+    assert held == {"p0": 2e9, "p1": 4e9}
+    now_s[0] = 31.0
+    await copy.poll(Recording())
+    assert asked == [0, first.measured_unix_ms - LINK_CLOCK_MARGIN_MS, 0]
 
 
 async def test_watch_stream_ends_cleanly_on_shutdown(redis_url, redis_prefix):
