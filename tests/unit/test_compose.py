@@ -33,6 +33,7 @@ CONFIGURATION_DOC = ROOT / "docs" / "configuration.md"
 
 KVRS_SERVICES = {
     "gossip",
+    "gossip-views",
     "slot-broker",
     "cost-oracle",
     "prober",

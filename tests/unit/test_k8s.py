@@ -30,6 +30,8 @@ REQUIRED = {"services.worker": {"WORKER_INSTANCE_ID": "w", "WORKER_ROLE": "decod
 # compose service -> (k8s workload, replicas that stand for it)
 WORKLOADS = {
     "gossip": "gossip",
+    # Both replicas of the registry behind one Service, which spreads connections over them.
+    "gossip-views": "gossip",
     "slot-broker": "slot-broker",
     "cost-oracle": "cost-oracle",
     "scheduler-1": "scheduler-1",

@@ -130,6 +130,8 @@ def _worker(name: str, role: str, port: int) -> ServiceSpec:
         return {
             "WORKER_INSTANCE_ID": name,
             "WORKER_ADVERTISE_ADDR": wiring.address(name),
+            # Instances register and beat to the first replica, whatever views read.
+            "GOSSIP_ADDR": wiring.address("gossip"),
             **own_tls,
         }
 
@@ -147,6 +149,7 @@ def _worker(name: str, role: str, port: int) -> ServiceSpec:
 
 SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("gossip", "services.gossip", "GOSSIP_LISTEN_ADDR", stage=0, port=50051),
+    ServiceSpec("gossip-views", "services.gossip", "GOSSIP_LISTEN_ADDR", stage=0, port=50058),
     ServiceSpec(
         "slot-broker", "services.slot_broker", "SLOT_BROKER_LISTEN_ADDR", stage=0, port=50054
     ),
@@ -310,12 +313,18 @@ PEER_ADDR_ENV = {
 }
 """The variable naming each singleton service's address; schedulers are SCHEDULER_ADDRS."""
 
+VIEWS_GOSSIP = "gossip-views"
+"""A second gossip replica of the same registry, which every service but the workers
+reads its views from (GOSSIP_ADDR) when the cluster runs one."""
+
 
 def peer_env(addresses: Mapping[str, str]) -> dict[str, str]:
     """GOSSIP_ADDR, SCHEDULER_ADDRS, ... for the services present in `addresses`."""
     env = {
         PEER_ADDR_ENV[name]: address for name, address in addresses.items() if name in PEER_ADDR_ENV
     }
+    if VIEWS_GOSSIP in addresses:
+        env["GOSSIP_ADDR"] = addresses[VIEWS_GOSSIP]
     schedulers = [address for name, address in addresses.items() if name.startswith("scheduler-")]
     if schedulers:
         env["SCHEDULER_ADDRS"] = ",".join(schedulers)
