@@ -100,6 +100,9 @@ class Membership:
         self._joined_at_s: dict[str, float] = {}
         """When a `joined` event last named each instance (monotonic s): it registered
         again after it failed, left or was forgotten."""
+        self._joining: dict[str, float] = {}
+        """`joined` events seen since the last refresh began: `_joined_at_s` once one ran."""
+        self._refresh_wanted = asyncio.Event()
         self._listeners: list[FailureListener] = []
         self._tasks: list[asyncio.Task] = []
         self._loaded = asyncio.Event()
@@ -234,9 +237,19 @@ class Membership:
             listener(instance_id, reason)
 
     async def _refresh_forever(self) -> None:
+        """A refresh every `refresh_s`, or sooner when an event asks for one: the events
+        that arrive during a refresh share the next (thousands of instances registering
+        at once cost a few listings, not one each)."""
         while True:
-            await asyncio.sleep(self.refresh_s)
+            try:
+                await asyncio.wait_for(self._refresh_wanted.wait(), self.refresh_s)
+            except TimeoutError:
+                pass
+            self._refresh_wanted.clear()
+            joined, self._joining = self._joining, {}
             await self.refresh()
+            # Once the refresh has them alive, as a caller asking expects.
+            self._joined_at_s.update(joined)
 
     async def _watch_forever(self) -> None:
         after_event_id = ""
@@ -254,12 +267,10 @@ class Membership:
                         log.info("gossip: %s suspect (%s)", event.instance_id, event.reason)
                         self.mark_suspect(event.instance_id)
                     else:
-                        seen_s = time.monotonic()
                         self._down.discard(event.instance_id)
-                        await self.refresh()
                         if event.type == JOINED:
-                            # Once the refresh has it alive, as a caller asking expects.
-                            self._joined_at_s[event.instance_id] = seen_s
+                            self._joining[event.instance_id] = time.monotonic()
+                        self._refresh_wanted.set()
             except KvrsError as exc:
                 log.warning("gossip event stream failed, reopening: %s", exc)
                 await asyncio.sleep(0.2)
