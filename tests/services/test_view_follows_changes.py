@@ -139,6 +139,38 @@ async def test_router_membership_knows_an_instance_registered_again_after_it_lef
         await membership.close()
 
 
+async def test_router_membership_shares_one_refresh_among_a_burst_of_joined_events(gossip):
+    """Instances registering in a burst each send a `joined` event: the membership asks
+    for a refresh on each, and those that arrive while one runs share the next, so it
+    lists far fewer times than it saw events, and ends with every instance alive."""
+    listings = 0
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(gossip, name)
+
+        async def list_changes(self, after_change_id: str = ""):
+            nonlocal listings
+            listings += 1
+            return await gossip.list_changes(after_change_id)
+
+    membership = Membership(Counting(), refresh_s=30.0)
+    await membership.start()
+    try:
+        started = listings
+        await asyncio.gather(
+            *(gossip.register(decode(f"decode-{i}", ttl_s=30.0)) for i in range(60))
+        )
+        deadline_s = time.monotonic() + 10.0
+        while len(membership.alive("decode")) < 60:
+            assert time.monotonic() < deadline_s, len(membership.alive("decode"))
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+    finally:
+        await membership.close()
+    assert 1 <= listings - started < 30, listings - started
+
+
 async def test_work_assigned_since_the_last_heartbeat_moves_w_on_a_delta_refresh(gossip):
     await gossip.register(decode("decode-0", ttl_s=30.0))
     await gossip.register(decode("decode-1", ttl_s=30.0))
