@@ -416,18 +416,20 @@ return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000),
 """
 
 # KEYS: links, link_times. ARGV: measured after (unix ms). Returns {now_ms, flat hash of
-# the shard's links measured after it}.
+# the shard's links measured after it}. HMGET in slices: Lua's unpack has a stack limit.
 _LINKS_AFTER = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local fields = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf')
 local flat = {}
-if #fields > 0 then
-  local values = redis.call('HMGET', KEYS[1], unpack(fields))
-  for i = 1, #fields do
-    if values[i] then
+for first = 1, #fields, 1000 do
+  local last = math.min(first + 999, #fields)
+  local values = redis.call('HMGET', KEYS[1], unpack(fields, first, last))
+  for i = first, last do
+    local value = values[i - first + 1]
+    if value then
       flat[#flat + 1] = fields[i]
-      flat[#flat + 1] = values[i]
+      flat[#flat + 1] = value
     end
   end
 end

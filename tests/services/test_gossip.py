@@ -478,6 +478,20 @@ async def test_links_measured_after_a_time_are_listed_alone(client):
     }
 
 
+async def test_thousands_of_links_measured_since_a_time_are_all_listed(client):
+    """More links than one Lua unpack takes (its stack holds ~8,000 values) come back
+    whole from a listing since a time."""
+    for start in range(0, 9000, 500):
+        await asyncio.gather(
+            *(
+                client.report_link_sample(LinkSample(f"p{i}", f"d{i}", bandwidth_bps=1e9 + i))
+                for i in range(start, start + 500)
+            )
+        )
+    since = await client.list_links(measured_after_unix_ms=1)
+    assert {link.sample.bandwidth_bps for link in since} == {1e9 + i for i in range(9000)}
+
+
 async def test_a_link_copy_asks_for_what_was_measured_since_and_resyncs(client):
     """Between full listings a copy asks only for the links measured since its newest
     (less the clock margin): what it holds stays every link, each at its newest sample."""
