@@ -12,7 +12,8 @@ the wire on the receiver:
    8 * (bytes - reference bytes) / (time - reference time) over them: what every
    transfer pays regardless of size (ticket, SendKv, pair setup, and a shaper's burst
    credit after idle) cancels out. The intercept, reference time - 8 * reference bytes
-   / sample, is the link's `rtt_s` in T_x = rtt + 8 * bytes / bandwidth.
+   / sample, is the link's `rtt_s` in T_x = rtt + 8 * bytes / bandwidth. With the probes
+   paced (`pacing_bps`), a sample never exceeds the pace: they cannot have gone faster.
 
 Each sample feeds the link's EWMA (`kvrs.estimator.EwmaEstimator`), published to gossip.
 A link is probed again only after `duration / budget_fraction - duration` (and never
@@ -262,6 +263,10 @@ class LinkProber:
             total_bytes += pulled.kv_bytes
             rate_bps = 8.0 * sum(b for b, _ in pulls) / sum(t for _, t in pulls)
         sample_bps = rate_bps
+        if settings.pacing_bps > 0:
+            # The probes went no faster than this pace: a slope above it is the reference
+            # pull's timing noise (a slow reference shortens every pull's extra time).
+            sample_bps = min(sample_bps, settings.pacing_bps)
         rtt_s = max(0.0, ref.transfer_s - 8.0 * ref.kv_bytes / sample_bps)
         state.estimator.update(sample_bps, rtt_s, time.time())
         state.sample_bps = sample_bps
