@@ -21,6 +21,7 @@ from kvrs.cli.launcher import (
     Wiring,
     common_env,
     has_main,
+    peer_env,
     tls_env,
 )
 from kvrs.client import KvrsClient
@@ -201,6 +202,18 @@ def test_every_dot_env_variable_is_read_by_some_service_or_client(compose, dot_e
     for module, _ in kvrs_services(compose).values():
         read |= variables_read(module)
     assert set(dot_env) - read == set()
+
+
+def test_local_workers_beat_to_gossip_and_the_other_services_read_gossip_views(tmp_path):
+    addresses = {spec.name: f"127.0.0.1:{spec.port}" for spec in SERVICES}
+    wiring = Wiring(addresses=addresses, options=ClusterOptions(run_dir=tmp_path))
+    shared = common_env(wiring, None, "redis://127.0.0.1:1/0", "{kvrs}:")
+    for spec in SERVICES:
+        gossip = {**shared, **spec.env(wiring)}["GOSSIP_ADDR"]
+        beats = spec.module == "services.worker"
+        assert gossip == addresses["gossip" if beats else "gossip-views"], spec.name
+    # Clients (bench.scale, an instance registering by hand) register at `gossip`.
+    assert peer_env(addresses)["GOSSIP_ADDR"] == addresses["gossip"]
 
 
 def test_the_local_cluster_sets_only_variables_its_services_read(tmp_path):

@@ -281,6 +281,12 @@ ENVOY_SERVICES: tuple[ServiceSpec, ...] = (
 decode instance."""
 
 
+VIEWS_GOSSIP = "gossip-views"
+"""A second gossip replica of the same registry, which every service but the workers
+reads its views from (their GOSSIP_ADDR) when the cluster runs one. Workers, and the
+clients `kvrs up` prints the environment of, register and beat to `gossip`."""
+
+
 def common_env(wiring: Wiring, tls_dir: Path | None, redis_url: str, redis_prefix: str) -> dict:
     """Variables every process gets: where its peers, Redis, topology and tracing are."""
     options = wiring.options
@@ -293,6 +299,8 @@ def common_env(wiring: Wiring, tls_dir: Path | None, redis_url: str, redis_prefi
         "KVRS_LOG_LEVEL": options.log_level,
         "PYTHONUNBUFFERED": "1",
     }
+    if VIEWS_GOSSIP in wiring.addresses:
+        env["GOSSIP_ADDR"] = wiring.address(VIEWS_GOSSIP)
     if options.block_tokens:
         env[BLOCK_TOKENS_VARIABLE] = str(options.block_tokens)
     if options.otlp_endpoint:
@@ -313,18 +321,12 @@ PEER_ADDR_ENV = {
 }
 """The variable naming each singleton service's address; schedulers are SCHEDULER_ADDRS."""
 
-VIEWS_GOSSIP = "gossip-views"
-"""A second gossip replica of the same registry, which every service but the workers
-reads its views from (GOSSIP_ADDR) when the cluster runs one."""
-
 
 def peer_env(addresses: Mapping[str, str]) -> dict[str, str]:
     """GOSSIP_ADDR, SCHEDULER_ADDRS, ... for the services present in `addresses`."""
     env = {
         PEER_ADDR_ENV[name]: address for name, address in addresses.items() if name in PEER_ADDR_ENV
     }
-    if VIEWS_GOSSIP in addresses:
-        env["GOSSIP_ADDR"] = addresses[VIEWS_GOSSIP]
     schedulers = [address for name, address in addresses.items() if name.startswith("scheduler-")]
     if schedulers:
         env["SCHEDULER_ADDRS"] = ",".join(schedulers)
