@@ -408,18 +408,15 @@ end
 return reply
 """
 
-# KEYS: links. Returns {now_ms, flat hash of the shard's link samples}.
-_LINKS_NOW = """
-local t = redis.call('TIME')
-return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000),
-  redis.call('HGETALL', KEYS[1])}
-"""
-
-# KEYS: links, link_times. ARGV: measured after (unix ms). Returns {now_ms, flat hash of
-# the shard's links measured after it}. HMGET in slices: Lua's unpack has a stack limit.
-_LINKS_AFTER = """
+# KEYS: links, link_times. ARGV: measured after (unix ms; 0 = every link). Returns
+# {now_ms, flat hash of the shard's links measured after it}. HMGET in slices: Lua's
+# unpack has a stack limit.
+_LINKS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[1] == '0' then
+  return {now, redis.call('HGETALL', KEYS[1])}
+end
 local fields = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf')
 local flat = {}
 for first = 1, #fields, 1000 do
@@ -643,8 +640,7 @@ class GossipStore:
         self._resume = client.register_script(_RESUME)
         self._changes_since = client.register_script(_CHANGES_SINCE)
         self._members = client.register_script(_MEMBERS)
-        self._links_now = client.register_script(_LINKS_NOW)
-        self._links_after = client.register_script(_LINKS_AFTER)
+        self._links = client.register_script(_LINKS)
         self._resume_pending = True
         """Whether expiries need a fresh TTL before they are trusted (see module doc)."""
         self._resuming = asyncio.Lock()
@@ -949,18 +945,12 @@ class GossipStore:
         `measured_after_unix_ms`, only those measured after then (a view's next listing:
         its cost follows what the prober measured since, not how many links there are)."""
         async with self._redis_call(trusts_expiries=False):
-            if measured_after_unix_ms > 0:
-                after = [str(measured_after_unix_ms)]
-                replies = await asyncio.gather(
-                    *(
-                        self._links_after(keys=[shard.links, shard.link_times], args=after)
-                        for shard in self._shards
-                    )
+            replies = await asyncio.gather(
+                *(
+                    self._links(keys=[shard.links, shard.link_times], args=[measured_after_unix_ms])
+                    for shard in self._shards
                 )
-            else:
-                replies = await asyncio.gather(
-                    *(self._links_now(keys=[shard.links]) for shard in self._shards)
-                )
+            )
         now_ms = max(int(reply[0]) for reply in replies)
         records: list[LinkRecord] = []
         for shard, reply in zip(self._shards, replies, strict=True):
