@@ -16,6 +16,7 @@ change missed for an unforeseen reason can linger.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -31,7 +32,20 @@ sees every link stamped before its own; the margin covers the shards of a Redis 
 whose nodes' clocks may differ by this much. What it lists twice is applied twice."""
 
 
-class RegistryCopy:
+class _Resynced:
+    """When a copy lists everything again: at its first poll, then every `resync_s`
+    (every poll with `resync_s=0`)."""
+
+    def __init__(self, resync_s: float, clock: Callable[[], float]) -> None:
+        self.resync_s = resync_s
+        self._clock = clock
+        self._full_at_s = -math.inf
+
+    def _resync_due(self, now_s: float) -> bool:
+        return self.resync_s <= 0 or now_s - self._full_at_s >= self.resync_s
+
+
+class RegistryCopy(_Resynced):
     """Every instance gossip remembers, by id, as of the last `poll`.
 
     `resync_s=0` lists everything at every poll: what views did before the change feed
@@ -41,11 +55,9 @@ class RegistryCopy:
     def __init__(
         self, resync_s: float = DEFAULT_RESYNC_S, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.resync_s = resync_s
+        super().__init__(resync_s, clock)
         self.nodes: dict[str, NodeRecord] = {}
-        self._clock = clock
         self._change_id = ""
-        self._full_at_s = 0.0
         self.full_listings = 0
         """How many polls were answered with a full listing (start, gaps, resyncs)."""
 
@@ -53,9 +65,7 @@ class RegistryCopy:
         """Applies what changed; returns the changed records, or None when the copy was
         replaced by a full listing. Errors of the reader propagate (the copy is kept)."""
         now_s = self._clock()
-        after = self._change_id
-        if self.resync_s <= 0 or now_s - self._full_at_s >= self.resync_s:
-            after = ""
+        after = "" if self._resync_due(now_s) else self._change_id
         changes = await reader.list_changes(after)
         self._change_id = changes.change_id
         if changes.full:
@@ -68,7 +78,7 @@ class RegistryCopy:
         return changes.nodes
 
 
-class LinkCopy:
+class LinkCopy(_Resynced):
     """The newest sample of every measured link, by (src, dst), as of the last `poll`.
 
     The first poll, and every `resync_s` after (each poll with `resync_s=0`), lists every
@@ -81,21 +91,15 @@ class LinkCopy:
     def __init__(
         self, resync_s: float = DEFAULT_RESYNC_S, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.resync_s = resync_s
+        super().__init__(resync_s, clock)
         self.links: dict[tuple[str, str], LinkRecord] = {}
-        self._clock = clock
-        self._full_at_s: float | None = None
         self._newest_ms = 0
 
     async def poll(self, reader: GossipReader) -> tuple[LinkRecord, ...]:
         """Applies what was measured since the last poll; every link held. Errors of the
         reader propagate (the copy is kept)."""
         now_s = self._clock()
-        full = (
-            self._full_at_s is None
-            or self.resync_s <= 0
-            or now_s - self._full_at_s >= self.resync_s
-        )
+        full = self._resync_due(now_s)
         after_ms = 0 if full else max(1, self._newest_ms - LINK_CLOCK_MARGIN_MS)
         records = await reader.list_links(after_ms)
         if full:
