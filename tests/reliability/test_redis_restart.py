@@ -143,7 +143,9 @@ def start_heartbeats(plane: ControlPlane, ttl_s: float, interval_s: float) -> li
     """Every instance of the cluster kept alive by its own HeartbeatLoop, as workers do."""
 
     async def start() -> list:
-        client = GossipClient(plane.addresses["gossip"], timeout_s=0.5)
+        # Patient enough for a first registration on a loaded machine (a fresh gossip
+        # loads its scripts into Redis); a beat to a gossip whose Redis is gone fails fast.
+        client = GossipClient(plane.addresses["gossip"], timeout_s=2.0)
         loops = []
         for instance_id, role, node, rack, pod in CLUSTER:
             loop = HeartbeatLoop(
@@ -195,9 +197,10 @@ def test_a_redis_outage_longer_than_the_ttl_fails_no_healthy_instance(tmp_path):
     plane = ControlPlane(redis_server.url, "{kvrs}:", gossip_confirm_ttls=0.0).start(
         services=("gossip",), cluster=()
     )
-    loops = start_heartbeats(plane, ttl_s=1.0, interval_s=0.2)
-    dead, alive = loops[-1:], loops[:-1]
+    alive: list = []
     try:
+        loops = start_heartbeats(plane, ttl_s=1.0, interval_s=0.2)
+        dead, alive = loops[-1:], loops[:-1]
         time.sleep(0.5)
         redis_server.kill()
         stop_heartbeats(plane, dead)
@@ -223,13 +226,13 @@ def test_a_redis_restart_that_lost_the_registry_refuses_no_placement(tmp_path):
     redis_server = PrivateRedis(tmp_path / "redis", appendonly=False)
     redis_server.start()
     plane = ControlPlane(redis_server.url, "{kvrs}:").start(cluster=(), view_stale_after_s=0.3)
-    loops = start_heartbeats(plane, ttl_s=2.0, interval_s=0.5)
     channel = plane.channel("scheduler")
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
     request = scheduler_pb2.SelectDecodeRequest(
         request_id="after-reset", prefill_instance_id="prefill-0", prompt_tokens=4096
     )
     try:
+        loops = start_heartbeats(plane, ttl_s=2.0, interval_s=0.5)
         assert plane.loop.run(plane.handles["scheduler"].view.refresh())
         stub.SelectDecode(request, timeout=5)
         # The moment between Redis answering again and the first re-registration, held
