@@ -740,17 +740,19 @@ async def test_a_replica_reserving_in_redis_asks_the_broker_while_the_caps_are_g
     """Without the broker's caps in Redis (Redis restarted empty) there is no cap to hold a
     direct reservation to: the replica asks the broker, which puts them back."""
     await plane.register()
-    client = connect_redis(plane.redis_url)
-    try:
-        assert await client.delete(f"{plane.redis_prefix}slots:policy") == 1
-    finally:
-        await client.aclose()
     stub = await plane.scheduler(
         slot_reservations="redis",
         redis_url=plane.redis_url,
         redis_prefix=plane.redis_prefix,
         spare_slots=0,
     )
+    # Deleted just before the call: the broker's purge (every 0.5 s) puts the caps back
+    # too, and a scheduler's start can take longer than that.
+    client = connect_redis(plane.redis_url)
+    try:
+        assert await client.delete(f"{plane.redis_prefix}slots:policy") == 1
+    finally:
+        await client.aclose()
     reply = await stub.Recover(recover("req-unpublished"), timeout=5)
     assert reply.action == MIGRATE and reply.slot_lease.lease_id, reply.reason
     assert await plane.slots_in_use() == 1
