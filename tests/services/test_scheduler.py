@@ -74,13 +74,14 @@ class Plane:
         )
         self.gossip_port = self.gossip_handle.port
 
-    async def start_broker(self, slot_cap: int) -> None:
+    async def start_broker(self, slot_cap: int, purge_interval_s: float = 0.5) -> None:
         self.broker_handle = await build_broker(
             BrokerConfig(
                 listen_addr="127.0.0.1:0",
                 redis_url=self.redis_url,
                 redis_prefix=self.redis_prefix,
                 cluster_cap=slot_cap,
+                purge_interval_s=purge_interval_s,
             ),
             self.provider,
         )
@@ -740,14 +741,15 @@ async def test_a_replica_reserving_in_redis_asks_the_broker_while_the_caps_are_g
     """Without the broker's caps in Redis (Redis restarted empty) there is no cap to hold a
     direct reservation to: the replica asks the broker, which puts them back."""
     await plane.register()
+    # The broker's purge would put the caps back on its own; here only the reservation may.
+    await plane.broker_handle.stop(0)
+    await plane.start_broker(slot_cap=32, purge_interval_s=3600.0)
     stub = await plane.scheduler(
         slot_reservations="redis",
         redis_url=plane.redis_url,
         redis_prefix=plane.redis_prefix,
         spare_slots=0,
     )
-    # Deleted just before the call: the broker's purge (every 0.5 s) puts the caps back
-    # too, and a scheduler's start can take longer than that.
     client = connect_redis(plane.redis_url)
     try:
         assert await client.delete(f"{plane.redis_prefix}slots:policy") == 1
