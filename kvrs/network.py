@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from copy import deepcopy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -178,6 +179,21 @@ class NetworkModel:
         self._link_index = dict(previous._link_index)
         self._link_ids = list(previous._link_ids)
         self._caps = previous._caps
+
+    def copy(self) -> NetworkModel:
+        """A model with this one's estimates, flows, fixed-cost floor and priced paths,
+        to change without changing this one: a view updating the few estimates a refresh
+        brought, where setting every estimate again costs in proportion to the network."""
+        other = NetworkModel(self.topology, self.staleness)
+        other.carry_paths(self)
+        other._estimates = dict(self._estimates)
+        other._estimated = {src_id: set(dst_ids) for src_id, dst_ids in self._estimated.items()}
+        other._flows = dict(self._flows)
+        other._paths = dict(self._paths)
+        other._topology_version = self._topology_version
+        other._trends = {link: deepcopy(trend) for link, trend in self._trends.items()}
+        other._unmeasured_rtt_s = self._unmeasured_rtt_s
+        return other
 
     @property
     def version(self) -> tuple[int, int]:

@@ -95,9 +95,11 @@ class LinkCopy(_Resynced):
         self.links: dict[tuple[str, str], LinkRecord] = {}
         self._newest_ms = 0
 
-    async def poll(self, reader: GossipReader) -> tuple[LinkRecord, ...]:
-        """Applies what was measured since the last poll; every link held. Errors of the
-        reader propagate (the copy is kept)."""
+    async def poll(self, reader: GossipReader) -> tuple[LinkRecord, ...] | None:
+        """Applies what was measured since the last poll; returns the records that
+        changed (a link listed again within the clock margin, unchanged, is not one), or
+        None when the copy was replaced by a full listing. Errors of the reader propagate
+        (the copy is kept)."""
         now_s = self._clock()
         full = self._resync_due(now_s)
         after_ms = 0 if full else max(1, self._newest_ms - LINK_CLOCK_MARGIN_MS)
@@ -105,7 +107,16 @@ class LinkCopy(_Resynced):
         if full:
             self.links = {}
             self._full_at_s = now_s
+        changed = []
         for record in records:
-            self.links[(record.sample.src_instance_id, record.sample.dst_instance_id)] = record
+            sample = record.sample
+            pair = (sample.src_instance_id, sample.dst_instance_id)
+            held = self.links.get(pair)
+            if held is None or (held.sample, held.measured_unix_ms) != (
+                sample,
+                record.measured_unix_ms,
+            ):
+                changed.append(record)
+            self.links[pair] = record
             self._newest_ms = max(self._newest_ms, record.measured_unix_ms)
-        return tuple(self.links.values())
+        return None if full else tuple(changed)

@@ -43,7 +43,7 @@ class GossipSource:
     The registry is followed by its change feed (`gossip_follow.RegistryCopy`): a
     snapshot carries every instance, and `changed` says which of them the fetch
     updated (None: all of them, after a full listing), so the view rebuilds only those.
-    The links are followed likewise (`gossip_follow.LinkCopy`).
+    The links are followed likewise (`gossip_follow.LinkCopy`, `changed_links`).
 
     A fetch that found gossip unreachable replaces the gossip client: a fresh channel
     tries to connect at once, where the old one would wait out gRPC's reconnect backoff
@@ -73,7 +73,7 @@ class GossipSource:
             self.slots.pair_flows() if self.slots is not None else _no_flows()
         )
         try:
-            changed, links = await asyncio.gather(
+            changed, changed_links = await asyncio.gather(
                 self.registry.poll(client), self.links.poll(client)
             )
         except KvrsError as exc:
@@ -88,10 +88,11 @@ class GossipSource:
                 await asyncio.wait([flows])
         return GossipSnapshot(
             nodes=tuple(self.registry.nodes.values()),
-            links=links,
+            links=tuple(self.links.links.values()),
             fetched_at_s=fetched_at_s,
             flows=flows.result(),
             changed=changed,
+            changed_links=changed_links,
         )
 
     def _reconnect(self) -> None:

@@ -33,7 +33,7 @@ from kvrs.cluster import ClusterView, InstanceState
 from kvrs.costmodel import CostModel
 from kvrs.errors import DeadlineExceeded, NotFound, Unavailable
 from kvrs.estimator import LinkEstimate
-from kvrs.learning import AssignedWork, Corrections
+from kvrs.learning import AssignedWork, Corrections, LinkFit
 from kvrs.network import NetworkModel
 from kvrs.placement import prepare_candidates
 from kvrs.topology import InstanceSpec, LinkId, Location, Role
@@ -61,6 +61,9 @@ class GossipSnapshot:
     changed: tuple[NodeRecord, ...] | None = None
     """The records of `nodes` this fetch updated; None: any may have changed (a full
     listing), so the view is rebuilt from `nodes` alone."""
+    changed_links: tuple[LinkRecord, ...] | None = None
+    """The records of `links` this fetch brought new; None: any may have changed (a full
+    listing), so the network model is rebuilt from `links` alone."""
 
 
 class SnapshotSource(Protocol):
@@ -80,7 +83,8 @@ class DecisionState:
     refreshed_at_s: float
     links_used: int
     telemetry_key: tuple
-    """What the network model was built from; an unchanged key reuses the model."""
+    """What the network model was built from besides the links (the flows in flight,
+    the corrections); with no link changed either, the next refresh reuses the model."""
     carried_ids: frozenset[str] = frozenset()
     """Alive instances the registry lost, kept from an earlier listing (see module doc)."""
 
@@ -142,6 +146,11 @@ class ViewCache:
         """Instances whose W(x) counted assigned work at the last build."""
         self._unbooked: list[tuple[str, float]] = []
         """Work `assign`ed and not yet in the view's W(x) (see `book_assigned`)."""
+        self._link_records: dict[tuple[str, str], LinkRecord] = {}
+        """Every link sample of the last snapshot, by (src, dst)."""
+        self._unplaced: dict[tuple[str, str], LinkRecord] = {}
+        """Link samples of an instance the topology does not know yet (the prober saw it
+        register before this view did); placed by the refresh that first knows both ends."""
 
     @property
     def state(self) -> DecisionState | None:
@@ -399,34 +408,16 @@ class ViewCache:
                 )
             cluster = ClusterView(instances=instances, now_s=snapshot.fetched_at_s)
             carried_ids = tuple(record.registration.instance_id for record in carried)
-        links = tuple(
-            link
-            for link in snapshot.links
-            if self._in_topology(link.sample.src_instance_id)
-            and self._in_topology(link.sample.dst_instance_id)
-        )
-        key = (
-            tuple(
-                (
-                    link.sample.src_instance_id,
-                    link.sample.dst_instance_id,
-                    link.sample.bandwidth_bps,
-                    link.sample.rtt_s,
-                    link.sample.samples,
-                    link.measured_unix_ms,
-                )
-                for link in links
-            ),
-            tuple(sorted(snapshot.flows.items())),
-            corrections.key(),
-        )
-        if previous is not None and previous.telemetry_key == key:
+        key = (tuple(sorted(snapshot.flows.items())), corrections.key())
+        network = self._network(previous, snapshot, key, corrections)
+        if network is None:
+            assert previous is not None
             cost = previous.cost
         else:
             cost = CostModel(
                 self.inputs.model,
                 corrections.compute_profile(self.inputs.compute),
-                self._network(snapshot, links, corrections),
+                network,
                 margins=corrections.margins(),
             )
         prepare_candidates(cluster, None if previous is None else previous.cluster)
@@ -434,65 +425,71 @@ class ViewCache:
             cost=cost,
             cluster=cluster,
             refreshed_at_s=snapshot.fetched_at_s,
-            links_used=len(links),
+            links_used=len(self._link_records) - len(self._unplaced),
             telemetry_key=key,
             carried_ids=frozenset(carried_ids),
         )
 
     def _network(
-        self, snapshot: GossipSnapshot, links: tuple[LinkRecord, ...], corrections: Corrections
-    ) -> NetworkModel:
-        """A network model priced from the links' measurements and the flows in flight.
+        self,
+        previous: DecisionState | None,
+        snapshot: GossipSnapshot,
+        key: tuple,
+        corrections: Corrections,
+    ) -> NetworkModel | None:
+        """The network model priced from the links' measurements and the flows in flight;
+        None when the previous one still holds (no link, flow or correction changed).
 
-        A measurement's time is the gossip store's clock (`measured_unix_ms`), the same
-        clock for every replica, so an unchanged measurement keeps its age across refreshes.
-        A path decisions have measured takes their fixed cost and rate instead of the
-        probe's (probes move one size class; decisions move KV of every size, under the
-        load the cluster really carries) — unless its probe says it is down. A path no decision
-        has used yet is priced with at least the fixed cost the used ones show.
+        After a full link listing, or with new corrections, every link is priced again;
+        otherwise a copy of the previous model takes the links this fetch changed, so a
+        refresh costs in proportion to what was measured since the last one, not to the
+        network. The paths decisions have measured are priced again either way: their
+        fit is as recent as this refresh (see `_price`).
         """
-        network = NetworkModel(self.inputs.topology, self.inputs.staleness)
-        if self._state is not None:
-            network.carry_paths(self._state.cost.network)
-        fitted = dict(corrections.links)
-        for link in links:
-            sample = link.sample
-            pair = (sample.src_instance_id, sample.dst_instance_id)
-            learned = fitted.pop(pair, None)
-            measured_at_s = link.measured_unix_ms / 1000.0
-            if learned is not None and sample.bandwidth_bps > DOWN_LINK_BPS:
-                bandwidth_bps, rtt_s = learned.bandwidth_bps, learned.fixed_s
-                # The fit is as recent as the outcomes behind it (which age out on their
-                # own), however long ago the prober last got round to this pair.
-                measured_at_s = snapshot.fetched_at_s
-            else:
-                # No decision has used this pair yet: its first transfer pays at least
-                # the set-up the others measured.
-                bandwidth_bps = sample.bandwidth_bps
-                rtt_s = corrections.unmeasured_rtt_s(sample.rtt_s)
-            network.set_link_estimate(
-                *pair,
-                LinkEstimate(
-                    bandwidth_bps=bandwidth_bps,
-                    rtt_s=rtt_s,
-                    measured_at_s=measured_at_s,
-                    samples=sample.samples,
-                ),
-            )
-        for (src_id, dst_id), learned in fitted.items():
-            if self._in_topology(src_id) and self._in_topology(dst_id):
-                network.set_link_estimate(
-                    src_id,
-                    dst_id,
-                    LinkEstimate(
-                        bandwidth_bps=learned.bandwidth_bps,
-                        rtt_s=learned.fixed_s,
-                        measured_at_s=snapshot.fetched_at_s,
-                        samples=learned.samples,
-                    ),
-                )
-        network.set_unmeasured_rtt(corrections.new_link_fixed_s)
-        network.set_flows(self._link_flows(snapshot.flows))
+        fitted = corrections.links
+        incremental = (
+            previous is not None
+            and snapshot.changed_links is not None
+            and previous.telemetry_key[-1] == key[-1]
+        )
+        if incremental:
+            assert previous is not None and snapshot.changed_links is not None
+            for record in snapshot.changed_links:
+                pair = (record.sample.src_instance_id, record.sample.dst_instance_id)
+                self._link_records[pair] = self._unplaced[pair] = record
+            placeable = [pair for pair in self._unplaced if self._in_topology_pair(pair)]
+            if not placeable and previous.telemetry_key == key:
+                return None
+            network = previous.cost.network.copy()
+            records = [self._unplaced.pop(pair) for pair in placeable]
+        else:
+            network = NetworkModel(self.inputs.topology, self.inputs.staleness)
+            if previous is not None:
+                network.carry_paths(previous.cost.network)
+            self._link_records = {
+                (record.sample.src_instance_id, record.sample.dst_instance_id): record
+                for record in snapshot.links
+            }
+            self._unplaced = {}
+            records = []
+            for pair, record in self._link_records.items():
+                if self._in_topology_pair(pair):
+                    records.append(record)
+                else:
+                    self._unplaced[pair] = record
+        now_s = snapshot.fetched_at_s
+        for record in records:
+            pair = (record.sample.src_instance_id, record.sample.dst_instance_id)
+            if pair not in fitted:
+                network.set_link_estimate(*pair, _price(record, None, corrections, now_s))
+        for pair, learned in fitted.items():
+            if self._in_topology_pair(pair):
+                record = self._link_records.get(pair)
+                network.set_link_estimate(*pair, _price(record, learned, corrections, now_s))
+        if not incremental:
+            network.set_unmeasured_rtt(corrections.new_link_fixed_s)
+        if not incremental or previous.telemetry_key[0] != key[0]:
+            network.set_flows(self._link_flows(snapshot.flows))
         return network
 
     def _instance_state(
@@ -529,6 +526,9 @@ class ViewCache:
             max_batch_tokens=registration.max_batch_tokens,
         )
 
+    def _in_topology_pair(self, pair: tuple[str, str]) -> bool:
+        return self._in_topology(pair[0]) and self._in_topology(pair[1])
+
     def _in_topology(self, instance_id: str) -> bool:
         try:
             self.inputs.topology.instance(instance_id)
@@ -546,6 +546,37 @@ class ViewCache:
             for link in topology.path_links(src_id, dst_id):
                 flows[link] = flows.get(link, 0) + count
         return flows
+
+
+def _price(
+    record: LinkRecord | None, learned: LinkFit | None, corrections: Corrections, now_s: float
+) -> LinkEstimate:
+    """One path's estimate, from its probe `record` and what decisions measured on it.
+
+    A measurement's time is the gossip store's clock (`measured_unix_ms`), the same clock
+    for every replica, so an unchanged measurement keeps its age across refreshes. A path
+    decisions have measured takes their fixed cost and rate instead of the probe's
+    (probes move one size class; decisions move KV of every size, under the load the
+    cluster really carries), as recent as the outcomes behind it (which age out on their
+    own), however long ago the prober last got round to the pair — unless its probe
+    says it is down. A path no decision has used yet is priced with at least the fixed
+    cost the used ones show: its first transfer pays at least their set-up.
+    """
+    if learned is not None and (record is None or record.sample.bandwidth_bps > DOWN_LINK_BPS):
+        return LinkEstimate(
+            bandwidth_bps=learned.bandwidth_bps,
+            rtt_s=learned.fixed_s,
+            measured_at_s=now_s,
+            samples=learned.samples if record is None else record.sample.samples,
+        )
+    assert record is not None
+    sample = record.sample
+    return LinkEstimate(
+        bandwidth_bps=sample.bandwidth_bps,
+        rtt_s=corrections.unmeasured_rtt_s(sample.rtt_s),
+        measured_at_s=record.measured_unix_ms / 1000.0,
+        samples=sample.samples,
+    )
 
 
 def _instance_spec(registration: Registration) -> InstanceSpec:

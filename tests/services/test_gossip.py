@@ -505,19 +505,23 @@ async def test_a_link_copy_asks_for_what_was_measured_since_and_resyncs(client):
     now_s = [0.0]
     copy = LinkCopy(resync_s=30.0, clock=lambda: now_s[0])
     await client.report_link_sample(LinkSample("p0", "d0", bandwidth_bps=8e9))
-    [first] = await copy.poll(Recording())
+    assert await copy.poll(Recording()) is None, "the first poll is a full listing"
+    [first] = copy.links.values()
     assert first.sample.bandwidth_bps == 8e9
     await client.report_link_sample(LinkSample("p1", "d1", bandwidth_bps=4e9))
     await client.report_link_sample(LinkSample("p0", "d0", bandwidth_bps=2e9))
     now_s[0] = 1.0
-    held = {
-        link.sample.src_instance_id: link.sample.bandwidth_bps
-        for link in await copy.poll(Recording())
-    }
+    changed = await copy.poll(Recording())
+    assert sorted(link.sample.src_instance_id for link in changed) == ["p0", "p1"]
+    held = {pair[0]: link.sample.bandwidth_bps for pair, link in copy.links.items()}
     assert held == {"p0": 2e9, "p1": 4e9}
+    now_s[0] = 2.0
+    assert await copy.poll(Recording()) == (), "listed again within the margin, unchanged"
     now_s[0] = 31.0
-    await copy.poll(Recording())
-    assert asked == [0, first.measured_unix_ms - LINK_CLOCK_MARGIN_MS, 0]
+    assert await copy.poll(Recording()) is None
+    newest_ms = max(link.measured_unix_ms for link in copy.links.values())
+    assert asked[:2] == [0, first.measured_unix_ms - LINK_CLOCK_MARGIN_MS]
+    assert asked[2:] == [newest_ms - LINK_CLOCK_MARGIN_MS, 0]
 
 
 async def test_watch_stream_ends_cleanly_on_shutdown(redis_url, redis_prefix):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import redis
 from kvrs.errors import DeadlineExceeded, Unavailable
 from kvrs.learning import AssignedWork
 from services.common.decision_inputs import InputsConfig, load_inputs
-from services.common.gossip_records import NodeLoad
+from services.common.gossip_records import LinkSample, NodeLoad
 from services.common.gossip_source import GossipSource
 from services.common.gossip_view import ViewCache
 from services.common.membership import Membership
@@ -68,6 +69,39 @@ async def test_a_view_refresh_reads_only_what_changed(gossip):
     snapshot = await source.fetch()
     assert [n.registration.instance_id for n in snapshot.changed] == ["decode-1"]
     assert len(snapshot.nodes) == 5, "the snapshot still carries every instance"
+
+
+async def test_a_view_refresh_reprices_only_the_links_measured_since(gossip):
+    await gossip.register(dataclasses.replace(decode("prefill-0"), role="prefill", gpu_index=0))
+    for i in range(2):
+        await gossip.register(decode(f"decode-{i}", ttl_s=30.0))
+    for i, bandwidth_bps in enumerate((8e9, 4e9, 2e9)):
+        await gossip.report_link_sample(LinkSample("prefill-0", f"decode-{i}", bandwidth_bps))
+    view, source = view_over(gossip, resync_s=3600.0)
+    assert await view.refresh()
+    first = view.state
+    assert first.links_used == 2, "decode-2 is not registered yet"
+    unchanged = first.cost.network.link_estimate("prefill-0", "decode-1")
+    assert first.cost.network.link_estimate("prefill-0", "decode-0").bandwidth_bps == 8e9
+
+    await gossip.report_link_sample(LinkSample("prefill-0", "decode-0", 1e9))
+    await gossip.register(decode("decode-2", ttl_s=30.0))
+    assert await view.refresh()
+    network = view.state.cost.network
+    assert network.link_estimate("prefill-0", "decode-0").bandwidth_bps == 1e9
+    assert network.link_estimate("prefill-0", "decode-1") is unchanged
+    assert network.link_estimate("prefill-0", "decode-2").bandwidth_bps == 2e9, (
+        "a sample held until its instance registered"
+    )
+    assert view.state.links_used == 3
+    assert first.cost.network.link_estimate("prefill-0", "decode-0").bandwidth_bps == 8e9, (
+        "the previous view is left as it was"
+    )
+    assert source.registry.full_listings == 1
+
+    settled = view.state
+    assert await view.refresh()
+    assert view.state.cost is settled.cost, "nothing measured since: the model is reused"
 
 
 async def test_resync_zero_lists_everything_every_refresh(gossip):

@@ -208,3 +208,26 @@ def test_an_unmeasured_path_pays_at_least_the_fixed_cost_measured_ones_show() ->
     assert table.rtt_s[2] == 0.0
     with pytest.raises(InvalidArgument, match="rtt_s"):
         network.set_unmeasured_rtt(-1.0)
+
+
+def test_a_copy_prices_as_its_original_and_changes_without_changing_it() -> None:
+    original = NetworkModel(rack_topology(), StalenessPolicy(stale_after_s=5.0))
+    original.set_link_estimate("p", "d", LinkEstimate(5e9, 2e-4, measured_at_s=0.0, samples=2))
+    original.set_unmeasured_rtt(0.01)
+    original.set_flows({link: 1 for link in rack_topology().path_links("p", "d2")})
+    before = original.fan_out("p", ("d", "d2"), now_s=1.0)
+
+    copied = original.copy()
+    assert copied.version != original.version
+    again = copied.fan_out("p", ("d", "d2"), now_s=1.0)
+    assert (again.bandwidth_bps, again.rtt_s) == (before.bandwidth_bps, before.rtt_s)
+
+    copied.set_link_estimate("p", "d", LinkEstimate(1e9, 3e-4, measured_at_s=0.5, samples=2))
+    copied.set_link_estimate("p", "d2", LinkEstimate(2e9, 3e-4, measured_at_s=0.5, samples=2))
+    copied.set_flows({})
+    assert copied.transfer("p", "d", 10**6, now_s=1.0).bottleneck_bps == 1e9
+    assert original.link_estimate("p", "d").bandwidth_bps == 5e9
+    assert original.link_estimate("p", "d2") is None
+    assert original.flows and not copied.flows
+    after = original.fan_out("p", ("d", "d2"), now_s=1.0)
+    assert (after.bandwidth_bps, after.rtt_s) == (before.bandwidth_bps, before.rtt_s)
