@@ -146,6 +146,9 @@ class ViewCache:
         """Instances whose W(x) counted assigned work at the last build."""
         self._unbooked: list[tuple[str, float]] = []
         """Work `assign`ed and not yet in the view's W(x) (see `book_assigned`)."""
+        self._reported_down: set[str] = set()
+        """Instances failure events reported and the view still counts alive (see
+        `mark_down`)."""
         self._link_records: dict[tuple[str, str], LinkRecord] = {}
         """Every link sample of the last snapshot, by (src, dst)."""
         self._unplaced: dict[tuple[str, str], LinkRecord] = {}
@@ -154,12 +157,16 @@ class ViewCache:
 
     @property
     def state(self) -> DecisionState | None:
+        if self._reported_down:
+            self._drop_reported_down()
         if self._unbooked:
             self.book_assigned()
         return self._state
 
     def current(self, now_s: float | None = None) -> DecisionView:
         """The view to decide against now; Unavailable only before the first refresh."""
+        if self._reported_down:
+            self._drop_reported_down()
         if self._unbooked:
             self.book_assigned()
         state = self._state
@@ -220,19 +227,29 @@ class ViewCache:
             return True
 
     def mark_down(self, instance_id: str) -> None:
-        """A failure event: the instance stops being a candidate now, not at the next refresh."""
+        """A failure event: the instance stops being a candidate now, not at the next
+        refresh. The next read of the view (`current`, `state`) drops it, together with
+        every other instance reported down before that read: a rack's failure events
+        rebuild the candidate lists once, not once per instance."""
+        if self._state is not None:
+            self._reported_down.add(instance_id)
+            self.request_refresh()
+
+    def _drop_reported_down(self) -> None:
+        reported, self._reported_down = self._reported_down, set()
         state = self._state
         if state is None:
             return
-        instances = dict(state.cluster.instances)
-        known = instances.get(instance_id)
-        if known is None or not known.alive:
-            return
-        instances[instance_id] = dataclasses.replace(known, alive=False)
-        cluster = ClusterView(instances=instances, now_s=state.cluster.now_s)
-        prepare_candidates(cluster, state.cluster)
-        self._state = dataclasses.replace(state, cluster=cluster)
-        self.request_refresh()
+        instances = state.cluster.instances
+        down = {
+            instance_id: dataclasses.replace(instances[instance_id], alive=False)
+            for instance_id in reported
+            if instance_id in instances and instances[instance_id].alive
+        }
+        if down:
+            cluster = ClusterView(instances={**instances, **down}, now_s=state.cluster.now_s)
+            prepare_candidates(cluster, state.cluster)
+            self._state = dataclasses.replace(state, cluster=cluster)
 
     def _expire_assigned(self) -> None:
         """Without a snapshot, W(x) of the instances holding assigned work is still read

@@ -104,6 +104,28 @@ async def test_a_view_refresh_reprices_only_the_links_measured_since(gossip):
     assert view.state.cost is settled.cost, "nothing measured since: the model is reused"
 
 
+async def test_failures_reported_together_leave_the_view_in_one_rebuild(gossip, monkeypatch):
+    from services.common import gossip_view
+
+    for i in range(4):
+        await gossip.register(decode(f"decode-{i}", ttl_s=30.0))
+    view, _ = view_over(gossip, resync_s=3600.0)
+    assert await view.refresh()
+    rebuilds = []
+    real = gossip_view.prepare_candidates
+    monkeypatch.setattr(
+        gossip_view, "prepare_candidates", lambda *args: rebuilds.append(args) or real(*args)
+    )
+    for instance_id in ("decode-1", "decode-3", "decode-1", "ghost"):
+        view.mark_down(instance_id)
+    alive = [s.instance_id for s in view.current().cluster.decode_instances()]
+    assert alive == ["decode-0", "decode-2"]
+    assert len(rebuilds) == 1, "one rebuild for every failure reported before the read"
+    view.mark_down("decode-3")
+    assert view.current().cluster.decode_instances()[1].instance_id == "decode-2"
+    assert len(rebuilds) == 1, "an instance already down changes nothing"
+
+
 async def test_resync_zero_lists_everything_every_refresh(gossip):
     await gossip.register(decode("decode-0", ttl_s=30.0))
     view, source = view_over(gossip, resync_s=0.0)
