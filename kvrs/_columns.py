@@ -245,7 +245,7 @@ class Columns:
             for src_id, fan in previous._fans.items():
                 self._fans.setdefault(src_id, fan)
             if all(
-                a.resident_blocks == b.resident_blocks
+                a is b or a.resident_blocks == b.resident_blocks
                 for a, b in zip(previous.states, self.states, strict=True)
             ):
                 self._holders, self._narrowed = previous._holders, previous._narrowed
