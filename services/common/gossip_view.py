@@ -154,6 +154,8 @@ class ViewCache:
         self._unplaced: dict[tuple[str, str], LinkRecord] = {}
         """Link samples of an instance the topology does not know yet (the prober saw it
         register before this view did); placed by the refresh that first knows both ends."""
+        self._unplaced_at_version = -1
+        """The topology's version when `_unplaced` was last looked at."""
 
     @property
     def state(self) -> DecisionState | None:
@@ -471,29 +473,15 @@ class ViewCache:
         )
         if incremental:
             assert previous is not None and snapshot.changed_links is not None
-            for record in snapshot.changed_links:
-                pair = (record.sample.src_instance_id, record.sample.dst_instance_id)
-                self._link_records[pair] = self._unplaced[pair] = record
-            placeable = [pair for pair in self._unplaced if self._in_topology_pair(pair)]
-            if not placeable and previous.telemetry_key == key:
+            records = self._placeable_since(snapshot.changed_links)
+            if not records and previous.telemetry_key == key:
                 return None
             network = previous.cost.network.copy()
-            records = [self._unplaced.pop(pair) for pair in placeable]
         else:
             network = NetworkModel(self.inputs.topology, self.inputs.staleness)
             if previous is not None:
                 network.carry_paths(previous.cost.network)
-            self._link_records = {
-                (record.sample.src_instance_id, record.sample.dst_instance_id): record
-                for record in snapshot.links
-            }
-            self._unplaced = {}
-            records = []
-            for pair, record in self._link_records.items():
-                if self._in_topology_pair(pair):
-                    records.append(record)
-                else:
-                    self._unplaced[pair] = record
+            records = self._placeable_all(snapshot.links)
         now_s = snapshot.fetched_at_s
         for record in records:
             pair = (record.sample.src_instance_id, record.sample.dst_instance_id)
@@ -501,13 +489,43 @@ class ViewCache:
                 network.set_link_estimate(*pair, _price(record, None, corrections, now_s))
         for pair, learned in fitted.items():
             if self._in_topology_pair(pair):
-                record = self._link_records.get(pair)
-                network.set_link_estimate(*pair, _price(record, learned, corrections, now_s))
+                probe = self._link_records.get(pair)
+                network.set_link_estimate(*pair, _price(probe, learned, corrections, now_s))
         if not incremental:
             network.set_unmeasured_rtt(corrections.new_link_fixed_s)
-        if not incremental or previous.telemetry_key[0] != key[0]:
+        if previous is None or not incremental or previous.telemetry_key[0] != key[0]:
             network.set_flows(self._link_flows(snapshot.flows))
         return network
+
+    def _placeable_since(self, changed: tuple[LinkRecord, ...]) -> list[LinkRecord]:
+        """The `changed` samples, and those held back whose instances have joined since,
+        that have both ends in the topology; the others are held back. Held-back samples
+        are looked at again only when the topology changed."""
+        version = self.inputs.topology.version
+        candidates = dict.fromkeys(self._unplaced if self._unplaced_at_version != version else ())
+        self._unplaced_at_version = version
+        for record in changed:
+            pair = (record.sample.src_instance_id, record.sample.dst_instance_id)
+            self._link_records[pair] = self._unplaced[pair] = record
+            candidates[pair] = None
+        return [self._unplaced.pop(pair) for pair in candidates if self._in_topology_pair(pair)]
+
+    def _placeable_all(self, links: tuple[LinkRecord, ...]) -> list[LinkRecord]:
+        """Every sample of a full listing that has both ends in the topology; the others
+        are held back (see `_placeable_since`)."""
+        self._link_records = {
+            (record.sample.src_instance_id, record.sample.dst_instance_id): record
+            for record in links
+        }
+        self._unplaced = {}
+        self._unplaced_at_version = self.inputs.topology.version
+        placeable = []
+        for pair, record in self._link_records.items():
+            if self._in_topology_pair(pair):
+                placeable.append(record)
+            else:
+                self._unplaced[pair] = record
+        return placeable
 
     def _instance_state(
         self, node: NodeRecord, corrections: Corrections, now_s: float, reported_at_s: float
