@@ -2,8 +2,9 @@
 
 `start_server` builds a grpc.aio server with the tracing and error interceptors, the
 library health service and reflection, binds it (TLS/mTLS when configured) and starts
-it; `run_until_signal` then waits for SIGTERM/SIGINT and shuts down in order:
-NOT_SERVING → stop(grace) → the service's own cleanup → flush the tracer.
+it; `run_until_signal` settles the heap (`heap.settle_heap`), then waits for
+SIGTERM/SIGINT and shuts down in order: NOT_SERVING → stop(grace) → the service's own
+cleanup → flush the tracer.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvrs.rpc import GrpcSettings
 from services.common.errors import ErrorInterceptor
+from services.common.heap import settle_heap
 from services.common.telemetry import server_interceptors
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,7 @@ async def run_until_signal(
     handle: ServerHandle, settings: GrpcSettings, provider: TracerProvider
 ) -> None:
     """Block until SIGTERM/SIGINT, then drain and shut down (see module doc)."""
+    settle_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -187,3 +187,40 @@ async def test_a_process_without_an_exporter_neither_records_nor_intercepts():
         await handle.stop(0)
     traced = setup_tracing("traced", exporter=InMemorySpanExporter())
     assert len(client_interceptors(traced)) > 0 and len(server_interceptors(traced)) == 1
+
+
+SERVES_UNTIL_SIGNAL = """
+import asyncio, gc, os, signal
+from opentelemetry.sdk.trace import TracerProvider
+from services.common import GrpcSettings, run_until_signal, start_server
+
+async def main():
+    settings, provider = GrpcSettings(shutdown_grace_s=0.1), TracerProvider()
+    handle = await start_server(
+        lambda server: None, ["kvrs.test.Probe"], "127.0.0.1:0", settings, provider
+    )
+    before = gc.get_threshold(), gc.get_freeze_count()
+    asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
+    await run_until_signal(handle, settings, provider)
+    print(before, gc.get_threshold(), gc.get_freeze_count() > 0)
+
+asyncio.run(main())
+"""
+
+
+def test_a_serving_process_freezes_its_startup_heap_and_collects_rarely():
+    """A service's long-lived heap (its views) is walked by no collection it need not
+    make: what startup built is frozen once the service serves, and young collections
+    wait for tens of thousands of allocations, not 700."""
+    import subprocess
+    import sys
+
+    from services.common.heap import THRESHOLDS
+
+    done = subprocess.run(
+        [sys.executable, "-c", SERVES_UNTIL_SIGNAL], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.strip()
+    assert printed.startswith("((700, 10, 10), 0)"), printed
+    assert printed.endswith(f"{THRESHOLDS} True"), printed
