@@ -209,6 +209,7 @@ class ViewCache:
         what it installs was fetched after it was asked for.
         """
         async with self._refreshing:
+            reported_down = set(self._reported_down)
             try:
                 snapshot = await self._source.fetch()
             except (Unavailable, DeadlineExceeded) as exc:
@@ -221,6 +222,10 @@ class ViewCache:
                 return False
             self._unbooked = []  # the build reads the assigned work, this included
             self._state = self._build(snapshot)
+            # The listing says what became of the failures reported before it was asked
+            # for (an instance may have registered again since); only those reported
+            # while it was under way are still to drop.
+            self._reported_down -= reported_down
             if self._failing_since_s is not None:
                 log.warning(
                     "gossip reachable again after %.1f s", self.clock() - self._failing_since_s
@@ -232,7 +237,8 @@ class ViewCache:
         """A failure event: the instance stops being a candidate now, not at the next
         refresh. The next read of the view (`current`, `state`) drops it, together with
         every other instance reported down before that read: a rack's failure events
-        rebuild the candidate lists once, not once per instance."""
+        rebuild the candidate lists once, not once per instance. A refresh asked for
+        after the report supersedes it."""
         if self._state is not None:
             self._reported_down.add(instance_id)
             self.request_refresh()

@@ -126,6 +126,21 @@ async def test_failures_reported_together_leave_the_view_in_one_rebuild(gossip, 
     assert len(rebuilds) == 1, "an instance already down changes nothing"
 
 
+async def test_an_instance_reported_down_then_registered_again_is_a_candidate(gossip):
+    """A failure the view has not applied yet does not outlive a refresh that lists the
+    instance registered again."""
+    for i in range(2):
+        await gossip.register(decode(f"decode-{i}", ttl_s=30.0))
+    view, _ = view_over(gossip, resync_s=3600.0)
+    assert await view.refresh()
+    await gossip.deregister("decode-1")
+    view.mark_down("decode-1")
+    await gossip.register(decode("decode-1", ttl_s=30.0))
+    assert await view.refresh()
+    alive = [s.instance_id for s in view.current().cluster.decode_instances()]
+    assert alive == ["decode-0", "decode-1"]
+
+
 async def test_resync_zero_lists_everything_every_refresh(gossip):
     await gossip.register(decode("decode-0", ttl_s=30.0))
     view, source = view_over(gossip, resync_s=0.0)
