@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,6 +52,8 @@ REFERENCE_PULLS = 3
 """Reference pulls per probe; their median is used (one slow scheduling blip is ignored)."""
 MIN_WIRE_FRACTION = 0.05
 """A pull's time beyond the reference pull's is taken as at least this share of it."""
+PASS_LINKS = 64
+"""Links one pass of `LinkProber.run` probes at most before it reads the instances again."""
 DOWN_BANDWIDTH_BPS = 1.0
 """What a link whose probe failed is reported at: the least gossip accepts, so every
 transfer over it is priced out of any decision."""
@@ -327,22 +330,36 @@ class LinkProber:
         """A source restarted or left: its payload must be placed again."""
         self._payload_bytes.pop(src_id, None)
 
-    async def run(self, links: Callable[[], Sequence[tuple[Endpoint, Endpoint]]]) -> None:
-        """Probes every link `links()` names when it is due, one at a time, forever."""
+    async def run(self, links: Callable[[], Iterable[tuple[Endpoint, Endpoint]]]) -> None:
+        """Probes the links `links()` names when they are due, one at a time, forever.
+
+        A pass probes the `PASS_LINKS` links due longest (those never probed first), then
+        asks `links()` again, so instances that joined or left count from the next pass.
+        Only a probed link holds state: at thousands of instances `links()` names millions
+        of pairs, of which a pass takes a few.
+        """
         while True:
-            now_s = self._clock()
-            current = [self.link(src, dst) for src, dst in links()]
-            due = sorted((s for s in current if s.next_due_s <= now_s), key=lambda s: s.next_due_s)
-            for state in due:
+            due = heapq.nsmallest(
+                PASS_LINKS, self._due(links(), self._clock()), key=lambda item: item[0]
+            )
+            for _, src, dst in due:
                 try:
-                    await self.probe(state.src, state.dst)
+                    await self.probe(src, dst)
                 except KvrsError as exc:
-                    log.warning(
-                        "probe %s -> %s failed: %s",
-                        state.src.instance_id,
-                        state.dst.instance_id,
-                        exc,
-                    )
-            upcoming = [s.next_due_s for s in current if s.next_due_s > self._clock()]
-            wait_s = min(upcoming) - self._clock() if upcoming else self.settings.interval_s
+                    log.warning("probe %s -> %s failed: %s", src.instance_id, dst.instance_id, exc)
+            now_s = self._clock()
+            upcoming = [s.next_due_s for s in self.links.values() if s.next_due_s > now_s]
+            wait_s = min(upcoming) - now_s if upcoming else self.settings.interval_s
+            if len(due) == PASS_LINKS:
+                wait_s = 0.0  # more may be due already
             await asyncio.sleep(max(0.05, min(wait_s, self.settings.interval_s)))
+
+    def _due(
+        self, links: Iterable[tuple[Endpoint, Endpoint]], now_s: float
+    ) -> Iterator[tuple[float, Endpoint, Endpoint]]:
+        """(when due, src, dst) of each of `links` due by `now_s`; 0 for one never probed."""
+        for src, dst in links:
+            state = self.links.get((src.instance_id, dst.instance_id))
+            due_s = 0.0 if state is None else state.next_due_s
+            if due_s <= now_s:
+                yield due_s, src, dst

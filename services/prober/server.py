@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 import grpc
@@ -33,18 +34,17 @@ class ProberServerHandle(ServerHandle):
     membership: Membership | None = None
 
 
-def probe_pairs(membership: Membership, mode: str) -> list[tuple[Endpoint, Endpoint]]:
-    """The links to measure: prefill -> decode pairs, or every ordered pair ("all")."""
-    prefill = membership.alive("prefill")
-    decode = membership.alive("decode")
+def probe_pairs(membership: Membership, mode: str) -> Iterator[tuple[Endpoint, Endpoint]]:
+    """The links to measure: prefill -> decode pairs, or every ordered pair ("all"),
+    one at a time (at thousands of instances they are millions)."""
+    prefill = [Endpoint(i.instance_id, i.address) for i in membership.alive("prefill")]
+    decode = [Endpoint(i.instance_id, i.address) for i in membership.alive("decode")]
     sources = prefill if mode == "prefill-decode" else prefill + decode
     targets = decode if mode == "prefill-decode" else prefill + decode
-    return [
-        (Endpoint(s.instance_id, s.address), Endpoint(d.instance_id, d.address))
-        for s in sources
-        for d in targets
-        if s.instance_id != d.instance_id
-    ]
+    for src in sources:
+        for dst in targets:
+            if src.instance_id != dst.instance_id:
+                yield src, dst
 
 
 def probe_settings(config: Config) -> ProbeSettings:

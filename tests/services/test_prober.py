@@ -3,6 +3,7 @@ ProberService against real tiny-model workers and a real gossip store."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import grpc
@@ -11,7 +12,7 @@ import pytest
 from kvrs.errors import NotFound
 from kvrs.v1 import prober_pb2, prober_pb2_grpc
 from services.prober.config import Config
-from services.prober.probing import LinkProber, ProbeSettings, payload_id
+from services.prober.probing import PASS_LINKS, LinkProber, ProbeSettings, payload_id
 from services.prober.server import build_server
 from services.worker.client import Endpoint, Pulled
 from tests.services.router_plane import Plane
@@ -95,6 +96,36 @@ async def test_a_probe_measures_the_link_rate_net_of_the_fixed_transfer_cost(rat
     assert (sample.src_instance_id, sample.dst_instance_id) == ("prefill-0", "decode-0")
     assert sample.bandwidth_bps == state.sample_bps
     assert sample.samples == 1
+
+
+async def test_a_pass_probes_a_few_links_never_probed_first_and_only_they_hold_state():
+    """At thousands of instances the pairs are millions: a pass takes `PASS_LINKS` of
+    them, then reads the instances again; the pairs it has not probed cost no state."""
+    link = SimulatedLink(5e9, fixed_s=0.001)
+    probe, gossip = prober(link)
+    sources = [Endpoint(f"prefill-{i}", f"p{i}:1") for i in range(20)]
+    sinks = [Endpoint(f"decode-{j}", f"d{j}:1") for j in range(20)]
+    pairs = [(s, d) for s in sources for d in sinks]
+    held_at_each_pass: list[list[tuple[str, str]]] = []
+    samples_at_each_pass: list[int] = []
+    third_pass = asyncio.Event()
+
+    def links():
+        held_at_each_pass.append(list(probe.links))
+        samples_at_each_pass.append(len(gossip.samples))
+        if len(held_at_each_pass) == 3:
+            third_pass.set()
+        return iter(pairs)
+
+    running = asyncio.create_task(probe.run(links))
+    try:
+        await asyncio.wait_for(third_pass.wait(), timeout=30)
+    finally:
+        running.cancel()
+    assert [len(held) for held in held_at_each_pass[:3]] == [0, PASS_LINKS, 2 * PASS_LINKS]
+    probed = [(s.instance_id, d.instance_id) for s, d in pairs[: 2 * PASS_LINKS]]
+    assert held_at_each_pass[2] == probed, "the pairs never probed go first, in order"
+    assert samples_at_each_pass[:3] == [0, PASS_LINKS, 2 * PASS_LINKS]
 
 
 async def test_the_estimate_is_an_ewma_and_probes_stay_within_the_time_budget():
