@@ -115,6 +115,9 @@ _T = TypeVar("_T")
 INSTANCE_POLL_S = 0.25
 """How often a request with no instance to use (to prefill, place or recover on) looks
 again."""
+REPLY_MARGIN_S = 0.5
+"""A wait for an instance that the request's deadline ends gives up this long before it,
+so that the reply saying why reaches the caller before its own deadline cuts the call."""
 
 
 class Aborted(Exception):
@@ -975,12 +978,13 @@ class Router:
         past the request's deadline, recording each wait as `event` on `span`: a suspect
         instance is refuted or a restarted one registers within seconds, and the request
         goes on there instead of failing. A wait the deadline ends is DEADLINE_EXCEEDED,
-        as a recovery aborted for its deadline is; one the configured wait ends, the
-        FAILED_PRECONDITION of the last ask."""
+        as a recovery aborted for its deadline is, given `REPLY_MARGIN_S` before the
+        deadline; one the configured wait ends, the FAILED_PRECONDITION of the last ask
+        (made when the wait ends)."""
         wait_s = self.settings.instance_wait_s
         until_deadline = False
         if deadline_unix_ms:
-            left_s = deadline_unix_ms / 1000.0 - time.time()
+            left_s = deadline_unix_ms / 1000.0 - time.time() - REPLY_MARGIN_S
             until_deadline = left_s < wait_s
             wait_s = min(wait_s, left_s)
         give_up_s = time.monotonic() + wait_s
@@ -989,7 +993,8 @@ class Router:
             try:
                 return await ask(first)
             except FailedPrecondition as exc:
-                if time.monotonic() + INSTANCE_POLL_S > give_up_s:
+                left_s = give_up_s - time.monotonic()
+                if left_s <= 0.0:
                     if until_deadline:
                         raise WaitPastDeadline(
                             f"the request's deadline comes before an instance does: {exc}"
@@ -997,7 +1002,7 @@ class Router:
                     raise
                 if span is not None:
                     span.add_event(event, {"kvrs.reason": str(exc)})
-                await asyncio.sleep(INSTANCE_POLL_S)
+                await asyncio.sleep(min(INSTANCE_POLL_S, left_s))
                 first = False
 
     async def _close(self, run: Run, tasks: list[asyncio.Task]) -> None:
