@@ -8,6 +8,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Protocol
 
 from kvrs.errors import DeadlineExceeded, InvalidArgument, KvrsError, Unavailable
@@ -88,7 +89,7 @@ class GossipSource:
                 await asyncio.wait([flows])
         return GossipSnapshot(
             nodes=tuple(self.registry.nodes.values()),
-            links=tuple(self.links.links.values()),
+            links=MappingProxyType(self.links.links),
             fetched_at_s=fetched_at_s,
             flows=flows.result(),
             changed=changed,

@@ -54,7 +54,9 @@ class GossipSnapshot:
 
     nodes: tuple[NodeRecord, ...]
     """Every instance gossip remembers, alive or not."""
-    links: tuple[LinkRecord, ...]
+    links: Mapping[tuple[str, str], LinkRecord]
+    """The newest sample of every measured link, by (src, dst), as of this fetch (read
+    during the refresh that fetched it: the source updates it at its next fetch)."""
     fetched_at_s: float
     flows: Mapping[tuple[str, str], int] = field(default_factory=dict)
     """Migrations in flight per (src, dst) instance pair, as the slot broker counts them."""
@@ -149,8 +151,6 @@ class ViewCache:
         self._reported_down: set[str] = set()
         """Instances failure events reported and the view still counts alive (see
         `mark_down`)."""
-        self._link_records: dict[tuple[str, str], LinkRecord] = {}
-        """Every link sample of the last snapshot, by (src, dst)."""
         self._unplaced: dict[tuple[str, str], LinkRecord] = {}
         """Link samples of an instance the topology does not know yet (the prober saw it
         register before this view did); placed by the refresh that first knows both ends."""
@@ -159,18 +159,12 @@ class ViewCache:
 
     @property
     def state(self) -> DecisionState | None:
-        if self._reported_down:
-            self._drop_reported_down()
-        if self._unbooked:
-            self.book_assigned()
+        self._apply_pending()
         return self._state
 
     def current(self, now_s: float | None = None) -> DecisionView:
         """The view to decide against now; Unavailable only before the first refresh."""
-        if self._reported_down:
-            self._drop_reported_down()
-        if self._unbooked:
-            self.book_assigned()
+        self._apply_pending()
         state = self._state
         if state is None:
             raise Unavailable("no view of the cluster yet: gossip has not answered since start")
@@ -242,6 +236,13 @@ class ViewCache:
         if self._state is not None:
             self._reported_down.add(instance_id)
             self.request_refresh()
+
+    def _apply_pending(self) -> None:
+        """Failures reported and work assigned since the view was last read."""
+        if self._reported_down:
+            self._drop_reported_down()
+        if self._unbooked:
+            self.book_assigned()
 
     def _drop_reported_down(self) -> None:
         reported, self._reported_down = self._reported_down, set()
@@ -450,7 +451,7 @@ class ViewCache:
             cost=cost,
             cluster=cluster,
             refreshed_at_s=snapshot.fetched_at_s,
-            links_used=len(self._link_records) - len(self._unplaced),
+            links_used=len(snapshot.links) - len(self._unplaced),
             telemetry_key=key,
             carried_ids=frozenset(carried_ids),
         )
@@ -472,17 +473,21 @@ class ViewCache:
         fit is as recent as this refresh (see `_price`).
         """
         fitted = corrections.links
-        incremental = (
-            previous is not None
+        # The model this refresh updates: the previous one, unless every link was listed
+        # again or the corrections changed (then every link is priced anew).
+        base = (
+            previous
+            if previous is not None
             and snapshot.changed_links is not None
             and previous.telemetry_key[-1] == key[-1]
+            else None
         )
-        if incremental:
-            assert previous is not None and snapshot.changed_links is not None
+        if base is not None:
+            assert snapshot.changed_links is not None
             records = self._placeable_since(snapshot.changed_links)
-            if not records and previous.telemetry_key == key:
+            if not records and base.telemetry_key == key:
                 return None
-            network = previous.cost.network.copy()
+            network = base.cost.network.copy()
         else:
             network = NetworkModel(self.inputs.topology, self.inputs.staleness)
             if previous is not None:
@@ -495,11 +500,11 @@ class ViewCache:
                 network.set_link_estimate(*pair, _price(record, None, corrections, now_s))
         for pair, learned in fitted.items():
             if self._in_topology_pair(pair):
-                probe = self._link_records.get(pair)
+                probe = snapshot.links.get(pair)
                 network.set_link_estimate(*pair, _price(probe, learned, corrections, now_s))
-        if not incremental:
+        if base is None:
             network.set_unmeasured_rtt(corrections.new_link_fixed_s)
-        if previous is None or not incremental or previous.telemetry_key[0] != key[0]:
+        if base is None or base.telemetry_key[0] != key[0]:
             network.set_flows(self._link_flows(snapshot.flows))
         return network
 
@@ -512,21 +517,17 @@ class ViewCache:
         self._unplaced_at_version = version
         for record in changed:
             pair = (record.sample.src_instance_id, record.sample.dst_instance_id)
-            self._link_records[pair] = self._unplaced[pair] = record
+            self._unplaced[pair] = record
             candidates[pair] = None
         return [self._unplaced.pop(pair) for pair in candidates if self._in_topology_pair(pair)]
 
-    def _placeable_all(self, links: tuple[LinkRecord, ...]) -> list[LinkRecord]:
+    def _placeable_all(self, links: Mapping[tuple[str, str], LinkRecord]) -> list[LinkRecord]:
         """Every sample of a full listing that has both ends in the topology; the others
         are held back (see `_placeable_since`)."""
-        self._link_records = {
-            (record.sample.src_instance_id, record.sample.dst_instance_id): record
-            for record in links
-        }
         self._unplaced = {}
         self._unplaced_at_version = self.inputs.topology.version
         placeable = []
-        for pair, record in self._link_records.items():
+        for pair, record in links.items():
             if self._in_topology_pair(pair):
                 placeable.append(record)
             else:
