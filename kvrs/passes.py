@@ -13,6 +13,7 @@ already holds `cached_tokens`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from kvrs.errors import InvalidArgument
@@ -56,7 +57,13 @@ def pass_ends_s(
     The worker's loop as it runs: it is busy until `free_s`; then each pass takes the
     pieces ready by its start, in the order of their ready time (ties in the given order),
     one chunk each, while the budget lasts. `streams` decoding streams already running
-    there put one token each into every pass. `pass_s` prices a pass's segments."""
+    there put one token each into every pass. `pass_s` prices a pass's segments.
+
+    An idle loop starts a pass the moment work arrives. One with streams running never
+    idles: it runs their decode steps back to back, and work that arrives during a step
+    waits for it to end, so pieces arriving within one step of each other share a pass
+    (a recovery batch's transfers end microseconds apart in the plan, milliseconds apart
+    on the machine, and their extends run as one pass, not one after another)."""
     _check_budget(budget_tokens)
     if streams < 0:
         raise InvalidArgument("streams", f"must be >= 0, got {streams}")
@@ -70,9 +77,14 @@ def pass_ends_s(
     pending = [i for i in order if left[i] > 0]
     running = [(0, 1)] * streams
     room_per_pass = max(1, budget_tokens - streams)
+    step_s = pass_s(running) if running else 0.0
     now = free_s
     while pending:
-        now = max(now, work[pending[0]][0])
+        arrives_s = work[pending[0]][0]
+        if arrives_s > now and step_s > 0.0:
+            now += math.ceil((arrives_s - now) / step_s) * step_s
+        elif arrives_s > now:
+            now = arrives_s
         ready = [i for i in pending if work[i][0] <= now]
         segments = list(running)
         taken: list[int] = []

@@ -52,7 +52,8 @@ def test_a_pass_is_priced_with_each_pieces_cached_tokens() -> None:
         return 1.0
 
     pass_ends_s([(0.0, 500, 3000)], 2048, price, streams=1)
-    assert seen == [[(0, 1), (500, 2047)], [(0, 1), (2547, 953)]]
+    # The running stream's own decode step first (the loop's rhythm), then the passes.
+    assert seen == [[(0, 1)], [(0, 1), (500, 2047)], [(0, 1), (2547, 953)]]
 
 
 @pytest.mark.parametrize("budget", [0, -1])
@@ -61,3 +62,12 @@ def test_a_budget_must_be_positive(budget: int) -> None:
         pack([(0, 1)], budget)
     with pytest.raises(InvalidArgument, match="budget_tokens"):
         pass_ends_s([(0.0, 0, 1)], budget, tokens)
+
+
+def test_work_arriving_during_a_decode_step_joins_the_pass_after_it() -> None:
+    # Two running streams: the loop steps them back to back, 2 s a step from t = 0.
+    # Work ready at 1.0 and 1.5 waits for the step ending at 2 and joins one pass.
+    assert pass_ends_s([(1.0, 0, 10), (1.5, 0, 10)], 2048, tokens, streams=2) == [24.0, 24.0]
+    # Ready at 3: the step running then ends at 4. An idle loop starts at once.
+    assert pass_ends_s([(3.0, 0, 10)], 2048, tokens, streams=2) == [16.0]
+    assert pass_ends_s([(3.0, 0, 10)], 2048, tokens) == [13.0]
