@@ -89,18 +89,22 @@ def prefix_hit_tokens(
     return min(blocks * block_tokens, prompt_tokens)
 
 
-def streamed_tail_s(transfer_s: Seconds, prefill_s: float, layers: int) -> Seconds:
+def streamed_tail_s(
+    transfer_s: Seconds, prefill_s: float, layers: int, fixed_s: float | np.ndarray = 0.0
+) -> Seconds:
     """What is left of a transfer once its prefill has ended, when each layer's KV leaves
     as soon as the prefill has computed that layer (layer-wise streaming); elementwise
-    for an array of transfer times.
+    for arrays of transfer times and of their fixed costs.
 
-    The prefill computes the layers one after another, prefill_s / layers each; layer i
-    leaves once it is computed and the link has carried layer i − 1, taking
-    transfer_s / layers. Its last byte lands at ((i + 1)·prefill_s + (layers − i)·
-    transfer_s) / layers at the latest, largest at one of the two ends: the last layer
-    (prefill_s + transfer_s / layers) or the first (prefill_s / layers + transfer_s).
-    Less prefill_s, that is max(transfer_s / layers, transfer_s − prefill_s·(layers −
-    1) / layers): a transfer faster than the prefill hides all but its last layer.
+    The transfer's fixed cost (`fixed_s` of `transfer_s`: its set-up, the path's latency)
+    is paid once, as the prefill starts; its stream, S = transfer_s − fixed_s, goes layer
+    by layer. The prefill computes the layers one after another, prefill_s / layers
+    each; layer i leaves once it is computed, the set-up is done and the link has
+    carried layer i − 1, taking S / layers. The last byte lands at the latest of
+    fixed_s + S (the set-up, then the stream without a pause), prefill_s / layers + S
+    (the stream paced by the first layer) and prefill_s + S / layers (the last layer).
+    Less prefill_s, that is the tail: a transfer faster than the prefill hides its set-up
+    and all but its last layer.
     """
     if layers < 1:
         raise InvalidArgument("layers", f"must be >= 1, got {layers}")
@@ -108,7 +112,11 @@ def streamed_tail_s(transfer_s: Seconds, prefill_s: float, layers: int) -> Secon
         raise InvalidArgument("prefill_s", f"must be >= 0, got {prefill_s}")
     hidden_s = prefill_s * (layers - 1) / layers
     if isinstance(transfer_s, np.ndarray):
-        return np.maximum(transfer_s / layers, transfer_s - hidden_s)
+        stream_s = transfer_s - np.minimum(fixed_s, transfer_s)
+        return np.maximum(
+            np.maximum(stream_s / layers, stream_s - hidden_s), transfer_s - prefill_s
+        )
     if not transfer_s >= 0.0:
         raise InvalidArgument("transfer_s", f"must be >= 0, got {transfer_s}")
-    return max(transfer_s / layers, transfer_s - hidden_s)
+    stream_s = transfer_s - min(float(fixed_s), transfer_s)
+    return max(stream_s / layers, stream_s - hidden_s, transfer_s - prefill_s)

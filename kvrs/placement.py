@@ -8,7 +8,8 @@ over candidates d with enough free KV memory, breaking ties by lower tier, then 
 running requests, then instance id. When the KV streams while the prompt prefills
 (layer-wise streaming, `PlacementRequest.stream_prefill_s`), only what the prefill
 leaves of the transfer counts: T_x becomes `kvrs.costmodel.streamed_tail_s(T_x, T_pf,
-layers)`, so a slower path costs little until its transfer outlasts the prefill. The
+layers, rtt)` (the set-up hidden under the prefill, then all but the last layer), so a
+slower path costs little until its transfer outlasts the prefill. The
 baselines (round_robin, least_loaded and the network-blind cache_load) choose
 differently but report the same netkv terms for what they chose, so traces of every
 policy are comparable.
@@ -314,21 +315,23 @@ class _Decision:
         )
         if not self.request.stream_prefill_s:
             return scores
+        rtt = self.fan.rtt
         if isinstance(scores, np.ndarray):
             wait = self.columns.arrays()[0]
-            return self.streamed(scores - wait) + wait
+            return self.streamed(scores - wait, np.asarray(rtt)) + wait
         return [
-            s if s == _INF else w + self.streamed(s - w)
-            for s, w in zip(scores, self.columns.wait, strict=True)
+            s if s == _INF else w + self.streamed(s - w, r)
+            for s, w, r in zip(scores, self.columns.wait, rtt, strict=True)
         ]
 
-    def streamed(self, transfer_s: Seconds) -> Seconds:
-        """What transfers of `transfer_s` add once the prefill has ended: all of it, or
-        their tail when they stream under the prefill (elementwise on an array)."""
+    def streamed(self, transfer_s: Seconds, fixed_s: float | np.ndarray = 0.0) -> Seconds:
+        """What transfers of `transfer_s` (of which `fixed_s` is their set-up and latency)
+        add once the prefill has ended: all of it, or their tail when they stream under
+        the prefill (elementwise on arrays)."""
         prefill_s = self.request.stream_prefill_s
         if not prefill_s:
             return transfer_s
-        return streamed_tail_s(transfer_s, prefill_s, self.cost.model.layers)
+        return streamed_tail_s(transfer_s, prefill_s, self.cost.model.layers, fixed_s)
 
     def fits(self, i: int) -> bool:
         return self.columns.free[i] >= self.request.prompt_tokens - self.hit(i)
@@ -354,7 +357,7 @@ class _Decision:
         transfer_s = (
             fan.rtt[i] + self.cost.kv_bits_per_token * need * fan.inv_bps[i] if need else 0.0
         )
-        transfer_s = self.streamed(transfer_s)
+        transfer_s = self.streamed(transfer_s, fan.rtt[i])
         wait_s = self.columns.wait[i]
         return build(
             CandidateScore,
@@ -378,7 +381,7 @@ class _Decision:
             request.prefill_id, columns.ids[best], kv_bytes, self.now_s
         )
         if transfer_s is None:
-            transfer_s = self.streamed(transfer.transfer_s) if kv_bytes else 0.0
+            transfer_s = self.streamed(transfer.transfer_s, transfer.rtt_s) if kv_bytes else 0.0
         wait_s = columns.wait[best]
         return build(
             Placement,
@@ -515,7 +518,7 @@ class Kvrs:
             )
         else:
             inv_bps = np.array(fan.inv_bps)
-        transfer = decision.streamed(np.where(need > 0, rtt + bits * inv_bps, 0.0))
+        transfer = decision.streamed(np.where(need > 0, rtt + bits * inv_bps, 0.0), rtt)
         wait, free = columns.arrays()
         pending = self._pending(now_s)
         if pending:

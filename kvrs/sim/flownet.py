@@ -10,6 +10,7 @@ rates and their already scheduled completion events.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -56,6 +57,7 @@ class Flow:
         "handle",
         "tag",
         "started_s",
+        "joined_s",
         "active",
     )
 
@@ -77,6 +79,8 @@ class Flow:
         self.handle = 0
         self.tag = tag
         self.started_s = 0.0
+        self.joined_s = math.nan
+        """When it joined its links, its set-up done (nan until then)."""
         self.active = False
 
     def __hash__(self) -> int:
@@ -177,7 +181,7 @@ class FlowNetwork:
     def _activate(self, flow: Flow) -> None:
         flow.handle = 0
         flow.active = True
-        flow.updated_s = self.loop.now_s
+        flow.updated_s = flow.joined_s = self.loop.now_s
         if flow.remaining_bits <= _DONE_BITS:
             self._finish(flow)
             return

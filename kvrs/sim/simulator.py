@@ -633,10 +633,15 @@ class Simulator:
         flight.memory_state = "granted"
         if flight.epoch != epoch:
             return
-        if flight.streamed and self.loop.now_s < flight.first_layer_s:
+        setup_s = self.topology.base_rtt_s(source_id, flight.decode_id)
+        sends_s = flight.first_layer_s
+        if self.config.serving.layerwise_streaming:
+            # The set-up runs while the prefill computes the first layer.
+            sends_s -= setup_s
+        if flight.streamed and self.loop.now_s < sends_s:
             # Nothing to send before the prefill has computed the first layer.
             self.loop.at(
-                flight.first_layer_s,
+                sends_s,
                 self._memory_granted,
                 flight,
                 epoch,
@@ -667,7 +672,7 @@ class Simulator:
             self.topology.path_links(source_id, flight.decode_id),
             kv_bytes,
             done,
-            setup_s=self.topology.base_rtt_s(source_id, flight.decode_id),
+            setup_s=setup_s,
             tag=flight,
         )
 
@@ -681,8 +686,9 @@ class Simulator:
             self._release_slot(flight)
         if flight.streamed:
             # Its last layer could not leave before the prefill computed it: the KV is in
-            # once the prefill has ended and that layer crossed (at the flow's mean rate).
-            tail_s = (self.loop.now_s - flow.started_s) / self.model.layers
+            # once the prefill has ended and that layer crossed (at the flow's mean rate,
+            # from when its set-up was done).
+            tail_s = (self.loop.now_s - flow.joined_s) / self.model.layers
             if not flight.source_kv:
                 flight.tail_s, flight.stage = tail_s, "streamed"
                 return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvrs.cluster import ClusterView, InstanceState
@@ -65,26 +66,49 @@ def test_cost_model_glues_model_profile_and_network() -> None:
     assert cost.extend_s(512, 8) == compute_profile("opt-13b").extend_s(512, 8)
 
 
-def _layer_pipeline_tail_s(transfer_s: float, prefill_s: float, layers: int) -> float:
-    """The same tail, step by step: layer i leaves once computed and once the link has
-    carried layer i - 1."""
-    link_free_s = 0.0
+def _layer_pipeline_tail_s(
+    transfer_s: float, prefill_s: float, layers: int, fixed_s: float = 0.0
+) -> float:
+    """The same tail, step by step: the set-up first, then layer i leaves once computed
+    and once the link has carried layer i - 1."""
+    link_free_s = fixed_s
     for layer in range(layers):
         computed_s = (layer + 1) * prefill_s / layers
-        link_free_s = max(link_free_s, computed_s) + transfer_s / layers
+        link_free_s = max(link_free_s, computed_s) + (transfer_s - fixed_s) / layers
     return link_free_s - prefill_s
 
 
 @pytest.mark.parametrize(
-    ("transfer_s", "prefill_s", "layers"),
-    [(0.6, 1.9, 12), (6.4, 1.9, 12), (1.0, 1.0, 2), (0.0, 2.0, 32), (3.0, 0.0, 4), (0.5, 4.0, 1)],
+    ("transfer_s", "prefill_s", "layers", "fixed_s"),
+    [
+        (0.6, 1.9, 12, 0.0),
+        (6.4, 1.9, 12, 0.0),
+        (1.0, 1.0, 2, 0.0),
+        (0.0, 2.0, 32, 0.0),
+        (3.0, 0.0, 4, 0.0),
+        (0.5, 4.0, 1, 0.0),
+        (0.6, 1.9, 12, 0.3),
+        (6.4, 1.9, 12, 2.5),
+        (1.0, 0.5, 2, 0.9),
+        (0.05, 0.1, 2, 0.04),
+    ],
 )
 def test_a_streamed_transfer_leaves_what_the_layer_pipeline_leaves(
-    transfer_s: float, prefill_s: float, layers: int
+    transfer_s: float, prefill_s: float, layers: int, fixed_s: float
 ) -> None:
-    tail_s = streamed_tail_s(transfer_s, prefill_s, layers)
-    assert tail_s == pytest.approx(_layer_pipeline_tail_s(transfer_s, prefill_s, layers))
-    assert transfer_s / layers <= tail_s + 1e-12 and tail_s <= transfer_s + 1e-12
+    tail_s = streamed_tail_s(transfer_s, prefill_s, layers, fixed_s)
+    assert tail_s == pytest.approx(_layer_pipeline_tail_s(transfer_s, prefill_s, layers, fixed_s))
+    assert tail_s <= transfer_s + 1e-12
+    arrays = streamed_tail_s(np.array([transfer_s]), prefill_s, layers, np.array([fixed_s]))
+    assert arrays[0] == pytest.approx(tail_s)
+
+
+def test_a_set_up_shorter_than_the_prefill_is_hidden_under_it() -> None:
+    # 40 ms of set-up, 0.1 ms of stream, under a 100 ms prefill of a 2-layer model: what
+    # is left is the last layer's half of the stream, not a share of the set-up.
+    assert streamed_tail_s(0.0401, 0.1, 2, fixed_s=0.04) == pytest.approx(0.00005)
+    # A fixed cost that is the whole transfer (nothing to move) leaves nothing.
+    assert streamed_tail_s(0.0, 0.1, 2, fixed_s=0.04) == 0.0
 
 
 def test_a_streamed_transfer_needs_a_layer() -> None:

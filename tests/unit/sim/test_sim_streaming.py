@@ -24,8 +24,9 @@ def _one_request(input_tokens: int) -> list[TraceRequest]:
     return [TraceRequest(0, 0.0, input_tokens, 4, ())]
 
 
-def _slow_network(gbps: float) -> dict:
-    """One request on an idle cluster whose every link carries `gbps`."""
+def _slow_network(gbps: float, setup_ms: float = 0.0) -> dict:
+    """One request on an idle cluster whose every link carries `gbps`, each transfer
+    paying `setup_ms` of set-up first."""
     return {
         "cluster": {
             "nvlink_gbps": gbps,
@@ -33,15 +34,19 @@ def _slow_network(gbps: float) -> dict:
             "pod_gbps": gbps,
             "spine_gbps": gbps,
             "hop_latency_us": 0,
-            "setup_latency_ms": 0,
+            "setup_latency_ms": setup_ms,
         },
         "telemetry": {"state_period_s": 0.0},
     }
 
 
-@pytest.mark.parametrize("gbps", [2.0, 20.0], ids=["transfer-longer", "prefill-longer"])
-def test_a_streamed_kv_lands_what_the_prefill_leaves_of_its_transfer(gbps):
-    network = _slow_network(gbps)
+@pytest.mark.parametrize(
+    ("gbps", "setup_ms"),
+    [(2.0, 0.0), (20.0, 0.0), (20.0, 30.0), (20.0, 900.0)],
+    ids=["transfer-longer", "prefill-longer", "set-up-hidden", "set-up-longer"],
+)
+def test_a_streamed_kv_lands_what_the_prefill_leaves_of_its_transfer(gbps, setup_ms):
+    network = _slow_network(gbps, setup_ms)
     after = run_policy(SimConfig.from_dict(network), _one_request(8192), NETKV).records[0]
     streamed = run_policy(
         SimConfig.from_dict({**network, **STREAMED}), _one_request(8192), NETKV
@@ -51,7 +56,8 @@ def test_a_streamed_kv_lands_what_the_prefill_leaves_of_its_transfer(gbps):
     transfer_s = after.transfer_end_s - after.prefill_end_s
     assert streamed.prefill_end_s == pytest.approx(after.prefill_end_s)
     config = SimConfig.from_dict(network)
-    tail_s = streamed_tail_s(transfer_s, prefill_s, config.serving.model_spec().layers)
+    layers = config.serving.model_spec().layers
+    tail_s = streamed_tail_s(transfer_s, prefill_s, layers, fixed_s=setup_ms / 1e3)
     assert streamed.transfer_end_s - streamed.prefill_end_s == pytest.approx(tail_s, rel=1e-6)
     assert streamed.first_token_s < after.first_token_s
 
