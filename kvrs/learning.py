@@ -11,9 +11,10 @@ and reports an `Outcome`. `fit` turns a window of outcomes into `Corrections`:
                   move KV of many sizes). The fixed cost is what each decision's total
                   says it was: its share of a total stretched by the decisions it ran
                   beside (`target_jobs`, n of them side by side each end after about n
-                  times their own work), less its own predicted stream and compute.
-                  Under load the calls, ticket and pair, not the wire, are what a
-                  transfer costs, and only the total sees all of it.
+                  times their own work), less its own predicted stream and compute and,
+                  carried out alone, its predicted queue. Under load the calls, ticket
+                  and pair, not the wire, are what a transfer costs, and only the total
+                  sees all of it.
     new pairs     a pair no decision has used yet takes the median fixed cost of those
                   that have (its first transfer pays the same set-up, and more)
     compute       measured / predicted seconds of the forward passes (prefill and extend;
@@ -21,6 +22,7 @@ and reports an `Outcome`. `fit` turns a window of outcomes into `Corrections`:
                   scales the compute profile (its batched-pass cost too)
     worker wait   a worker's queue wait (and call overhead) beyond the W(x) it reported
     interference  extra queue wait per request decoding on the target (median)
+                  (both against the wait predicted without them: `Corrections.applied_to`)
     error         the relative error of each decision kind, which decisions must beat
 
 Every correction is a median over recent outcomes, clipped to a band around the base
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from kvrs.costmodel import CostModel
@@ -194,6 +196,14 @@ class Outcome:
     streamed: bool = False
     """Its transfer ran while the source prefilled (layer-wise streaming): the measured
     transfer is only the part the prefill did not hide, so no link is fitted from it."""
+    learned_source_wait_s: float = 0.0
+    """What corrections added to `predicted.source_wait_s` (the prefill instance's worker
+    wait; `Corrections.applied_to`). A wait's excess is fitted against the prediction
+    without them: against the corrected one, each fit would learn only what the one
+    before it left over, and settle at half the excess."""
+    learned_target_wait_s: float = 0.0
+    """What corrections added to `predicted.target_wait_s` (the target's worker wait and
+    interference)."""
 
     def __post_init__(self) -> None:
         if self.target_jobs < 1:
@@ -203,6 +213,10 @@ class Outcome:
         for name in ("kv_bytes", "prefill_tokens", "cached_tokens", "extend_tokens"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(name, f"must be >= 0, got {getattr(self, name)}")
+        for name in ("learned_source_wait_s", "learned_target_wait_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0.0):
+                raise InvalidArgument(name, f"must be a finite number >= 0, got {value}")
         for which in ("predicted", "measured"):
             terms = getattr(self, which)
             for name in TERMS:
@@ -300,6 +314,21 @@ class Corrections:
         """The fixed cost of a pair with no fit of its own: its probe's, or what the
         measured pairs' set-ups say a transfer costs, whichever is more."""
         return max(probed_rtt_s, self.new_link_fixed_s)
+
+    def applied_to(self, outcome: Outcome) -> Outcome:
+        """`outcome` with the waits these corrections add to a prediction of it noted
+        (`Outcome.learned_source_wait_s` / `learned_target_wait_s`), as a view adds them
+        to the W(x) of the instances it priced. Noted when the outcome is reported: every
+        replica fits the same shared log, so the corrections in force then are those the
+        decision was priced with, a refit or two later at most."""
+        source_s = (
+            self.worker_wait_s.get(outcome.source_id, 0.0) if outcome.kind == "recompute" else 0.0
+        )
+        target_s = (
+            self.worker_wait_s.get(outcome.target_id, 0.0)
+            + self.wait_per_decode_s * outcome.target_running
+        )
+        return replace(outcome, learned_source_wait_s=source_s, learned_target_wait_s=target_s)
 
     def compute_profile(self, base: ComputeProfile) -> ComputeProfile:
         """`base` scaled by `compute_factor` (prefill and extend alike)."""
@@ -402,9 +431,10 @@ def _fixed_sample(o: Outcome, stream_s: float) -> float:
     """The per-transfer fixed cost that `o`'s total says it paid, its stream at the fitted
     rate (`stream_s`): of a total shared with `target_jobs` decisions running beside it
     (side by side, each finishing after about n times its own work), its own
-    share, less its own work other than the set-up and the queue: its stream as
-    predicted, its forward passes as measured (which the compute factor fits), and a
-    RECOMPUTE's measured wait at its prefill instance (which that worker's wait fits)."""
+    share, less its own work other than the set-up: its stream as predicted, its forward
+    passes as measured (which the compute factor fits), a RECOMPUTE's measured wait at
+    its prefill instance (which that worker's wait fits) and, carried out alone, the
+    queue at the target as predicted."""
     p = o.predicted
     if o.measured.total_s <= 0.0:
         # No total measured: the transfer alone, less its stream at the fitted rate.
@@ -413,11 +443,28 @@ def _fixed_sample(o: Outcome, stream_s: float) -> float:
     jobs = o.target_jobs
     # Each correction fits its own term: the prefill instance's own wait is the worker
     # wait's, and the compute is the compute factor's, so the measured forward passes
-    # (shared like the rest) take the place of the predicted ones.
+    # (shared like the rest) take the place of the predicted ones. A placement's total
+    # starts once its prompt is prefilled: its prefill is in neither total.
+    prefilled = o.kind != "placement"
     own_s = p.total_s - p.target_wait_s - p.source_wait_s - p.setup_s
-    own_s += (m.prefill_s + m.extend_s) / jobs - p.prefill_s - p.extend_s
+    own_s += (m.extend_s + m.prefill_s * prefilled) / jobs - p.extend_s - p.prefill_s * prefilled
     shared_s = m.total_s - m.source_wait_s
-    return shared_s / jobs - own_s - (stream_s - p.stream_s)
+    # Carried out alone, its total is its own: what the prediction put before the
+    # transfer at the target (the queue, and what the corrections add to it) is priced
+    # again next to this fixed cost, so it is not part of it. Beside others, its share of
+    # the total is taken instead (the plan prices their queue).
+    queued_s = p.target_wait_s if jobs == 1 else 0.0
+    return shared_s / jobs - own_s - queued_s - (stream_s - p.stream_s)
+
+
+def _base_source_wait_s(o: Outcome) -> float:
+    """The predicted wait at the prefill instance without what corrections added."""
+    return max(0.0, o.predicted.source_wait_s - o.learned_source_wait_s)
+
+
+def _base_target_wait_s(o: Outcome) -> float:
+    """The predicted wait at the target without what corrections added."""
+    return max(0.0, o.predicted.target_wait_s - o.learned_target_wait_s)
 
 
 def _ratio(pairs: list[tuple[float, float]], config: LearningConfig) -> float:
@@ -469,11 +516,11 @@ def fit(
     for o in recent:
         if o.kind == "recompute" and o.source_id:
             excess_by_worker.setdefault(o.source_id, []).append(
-                o.measured.source_wait_s - o.predicted.source_wait_s
+                o.measured.source_wait_s - _base_source_wait_s(o)
             )
         if o.target_running == 0 and o.target_jobs == 1 and o.target_id and o.extend_tokens:
             excess_by_worker.setdefault(o.target_id, []).append(
-                o.measured.target_wait_s - o.predicted.target_wait_s
+                o.measured.target_wait_s - _base_target_wait_s(o)
             )
     worker_wait_s = {
         worker: _clip(_median(values), 0.0, config.max_fixed_s)
@@ -487,9 +534,7 @@ def fit(
     per_decode = [
         max(
             0.0,
-            o.measured.target_wait_s
-            - o.predicted.target_wait_s
-            - worker_wait_s.get(o.target_id, 0.0),
+            o.measured.target_wait_s - _base_target_wait_s(o) - worker_wait_s.get(o.target_id, 0.0),
         )
         / o.target_running
         for o in recent

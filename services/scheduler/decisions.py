@@ -509,7 +509,7 @@ class Scheduler:
         """Stores an executed decision's outcome and refits; the outcomes held now."""
         if self.learning is None:
             raise FailedPrecondition("this scheduler keeps no outcomes")
-        return await self.learning.record(outcome)
+        return await self.learning.record(self.learning.corrections.applied_to(outcome))
 
     def corrections(self) -> Corrections:
         """The corrections in force (neutral ones when this scheduler does not learn)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import time
@@ -1115,6 +1116,50 @@ async def test_replicas_share_reported_outcomes_and_fit_the_same_corrections(pla
     errors = {(e.kind, e.term): e for e in seen.errors}
     assert errors[("migrate", "total_s")].p50 == pytest.approx(0.5)
     assert seen.compute_factor == mine.compute_factor != 1.0
+
+
+async def test_a_reported_outcome_notes_the_wait_corrections_its_prediction_held(plane):
+    """decode-rack answers its first decode steps 3 ms after the 1 ms its W(x) says. Once
+    the scheduler has learned that, placements predicted with it (4 ms) and measured at
+    4 ms still teach 3 ms: each reported outcome carries the correction it was priced
+    with, and the wait is fitted against the prediction without it."""
+    await plane.register()
+    stub = await plane.scheduler(learning_refresh_s=0.05)
+
+    def placement(request_id: str, predicted_wait_s: float) -> scheduler_pb2.DecisionOutcome:
+        return scheduler_pb2.DecisionOutcome(
+            kind="placement",
+            request_id=request_id,
+            source_instance_id="prefill-0",
+            target_instance_id="decode-rack",
+            decided_unix_ms=int(time.time() * 1000),
+            predicted=common_pb2.DecisionTerms(
+                target_wait_s=predicted_wait_s, total_s=predicted_wait_s
+            ),
+            measured=common_pb2.DecisionTerms(target_wait_s=0.004, total_s=0.004),
+            cached_tokens=100,
+            extend_tokens=1,
+        )
+
+    for i in range(3):
+        request = scheduler_pb2.ReportOutcomeRequest(outcome=placement(f"cold-{i}", 0.001))
+        await stub.ReportOutcome(request, timeout=5)
+    learned = await stub.GetCorrections(scheduler_pb2.GetCorrectionsRequest(), timeout=5)
+    assert learned.worker_wait_s["decode-rack"] == pytest.approx(0.003)
+    for i in range(4):
+        request = scheduler_pb2.ReportOutcomeRequest(outcome=placement(f"warm-{i}", 0.004))
+        await stub.ReportOutcome(request, timeout=5)
+    again = await stub.GetCorrections(scheduler_pb2.GetCorrectionsRequest(), timeout=5)
+    assert again.worker_wait_s["decode-rack"] == pytest.approx(0.003)
+    client = connect_redis(plane.redis_url)
+    try:
+        members = await client.zrange(f"{plane.redis_prefix}outcomes", 0, -1)
+        stored = [json.loads(member) for member in members]
+    finally:
+        await client.aclose()
+    noted = {o["request_id"]: o["learned_target_wait_s"] for o in stored}
+    assert noted["cold-0"] == 0.0
+    assert noted["warm-3"] == pytest.approx(0.003)
 
 
 async def test_report_outcome_rejects_a_bad_outcome_naming_the_field(plane):

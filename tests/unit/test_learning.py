@@ -398,3 +398,71 @@ def test_a_slow_prefill_moves_the_compute_factor_not_the_links_fixed_cost() -> N
     assert corrections.compute_factor == pytest.approx(3.0)
     link = corrections.link("p0", "d0")
     assert link is not None and link.fixed_s == pytest.approx(0.004, rel=1e-3)
+
+
+def test_a_placements_prefill_is_not_in_its_links_fixed_cost() -> None:
+    """A placement's total starts once its prompt is prefilled: how much faster or slower
+    the prefill ran than predicted says nothing about the transfer's set-up."""
+    outcomes = []
+    for n, prefill_error_s in zip((1, 2, 3, 5), (-0.010, -0.020, 0.015, -0.005), strict=True):
+        o = transfer(n * MB, fixed_s=0.003, bps=1e11)
+        outcomes.append(
+            dataclasses.replace(
+                o,
+                predicted=dataclasses.replace(o.predicted, prefill_s=0.050),
+                measured=dataclasses.replace(o.measured, prefill_s=0.050 + prefill_error_s),
+            )
+        )
+    link = fit(outcomes, BASE, NOW_S).link("p0", "d0")
+    assert link is not None
+    assert link.fixed_s == pytest.approx(0.003, rel=1e-6)
+
+
+def test_a_wait_is_fitted_against_its_prediction_without_the_corrections_in_it() -> None:
+    """Placements on an idle d0 waited 3 ms more than its W(x) says; the ones predicted
+    with 2 ms of worker wait already in `target_wait_s` still teach 3 ms, not the 1 ms
+    left over (which the next fit would halve again)."""
+    corrections = Corrections(worker_wait_s={"d0": 0.002}, wait_per_decode_s=0.0005)
+    outcomes = []
+    for n in (1, 2, 3, 5):
+        o = transfer(n * MB, 0.001, 1e11)
+        reported = dataclasses.replace(
+            o,
+            predicted=dataclasses.replace(o.predicted, target_wait_s=0.004 + 0.002),
+            measured=dataclasses.replace(o.measured, target_wait_s=0.004 + 0.003),
+            extend_tokens=1,
+        )
+        noted = corrections.applied_to(reported)
+        assert noted.learned_target_wait_s == pytest.approx(0.002)
+        outcomes.append(noted)
+    assert fit(outcomes, BASE, NOW_S).worker_wait_s == {"d0": pytest.approx(0.003)}
+    # Interference is noted per request decoding on the target, the prefill instance's
+    # worker wait for a RECOMPUTE only.
+    busy = corrections.applied_to(dataclasses.replace(outcomes[0], target_running=4))
+    assert busy.learned_target_wait_s == pytest.approx(0.002 + 4 * 0.0005)
+    assert busy.learned_source_wait_s == 0.0
+    recompute = Corrections(worker_wait_s={"p0": 0.01}).applied_to(prefill(100, 1.0))
+    assert recompute.learned_source_wait_s == pytest.approx(0.01)
+    assert Outcome.from_json(recompute.to_json()) == recompute
+
+
+def test_a_placement_alone_leaves_its_predicted_queue_out_of_its_links_fixed_cost() -> None:
+    """Placed alone, its total holds the queue at the target that the next prediction
+    prices again beside the fixed cost: counted in both, it would be priced twice."""
+    outcomes = []
+    for n in (1, 2, 3, 5):
+        o = transfer(n * MB, fixed_s=0.003, bps=1e11)
+        outcomes.append(
+            dataclasses.replace(
+                o,
+                predicted=dataclasses.replace(
+                    o.predicted, target_wait_s=0.004, total_s=o.predicted.total_s + 0.004
+                ),
+                measured=dataclasses.replace(
+                    o.measured, target_wait_s=0.004, total_s=o.measured.total_s + 0.004
+                ),
+            )
+        )
+    link = fit(outcomes, BASE, NOW_S).link("p0", "d0")
+    assert link is not None
+    assert link.fixed_s == pytest.approx(0.003, rel=1e-6)
