@@ -852,10 +852,13 @@ class Router:
         first_token_s = now_s - awaiting.started_s
         predicted = awaiting.predicted
         if awaiting.kind == "placement":
-            # The decode instance fed the first token as an extend: its wait and compute.
+            # The decode instance fed the first token as an extend: its wait and compute,
+            # from when the KV was in and the prefill had answered (a streamed KV can be
+            # in before the prefill's answer reaches the router).
+            ready_s = max(awaiting.kv_ready_s, awaiting.started_s)
             measured = _with(
                 awaiting.measured,
-                target_wait_s=max(0.0, now_s - awaiting.kv_ready_s - step_s),
+                target_wait_s=max(0.0, now_s - ready_s - step_s),
                 extend_s=step_s,
                 total_s=first_token_s,
                 first_token_s=first_token_s,
