@@ -35,6 +35,7 @@ from pathlib import Path
 import grpc
 
 from bench.report import add_json_argument, write_json
+from kvrs.cli.cluster import calibrate_into
 from kvrs.cli.launcher import SERVICES, ClusterOptions, ClusterState, start_cluster, stop_cluster
 from kvrs.client import KvrsClient
 from kvrs.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -51,12 +52,18 @@ BENCH_SERVICES = (
 )
 
 
-def on_bench_cluster(run: Callable[[ClusterState], Awaitable[dict]]) -> dict:
+def on_bench_cluster(
+    run: Callable[[ClusterState], Awaitable[dict]], calibrated: bool = False
+) -> dict:
     """Starts the bench cluster (BENCH_SERVICES on the tiny model, in a temporary
-    directory), runs `run` on it and stops it; `run`'s figures."""
+    directory), runs `run` on it and stops it; `run`'s figures. `calibrated`: the services
+    price compute with a profile measured on this machine first (as `kvrs demo` does),
+    not the model's preset."""
     run_dir = Path(tempfile.mkdtemp(prefix="kvrs-bench-")) / "cluster"
     services = [spec for spec in SERVICES if spec.name in BENCH_SERVICES]
-    state = start_cluster(ClusterOptions(run_dir=run_dir, workers_model="tiny"), services)
+    profile_file = calibrate_into(run_dir, "tiny") if calibrated else None
+    options = ClusterOptions(run_dir=run_dir, workers_model="tiny", profile_file=profile_file)
+    state = start_cluster(options, services)
     try:
         return asyncio.run(run(state))
     finally:
