@@ -23,8 +23,10 @@ extends then join the target's batched forward passes (`ComputeProfile.batch_s`)
 RECOMPUTE's prefills their prefill instance's, before that. An instance that reports its
 token budget per pass runs them as its loop will (`kvrs.passes`): in the order their KV
 arrives, in passes of at most that many tokens beside its running streams, so the
-recoveries end one pass after another. One that reports none is priced as running them
-all in one pass.
+recoveries end one pass after another; there a HYBRID's recomputed prefix is work of its
+own in those passes (the worker queues it as the pull starts), and its extend follows
+both the prefix and the transfer. One that reports none is priced as running them all in
+one pass, each HYBRID's prefix beside its transfer.
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ def _shared(
     moved: dict[int, float] = {}
     fixed: dict[int, float] = {}
     alone: dict[int, float] = {}
+    streamed: dict[int, float] = {}
+    """The transfer's own streaming seconds alone (HYBRID's without its prefix)."""
     own_ext: dict[int, float] = {}
     segment: dict[int, tuple[int, int]] = {}
     on_target: dict[str, list[int]] = {}
@@ -149,6 +153,7 @@ def _shared(
         fixed_s, alone_s = (
             _alone_transfer_s(decision, request, cost, now_s) if moved_s > 0.0 else (0.0, 0.0)
         )
+        streamed[i] = alone_s
         if decision.action is Action.RECOMPUTE:
             context = request.prompt_tokens + request.generated_tokens
             on_source.setdefault(decision.source_id, []).append(i)
@@ -178,13 +183,31 @@ def _shared(
 
     priced = list(decisions)
     for target_id, jobs in on_target.items():
-        # The transfers stream side by side; the extends join its passes.
-        transfers = {
-            i: max(moved[i], fixed[i] + sum(min(alone[j], alone[i]) for j in jobs)) for i in jobs
-        }
-        work = [(prefilled.get(i, 0.0) + transfers[i], *segment[i]) for i in jobs]
-        extends_alone = [own_ext[i] for i in jobs]
-        done_s = _ends_s(view.get(target_id), work, extends_alone, cost)
+        target = view.get(target_id)
+        splits = [
+            decisions[i].split_tokens if decisions[i].action is Action.HYBRID else 0 for i in jobs
+        ]
+        if any(splits) and target is not None and target.max_batch_tokens > 0:
+            # HYBRID's prefix is recomputed in the target's own passes: the transfers
+            # stream side by side without it, the prefixes and extends share the passes.
+            transfers = {
+                i: max(
+                    _chosen_option(decisions[i]).transfer_s,
+                    fixed[i] + sum(min(streamed[j], streamed[i]) for j in jobs),
+                )
+                for i in jobs
+            }
+            work = [(prefilled.get(i, 0.0) + transfers[i], *segment[i]) for i in jobs]
+            done_s = _ends_after_prefixes_s(target, work, splits, cost)
+        else:
+            # The transfers stream side by side; the extends join its passes.
+            transfers = {
+                i: max(moved[i], fixed[i] + sum(min(alone[j], alone[i]) for j in jobs))
+                for i in jobs
+            }
+            work = [(prefilled.get(i, 0.0) + transfers[i], *segment[i]) for i in jobs]
+            extends_alone = [own_ext[i] for i in jobs]
+            done_s = _ends_s(target, work, extends_alone, cost)
         for i, total in zip(jobs, done_s, strict=True):
             decision = decisions[i]
             chosen = _chosen_option(decision)
@@ -237,17 +260,52 @@ def _ends_s(
     reports queued, beside its running streams). Otherwise every piece is priced as
     joining one pass over all of them, after the queued work and its own arrival; a piece
     alone in the plan costs what it costs alone (`alone_s`, one per piece)."""
+    if instance is not None and instance.max_batch_tokens > 0:
+        return _pass_ends_s(instance, work, cost)
     wait_s = instance.wait_s if instance is not None else 0.0
-    budget = instance.max_batch_tokens if instance is not None else 0
-    if budget > 0:
-        streams = instance.running_requests if instance is not None else 0
-        return pass_ends_s(work, budget, cost.compute.pass_s, wait_s, streams)
     segments = [(cached, new) for _, cached, new in work if new > 0]
     shared_s = cost.compute.batch_s(segments) if len(segments) > 1 else None
     return [
         wait_s + ready_s + (shared_s if shared_s is not None else alone)
         for (ready_s, _, _), alone in zip(work, alone_s, strict=True)
     ]
+
+
+def _ends_after_prefixes_s(
+    target: InstanceState,
+    work: list[tuple[float, int, int]],
+    splits: list[int],
+    cost: CostModel,
+) -> list[float]:
+    """`_ends_s` on a target that reports its pass budget, where HYBRIDs (`splits[i]` > 0
+    tokens recomputed) also recompute their prefix there: the worker queues each prefix
+    as a forward job as soon as its pull starts, so the prefixes join its passes with the
+    rest of its work, and a HYBRID's extend is ready once both its prefix and its
+    transfer are done."""
+    prefix_at = [k for k, split in enumerate(splits) if split > 0]
+    prefixes = [(0.0, 0, splits[k]) for k in prefix_at]
+    after: list[int | None] = [None] * (len(prefixes) + len(work))
+    for n, k in enumerate(prefix_at):
+        after[len(prefixes) + k] = n
+    ends = _pass_ends_s(target, [*prefixes, *work], cost, after)
+    return ends[len(prefixes) :]
+
+
+def _pass_ends_s(
+    instance: InstanceState,
+    work: list[tuple[float, int, int]],
+    cost: CostModel,
+    after: Sequence[int | None] = (),
+) -> list[float]:
+    """`kvrs.passes.pass_ends_s` on an instance that reports its pass budget."""
+    return pass_ends_s(
+        work,
+        instance.max_batch_tokens,
+        cost.compute.pass_s,
+        instance.wait_s,
+        instance.running_requests,
+        after,
+    )
 
 
 def _alone_transfer_s(

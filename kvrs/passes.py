@@ -50,6 +50,7 @@ def pass_ends_s(
     pass_s: Callable[[list[Segment]], float],
     free_s: float = 0.0,
     streams: int = 0,
+    after: Sequence[int | None] = (),
 ) -> list[float]:
     """When each piece of `work` — (ready_s, cached_tokens, new_tokens), ready when its
     KV has arrived — has its last token computed, in seconds from now.
@@ -58,6 +59,8 @@ def pass_ends_s(
     pieces ready by its start, in the order of their ready time (ties in the given order),
     one chunk each, while the budget lasts. `streams` decoding streams already running
     there put one token each into every pass. `pass_s` prices a pass's segments.
+    `after[i]`, when given and not None, is the index of a piece that must be computed
+    before piece i is ready (a HYBRID's extend follows the recompute of its prefix).
 
     An idle loop starts a pass the moment work arrives. One with streams running never
     idles: it runs their decode steps back to back, and work that arrives during a step
@@ -67,29 +70,43 @@ def pass_ends_s(
     _check_budget(budget_tokens)
     if streams < 0:
         raise InvalidArgument("streams", f"must be >= 0, got {streams}")
-    order = sorted(range(len(work)), key=lambda i: (work[i][0], i))
-    cached = {i: work[i][1] for i in order}
-    left = {i: work[i][2] for i in order}
-    ends = [0.0] * len(work)
-    for i in order:
-        if left[i] <= 0:
-            ends[i] = max(0.0, work[i][0])
-    pending = [i for i in order if left[i] > 0]
+    if after and len(after) != len(work):
+        raise InvalidArgument("after", f"needs one entry per piece, got {len(after)}")
+    ready_at = [ready_s for ready_s, _, _ in work]
+    cached = [c for _, c, _ in work]
+    left = [new for _, _, new in work]
+    ends = [max(0.0, ready_s) if new <= 0 else 0.0 for ready_s, _, new in work]
+    # Pieces waiting for another piece: released, ready no earlier than its end, when it
+    # is computed.
+    waiting: dict[int, list[int]] = {}
+    for i, first in enumerate(after):
+        if first is None:
+            continue
+        if left[first] > 0:
+            waiting.setdefault(first, []).append(i)
+        else:
+            ready_at[i] = max(ready_at[i], ends[first])
+    held = {i for dependents in waiting.values() for i in dependents}
+    pending = sorted(
+        (i for i in range(len(work)) if left[i] > 0 and i not in held),
+        key=lambda i: (ready_at[i], i),
+    )
     running = [(0, 1)] * streams
     room_per_pass = max(1, budget_tokens - streams)
     step_s = pass_s(running) if running else 0.0
     now = free_s
     while pending:
-        arrives_s = work[pending[0]][0]
+        arrives_s = ready_at[pending[0]]
         if arrives_s > now and step_s > 0.0:
             now += math.ceil((arrives_s - now) / step_s) * step_s
         elif arrives_s > now:
             now = arrives_s
-        ready = [i for i in pending if work[i][0] <= now]
         segments = list(running)
         taken: list[int] = []
         room = room_per_pass
-        for i in ready:
+        for i in pending:
+            if ready_at[i] > now:
+                break
             take = min(left[i], room)
             segments.append((cached[i], take))
             cached[i] += take
@@ -99,10 +116,16 @@ def pass_ends_s(
             if not room:
                 break
         now += pass_s(segments)
+        released = []
         for i in taken:
             if left[i] == 0:
                 ends[i] = now
+                for j in waiting.pop(i, ()):
+                    ready_at[j] = max(ready_at[j], now)
+                    released.append(j)
         pending = [i for i in pending if left[i] > 0]
+        if released:
+            pending = sorted([*pending, *released], key=lambda i: (ready_at[i], i))
     return ends
 
 

@@ -259,3 +259,34 @@ def test_set_ups_of_recoveries_started_together_overlap() -> None:
         assert decision.target_id == "decode-1"
         assert alone.cost_s >= fixed_s
         assert decision.cost_s < alone.cost_s + fixed_s
+
+
+def test_hybrid_prefixes_are_recomputed_in_their_targets_passes() -> None:
+    """A worker recomputes a HYBRID's prefix as a forward job on its own queue, queued as
+    the pull starts: on a target that reports its pass budget the prefixes of a batch
+    share its passes behind the work queued there, and each extend follows both its
+    prefix and its transfer."""
+    cost, _ = cluster(nodes=2)
+    topology = cost.network.topology
+    states = {
+        i: InstanceState(i, spec.role, wait_s=0.3, max_batch_tokens=8192)
+        for i, spec in topology.instances.items()
+    }
+    view = ClusterView(states, now_s=0.0)
+    items = [
+        RecoveryRequest(f"r{i}", 4000, 16, "prefill-0", exclude_ids=frozenset({"decode-0"}))
+        for i in range(2)
+    ]
+    plan = plan_batch(items, view, cost, 0.0, Kvrs(), 32)
+    assert [d.action for d in plan.decisions] == [Action.HYBRID, Action.HYBRID]
+    splits = [d.split_tokens for d in plan.decisions]
+    # Both prefixes in one pass (the budget holds them), after the 0.3 s queued there.
+    prefixes_end_s = 0.3 + cost.compute.pass_s([(0, k) for k in splits])
+    transfers_s = [chosen(d).transfer_s for d in plan.decisions]
+    ready_s = [max(prefixes_end_s, t) for t in transfers_s]
+    for decision, ready in zip(plan.decisions, ready_s, strict=True):
+        assert decision.cost_s >= ready + cost.compute.pass_s([(4000, 16)]) - 1e-12
+    # Both extends ready at the prefixes' end (longer than either transfer here): one pass.
+    assert max(transfers_s) < prefixes_end_s
+    both_s = prefixes_end_s + cost.compute.pass_s([(4000, 16), (4000, 16)])
+    assert [d.cost_s for d in plan.decisions] == [pytest.approx(both_s)] * 2

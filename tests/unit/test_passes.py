@@ -71,3 +71,17 @@ def test_work_arriving_during_a_decode_step_joins_the_pass_after_it() -> None:
     # Ready at 3: the step running then ends at 4. An idle loop starts at once.
     assert pass_ends_s([(3.0, 0, 10)], 2048, tokens, streams=2) == [16.0]
     assert pass_ends_s([(3.0, 0, 10)], 2048, tokens) == [13.0]
+
+
+def test_a_piece_that_follows_another_waits_for_its_last_pass() -> None:
+    # Together they would share one pass; the second follows the first, so it waits.
+    assert pass_ends_s([(0.0, 0, 10), (0.0, 0, 10)], 2048, tokens) == [20.0, 20.0]
+    assert pass_ends_s([(0.0, 0, 10), (0.0, 0, 10)], 2048, tokens, after=[None, 0]) == [
+        10.0,
+        20.0,
+    ]
+    # Ready later than its predecessor ends: its own arrival counts.
+    ends = pass_ends_s([(0.0, 0, 10), (30.0, 0, 5)], 2048, tokens, after=[None, 0])
+    assert ends == [10.0, 35.0]
+    with pytest.raises(InvalidArgument, match="after"):
+        pass_ends_s([(0.0, 0, 1)], 2048, tokens, after=[None, None])
