@@ -187,27 +187,23 @@ def _shared(
         splits = [
             decisions[i].split_tokens if decisions[i].action is Action.HYBRID else 0 for i in jobs
         ]
-        if any(splits) and target is not None and target.max_batch_tokens > 0:
-            # HYBRID's prefix is recomputed in the target's own passes: the transfers
-            # stream side by side without it, the prefixes and extends share the passes.
-            transfers = {
-                i: max(
-                    _chosen_option(decisions[i]).transfer_s,
-                    fixed[i] + sum(min(streamed[j], streamed[i]) for j in jobs),
-                )
-                for i in jobs
-            }
-            work = [(prefilled.get(i, 0.0) + transfers[i], *segment[i]) for i in jobs]
+        # On a target that reports its pass budget, a HYBRID's prefix is recomputed in its
+        # passes; elsewhere it is priced beside its transfer, as part of it.
+        in_passes = any(splits) and target is not None and target.max_batch_tokens > 0
+        own = streamed if in_passes else alone
+        own_transfer = (
+            {i: _chosen_option(decisions[i]).transfer_s for i in jobs} if in_passes else moved
+        )
+        # The transfers stream side by side; the extends join its passes.
+        transfers = {
+            i: max(own_transfer[i], fixed[i] + sum(min(own[j], own[i]) for j in jobs)) for i in jobs
+        }
+        work = [(prefilled.get(i, 0.0) + transfers[i], *segment[i]) for i in jobs]
+        if in_passes:
+            assert target is not None
             done_s = _ends_after_prefixes_s(target, work, splits, cost)
         else:
-            # The transfers stream side by side; the extends join its passes.
-            transfers = {
-                i: max(moved[i], fixed[i] + sum(min(alone[j], alone[i]) for j in jobs))
-                for i in jobs
-            }
-            work = [(prefilled.get(i, 0.0) + transfers[i], *segment[i]) for i in jobs]
-            extends_alone = [own_ext[i] for i in jobs]
-            done_s = _ends_s(target, work, extends_alone, cost)
+            done_s = _ends_s(target, work, [own_ext[i] for i in jobs], cost)
         for i, total in zip(jobs, done_s, strict=True):
             decision = decisions[i]
             chosen = _chosen_option(decision)
