@@ -315,13 +315,12 @@ class _Decision:
         )
         if not self.request.stream_prefill_s:
             return scores
-        rtt = self.fan.rtt
         if isinstance(scores, np.ndarray):
             wait = self.columns.arrays()[0]
-            return self.streamed(scores - wait, np.asarray(rtt)) + wait
+            return self.streamed(scores - wait, self.fan.arrays()[0]) + wait
         return [
             s if s == _INF else w + self.streamed(s - w, r)
-            for s, w, r in zip(scores, self.columns.wait, rtt, strict=True)
+            for s, w, r in zip(scores, self.columns.wait, self.fan.rtt, strict=True)
         ]
 
     def streamed(self, transfer_s: Seconds, fixed_s: float | np.ndarray = 0.0) -> Seconds:

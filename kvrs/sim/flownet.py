@@ -56,7 +56,6 @@ class Flow:
         "on_done",
         "handle",
         "tag",
-        "started_s",
         "joined_s",
         "active",
     )
@@ -78,7 +77,6 @@ class Flow:
         self.on_done = on_done
         self.handle = 0
         self.tag = tag
-        self.started_s = 0.0
         self.joined_s = math.nan
         """When it joined its links, its set-up done (nan until then)."""
         self.active = False
@@ -130,7 +128,6 @@ class FlowNetwork:
         links = tuple(dict.fromkeys(self.link(link_id) for link_id in link_ids))
         self._next_id += 1
         flow = Flow(self._next_id, links, float(kv_bytes) * BITS_PER_BYTE, on_done, tag)
-        flow.started_s = self.loop.now_s
         self.flows_started += 1
         self._count(flow, 1)
         if setup_s > 0:

@@ -639,7 +639,8 @@ class Simulator:
             # The set-up runs while the prefill computes the first layer.
             sends_s -= setup_s
         if flight.streamed and self.loop.now_s < sends_s:
-            # Nothing to send before the prefill has computed the first layer.
+            # Nothing to send before the prefill has computed the first layer (streamed:
+            # the set-up starts that much earlier).
             self.loop.at(
                 sends_s,
                 self._memory_granted,
