@@ -223,8 +223,10 @@ async def test_stopped_heartbeats_are_reported_failed(client):
     assert (joined.type, failed.type) == ("joined", "failed")
     assert failed.instance_id == "decode-0" and failed.role == "decode"
     assert failed.address == "decode-0:50060"
-    assert ttl_s <= stamped_s < ttl_s + 1.5
-    assert received_s < ttl_s + 1.5
+    # Bounded, not timed: the sweep runs every 0.05 s, and the margin leaves room for a
+    # machine stalled by the Redis Cluster tests beside this one.
+    assert ttl_s <= stamped_s < ttl_s + 3.0
+    assert received_s < ttl_s + 3.0
     with pytest.raises(errors.FailedPrecondition):
         await client.heartbeat("decode-0")
     assert await client.list_nodes() == []
