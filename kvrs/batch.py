@@ -11,14 +11,15 @@ the pull (the target drives it) and the compute, not the compute alone.
 When every request is placed, each transfer is re-costed with the final flow counts, so
 no two transfers are promised the same link at full speed, and each recovery is priced
 with the queue the plan builds on its instances. The router starts them together, so a target
-serves their transfers side by side (processor sharing), not one after the other: of
-transfers streaming for x_j each alone, started at once, transfer i streams until
-Σ_j min(x_j, x_i). The x_j are the streaming times alone on the path: the re-costed times
-already share the links, and summing those would count the sharing twice. A transfer's
-fixed cost (its set-up, the path's latency) is its own: the set-ups of transfers started
-together overlap, as measured (four set-ups of 42 ms each, started together, all ended
-within 42 ms), instead of queueing one behind another. A transfer ends after the longer
-of the two, its share of the target and its share of the links. Their
+serves their transfers side by side (processor sharing): of transfers taking x_j each
+alone, started at once, transfer i ends after Σ_j min(x_j, x_i). A transfer's x is all of
+its time on the target alone, its fixed cost (the calls, the ticket, posting the buffers)
+and its stream: the target drives every pull's calls and receive itself, so pulls
+started together mostly queue there, set-ups included (`bench.concurrent_pulls`: n of
+them took 0.6–0.8 × n times one alone). The streams in x are the streaming times alone
+on the path: the re-costed times already share the links, and summing those would count
+the sharing twice. A transfer ends after the longer of the two, its share of the target
+and its share of the links. Their
 extends then join the target's batched forward passes (`ComputeProfile.batch_s`), and
 RECOMPUTE's prefills their prefill instance's, before that. An instance that reports its
 token budget per pass runs them as its loop will (`kvrs.passes`): in the order their KV
@@ -194,9 +195,11 @@ def _shared(
         own_transfer = (
             {i: _chosen_option(decisions[i]).transfer_s for i in jobs} if in_passes else moved
         )
-        # The transfers stream side by side; the extends join its passes.
+        # The target serves the transfers side by side, set-ups and streams; the
+        # extends join its passes.
+        whole = {i: fixed[i] + own[i] for i in jobs}
         transfers = {
-            i: max(own_transfer[i], fixed[i] + sum(min(own[j], own[i]) for j in jobs)) for i in jobs
+            i: max(own_transfer[i], sum(min(whole[j], whole[i]) for j in jobs)) for i in jobs
         }
         work = [(prefilled.get(i, 0.0) + transfers[i], *segment[i]) for i in jobs]
         if in_passes:
