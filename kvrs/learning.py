@@ -8,13 +8,11 @@ and reports an `Outcome`. `fit` turns a window of outcomes into `Corrections`:
     per link      fixed cost and rate, T = fixed + 8·bytes / rate. The rate is Theil–Sen
                   over the measured streams (a median of pairwise slopes, so one stalled
                   transfer moves nothing; probes alone cannot separate the two, decisions
-                  move KV of many sizes). The fixed cost is what each decision's total
-                  says it was: its share of a total stretched by the decisions it ran
-                  beside (`target_jobs`, n of them side by side each end after about n
-                  times their own work), less its own predicted stream and compute and,
-                  carried out alone, its predicted queue. Under load the calls, ticket
-                  and pair, not the wire, are what a transfer costs, and only the total
-                  sees all of it.
+                  move KV of many sizes). The fixed cost is what each transfer as
+                  measured says it was, less its stream: under load the calls, ticket
+                  and pair, not the wire, are what a transfer costs. Of a transfer run
+                  beside others on its target (`target_jobs`, n in all), its share: the
+                  target serves them about in turn, each taking about n times its own.
     new pairs     a pair no decision has used yet takes the median fixed cost of those
                   that have (its first transfer pays the same set-up, and more)
     compute       measured / predicted seconds of the forward passes (prefill and extend;
@@ -428,33 +426,16 @@ def _fit_link(samples: list[Outcome], config: LearningConfig) -> LinkFit | None:
 
 
 def _fixed_sample(o: Outcome, stream_s: float) -> float:
-    """The per-transfer fixed cost that `o`'s total says it paid, its stream at the fitted
-    rate (`stream_s`): of a total shared with `target_jobs` decisions running beside it
-    (side by side, each finishing after about n times its own work), its own
-    share, less its own work other than the set-up: its stream as predicted, its forward
-    passes as measured (which the compute factor fits), a RECOMPUTE's measured wait at
-    its prefill instance (which that worker's wait fits) and, carried out alone, the
-    queue at the target as predicted."""
-    p = o.predicted
-    if o.measured.total_s <= 0.0:
-        # No total measured: the transfer alone, less its stream at the fitted rate.
-        return o.measured.transfer_s - stream_s
-    m = o.measured
-    jobs = o.target_jobs
-    # Each correction fits its own term: the prefill instance's own wait is the worker
-    # wait's, and the compute is the compute factor's, so the measured forward passes
-    # (shared like the rest) take the place of the predicted ones. A placement's total
-    # starts once its prompt is prefilled: its prefill is in neither total.
-    prefilled = o.kind != "placement"
-    own_s = p.total_s - p.target_wait_s - p.source_wait_s - p.setup_s
-    own_s += (m.extend_s + m.prefill_s * prefilled) / jobs - p.extend_s - p.prefill_s * prefilled
-    shared_s = m.total_s - m.source_wait_s
-    # Carried out alone, its total is its own: what the prediction put before the
-    # transfer at the target (the queue, and what the corrections add to it) is priced
-    # again next to this fixed cost, so it is not part of it. Beside others, its share of
-    # the total is taken instead (the plan prices their queue).
-    queued_s = p.target_wait_s if jobs == 1 else 0.0
-    return shared_s / jobs - own_s - queued_s - (stream_s - p.stream_s)
+    """The per-transfer fixed cost that `o`'s transfer says it paid: the transfer as
+    measured (from the pull's call to its KV in on the target: the calls, the ticket, the
+    pair and the wire) less its stream at the fitted rate (`stream_s`); of a transfer
+    carried out beside `target_jobs` − 1 others on its target, its share. A target serves
+    pulls started together about in turn (`bench.concurrent_pulls`: n of them take
+    0.6–0.8 × n times one alone), each taking about n times its own, as the recovery
+    planner prices them. The rest of the decision's total (the queue at the target, the
+    call that feeds its first token) is the worker wait's and the interference's to fit:
+    counted here too, it would be priced twice, and n times over in a batch."""
+    return o.measured.transfer_s / o.target_jobs - stream_s
 
 
 def _base_source_wait_s(o: Outcome) -> float:

@@ -307,8 +307,10 @@ def test_a_simulated_runs_recoveries_replay_into_the_next_runs_margins() -> None
 
 def queued(jobs: int, fixed_s: float, at_s: float, request_id: str) -> Outcome:
     """A recovery carried out beside `jobs` − 1 others on its target, predicted with a
-    1 ms set-up, that took `jobs` times its own work (its set-up really cost fixed_s)."""
+    1 ms set-up: its transfer took `jobs` times its own (its set-up really cost fixed_s),
+    and its extend then waited 30 ms for each of the others' (queued, not set-up)."""
     stream_s = 8 * MB / 1e11
+    transfer_s = jobs * (fixed_s + stream_s)
     return Outcome(
         kind="migrate",
         request_id=request_id,
@@ -321,13 +323,21 @@ def queued(jobs: int, fixed_s: float, at_s: float, request_id: str) -> Outcome:
             target_wait_s=(jobs - 1) * 1e-3,
             total_s=jobs * 1e-3 + stream_s,
         ),
-        measured=Terms(setup_s=0.05, stream_s=0.01, total_s=jobs * (fixed_s + stream_s)),
+        measured=Terms(
+            setup_s=transfer_s - stream_s,
+            stream_s=stream_s,
+            target_wait_s=(jobs - 1) * 0.03,
+            total_s=transfer_s + (jobs - 1) * 0.03,
+        ),
         kv_bytes=MB,
         target_jobs=jobs,
     )
 
 
-def test_a_links_fixed_cost_is_a_totals_share_of_the_decisions_run_beside_it() -> None:
+def test_a_links_fixed_cost_is_a_transfers_share_of_those_run_beside_it() -> None:
+    """Beside others on its target, a decision's share of its transfer as measured is its
+    fixed cost (the target serves pulls started together in turn); the queue of their
+    work its total also holds is not set-up."""
     outcomes = [queued(jobs, 0.02, NOW_S, f"r{jobs}") for jobs in (1, 4, 8, 12)]
     corrections = fit(outcomes, BASE, NOW_S)
     link = corrections.link("p0", "d0")
@@ -466,3 +476,26 @@ def test_a_placement_alone_leaves_its_predicted_queue_out_of_its_links_fixed_cos
     link = fit(outcomes, BASE, NOW_S).link("p0", "d0")
     assert link is not None
     assert link.fixed_s == pytest.approx(0.003, rel=1e-6)
+
+
+def test_a_queue_longer_than_predicted_is_the_workers_wait_not_the_links_fixed_cost() -> None:
+    """Placed alone on an idle target, each waited 20 ms more for its first step than
+    predicted: the worker's own wait takes that, and the link's fixed cost stays what
+    the transfers took (counted in both, it would be priced twice, and in a recovery
+    batch once per recovery sharing the target)."""
+    outcomes = []
+    for n in (1, 2, 3, 5):
+        o = transfer(n * MB, fixed_s=0.003, bps=1e11, extend_tokens=1)
+        outcomes.append(
+            dataclasses.replace(
+                o,
+                measured=dataclasses.replace(
+                    o.measured, target_wait_s=0.02, total_s=o.measured.total_s + 0.02
+                ),
+            )
+        )
+    corrections = fit(outcomes, BASE, NOW_S)
+    link = corrections.link("p0", "d0")
+    assert link is not None
+    assert link.fixed_s == pytest.approx(0.003, rel=1e-6)
+    assert corrections.worker_wait_s == {"d0": pytest.approx(0.02)}
