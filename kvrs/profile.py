@@ -13,14 +13,20 @@ several sequences at once — prefills, extends and one decode token per running
 `ComputeProfile.batch_s` prices such a pass, `BatchCost`:
 
     T(batch) = a + b · Σ new_i + c · Σ new_i · (cached_i + new_i) + d · sequences
+               + e · Σ cached_i
 
 a fixed cost per pass (weights read once), a cost per new token (projections, MLP), a
-cost per (new token × attended token) pair (attention) and a cost per sequence in the
-batch (its own attention call, bookkeeping). Eight recomputes of L tokens each sent to
-one prefill worker cost `batch_s([(0, L)] * 8)` when they fit one pass (the worker's
-token budget), against `8 · prefill_s(L)` one at a time. `kvrs calibrate` measures the
-four terms; a profile without them (older files, presets) prices a batch with its
-single-pass fit and no per-sequence term, which for one sequence equals `fit_s`.
+cost per (new token × attended token) pair (attention), a cost per sequence in the
+batch (its own attention call, bookkeeping) and a cost per cached token of every
+sequence in it (reading its resident KV). The last is what a decode step over a long
+context pays: one new token attends to thousands of cached ones, read from their blocks,
+at a cost per token that a prefill's dense attention (c) does not show; with c alone a
+step of 32 streams over 1,500 tokens each was priced 4× too cheap. Eight recomputes of
+L tokens each sent to one prefill worker cost `batch_s([(0, L)] * 8)` when they fit one
+pass (the worker's token budget), against `8 · prefill_s(L)` one at a time. `kvrs
+calibrate` measures the five terms; a profile without them (older files, presets) prices
+a batch with its single-pass fit and no per-sequence or per-cached-token term, which for
+one sequence equals `fit_s`.
 """
 
 from __future__ import annotations
@@ -47,7 +53,13 @@ __all__ = [
 ]
 
 
-_BATCH_FIELDS = ("a_s", "b_s_per_token", "c_s_per_token2", "d_s_per_sequence")
+_BATCH_FIELDS = (
+    "a_s",
+    "b_s_per_token",
+    "c_s_per_token2",
+    "d_s_per_sequence",
+    "e_s_per_cached_token",
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,8 @@ class BatchCost:
     """Per (new token × attended token): a prefill of L from scratch has L·L."""
     d_s_per_sequence: float = 0.0
     """Per sequence in the batch."""
+    e_s_per_cached_token: float = 0.0
+    """Per token already cached in a sequence of the batch (its KV read by the pass)."""
 
     def __post_init__(self) -> None:
         for field in _BATCH_FIELDS:
@@ -73,7 +87,7 @@ class BatchCost:
     def batch_s(self, segments: Iterable[tuple[int, int]]) -> float:
         """Seconds of one pass computing, per sequence, `new` tokens on top of `cached`
         resident ones (`segments` of (cached_tokens, new_tokens)); 0 for an empty batch."""
-        tokens = pairs = sequences = 0
+        tokens = pairs = sequences = resident = 0
         for cached, new in segments:
             if cached < 0:
                 raise InvalidArgument("cached_tokens", f"must be >= 0, got {cached}")
@@ -82,6 +96,7 @@ class BatchCost:
             tokens += new
             pairs += new * (cached + new)
             sequences += 1
+            resident += cached
         if not sequences:
             return 0.0
         return (
@@ -89,6 +104,7 @@ class BatchCost:
             + self.b_s_per_token * tokens
             + self.c_s_per_token2 * pairs
             + self.d_s_per_sequence * sequences
+            + self.e_s_per_cached_token * resident
         )
 
     def to_json(self) -> dict[str, float]:
@@ -123,6 +139,7 @@ class BatchCost:
                     sum(new for _, new in segments),
                     sum(new * (cached + new) for cached, new in segments),
                     len(segments),
+                    sum(cached for cached, _ in segments),
                 ]
             )
             seconds.append(measured)
@@ -135,7 +152,7 @@ class BatchCost:
 def _nonnegative_fit(design: Any, seconds: Any) -> list[float]:
     """Coefficients >= 0 minimising Σ ((design · x − s) / s)²: every subset of the
     columns is solved by least squares, the best non-negative one kept (exact for the
-    three or four terms a profile has)."""
+    three to five terms a profile has)."""
     import numpy as np
 
     scale = np.maximum(np.abs(design).max(axis=0), 1e-300)
@@ -252,6 +269,7 @@ class ComputeProfile:
                 b_s_per_token=batch.b_s_per_token * factor,
                 c_s_per_token2=batch.c_s_per_token2 * factor,
                 d_s_per_sequence=batch.d_s_per_sequence * factor,
+                e_s_per_cached_token=batch.e_s_per_cached_token * factor,
             ),
         )
 

@@ -4,9 +4,10 @@ Runs the workers' own model code on the checkpoint they load (services.worker.mo
 same dtype and threads as a worker) over a sweep of prompt lengths, fits
 T_pf(L) = a + b·L + c·L², checks the fit's extend prediction T_ext(L0, g) against
 measured extends, then measures batched passes as the workers run them (continuous
-batching): several prompts prefilled in one pass, and decode steps of 1 to 16 streams
+batching): several prompts prefilled in one pass, and decode steps of 1 to 32 streams
 over short and long contexts, and fits the batch cost
-T = a + b·tokens + c·Σ new·(cached + new) + d·sequences (`kvrs.profile.BatchCost`).
+T = a + b·tokens + c·Σ new·(cached + new) + d·sequences + e·Σ cached
+(`kvrs.profile.BatchCost`).
 It writes the profile JSON (`kvrs.profile.ComputeProfile.save`) that the scheduler, the
 cost oracle and the workers (WORKER_PROFILE_PATH) load. The report goes to stdout as JSON.
 """
@@ -27,7 +28,7 @@ from kvrs.model import DEFAULT_MODEL
 from kvrs.profile import BatchCost, ComputeProfile
 
 DEFAULT_LENGTHS = "16,32,64,128,256,512,1024"
-DEFAULT_BATCH_SIZES = "1,2,4,8,16"
+DEFAULT_BATCH_SIZES = "1,2,4,8,16,32"
 MAX_PREFILL_BATCH_TOKENS = 2048
 """Largest batch of prompts measured (batch size × length): a worker's default token
 budget per pass (WORKER_MAX_BATCH_TOKENS), which also keeps calibration short."""

@@ -156,6 +156,28 @@ def test_the_batch_fit_recovers_the_terms_it_was_measured_with() -> None:
         assert fitted.batch_s(shape) == pytest.approx(BATCH.batch_s(shape), rel=1e-6)
 
 
+def test_a_decode_step_pays_for_reading_every_sequences_cached_kv() -> None:
+    """A step of long-context streams reads all their resident KV: priced per cached
+    token, a term the dense attention of prefills (per pair) cannot stand in for, and
+    which a calibration's decode passes alone pin down."""
+    reading = BatchCost(
+        a_s=5e-4, b_s_per_token=1e-5, c_s_per_token2=3e-8, e_s_per_cached_token=2e-7
+    )
+    steps = [(1500, 1)] * 32
+    without = BatchCost(a_s=5e-4, b_s_per_token=1e-5, c_s_per_token2=3e-8)
+    assert reading.batch_s(steps) == pytest.approx(without.batch_s(steps) + 2e-7 * 32 * 1500)
+    # A prefill from scratch reads nothing cached: the same price with or without it.
+    assert reading.batch_s([(0, 512)] * 2) == pytest.approx(without.batch_s([(0, 512)] * 2))
+    shapes = [[(0, n)] * k for n in (16, 64, 256) for k in (1, 2, 8)]
+    shapes += [[(c, 1)] * k for c in (16, 128, 1024) for k in (1, 4, 16, 32)]
+    fitted = BatchCost.fit([(shape, reading.batch_s(shape)) for shape in shapes])
+    assert fitted.e_s_per_cached_token == pytest.approx(2e-7, rel=1e-6)
+    assert fitted.batch_s(steps) == pytest.approx(reading.batch_s(steps), rel=1e-6)
+    # Profiles written before the term load without it.
+    assert BatchCost.from_json({"a_s": 1e-3}).e_s_per_cached_token == 0.0
+    assert BatchCost.from_json(reading.to_json()) == reading
+
+
 def test_a_profile_without_batch_terms_prices_a_batch_with_its_single_pass_fit() -> None:
     old = ComputeProfile.from_json({"model": "opt-13b", "a_s": 1e-2, "b_s_per_token": 1e-4})
     assert old.batch is None
