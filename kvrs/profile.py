@@ -264,13 +264,7 @@ class ComputeProfile:
             c_s_per_token2=self.c_s_per_token2 * factor,
             batch=None
             if batch is None
-            else BatchCost(
-                a_s=batch.a_s * factor,
-                b_s_per_token=batch.b_s_per_token * factor,
-                c_s_per_token2=batch.c_s_per_token2 * factor,
-                d_s_per_sequence=batch.d_s_per_sequence * factor,
-                e_s_per_cached_token=batch.e_s_per_cached_token * factor,
-            ),
+            else BatchCost(**{field: getattr(batch, field) * factor for field in _BATCH_FIELDS}),
         )
 
     def batch_cost(self) -> BatchCost:
