@@ -392,19 +392,21 @@ def _recent(outcomes: Iterable[Outcome], now_s: float, config: LearningConfig) -
 def _fit_link(samples: list[Outcome], config: LearningConfig) -> LinkFit | None:
     """Fixed cost and rate of one path from its transfers (see the module docstring).
 
-    Each transfer counts as measured (from the pull's call to its KV in on the target:
-    the calls, the ticket, the pair and the wire), or of one carried out beside
-    `target_jobs` − 1 others on its target, its share: a target serves pulls started
-    together about in turn (`bench.concurrent_pulls`: n of them take 0.6–0.8 × n times
-    one alone), each taking about n times its own, as the recovery planner prices them.
-    The rest of a decision's total (the queue at the target, the call that feeds its
-    first token) is the worker wait's and the interference's to fit: counted here too, it
-    would be priced twice, and n times over in a batch."""
+    The fixed cost is each transfer as measured (from the pull's call to its KV in on
+    the target: the calls, the ticket, the pair and the wire) less its stream at the
+    fitted rate, or of one carried out beside `target_jobs` − 1 others on its target, its
+    share: a target serves pulls started together about in turn (`bench.concurrent_pulls`:
+    n of them take 0.6–0.8 × n times one alone), each taking about n times its own, as the
+    recovery planner prices them. The rest of a decision's total (the queue at the target,
+    the call that feeds its first token) is the worker wait's and the interference's to
+    fit: counted here too, it would be priced twice, and n times over in a batch. The
+    rate's slope reads the transfers whole: their shares, divided by counts that vary from
+    one to tens in a burst, scatter more than the sizes separate them."""
     points = []
     priors = []
     for o in samples:
         bits = BITS_PER_BYTE * o.kv_bytes
-        points.append((bits, o.measured.transfer_s / o.target_jobs))
+        points.append((bits, o.measured.transfer_s))
         if o.predicted.stream_s > 0.0:
             priors.append(bits / o.predicted.stream_s)
     if len(points) < config.min_samples or not priors:
@@ -426,7 +428,11 @@ def _fit_link(samples: list[Outcome], config: LearningConfig) -> LinkFit | None:
     else:
         # Sizes too alike to separate the two: keep the predicted rate, fit the fixed cost.
         bps = prior_bps
-    fixed_s = _clip(_median([y - x / bps for x, y in points]), 0.0, config.max_fixed_s)
+    shares = [
+        o.measured.transfer_s / o.target_jobs - x / bps
+        for o, (x, _) in zip(samples, points, strict=True)
+    ]
+    fixed_s = _clip(_median(shares), 0.0, config.max_fixed_s)
     return LinkFit(fixed_s=fixed_s, bandwidth_bps=bps, samples=len(points))
 
 
