@@ -67,7 +67,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes", "load_unchanged", "prefix_hashes_unchanged", "compute_factor")
+    __slots__ = ("request_id", "instance_id", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes", "load_unchanged", "prefix_hashes_unchanged", "compute_factor", "running_context_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class HeartbeatRequest(_message.Message):
     LOAD_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASHES_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     queue_depth: int
@@ -88,7 +89,8 @@ class HeartbeatRequest(_message.Message):
     load_unchanged: bool
     prefix_hashes_unchanged: bool
     compute_factor: float
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., load_unchanged: _Optional[bool] = ..., prefix_hashes_unchanged: _Optional[bool] = ..., compute_factor: _Optional[float] = ...) -> None: ...
+    running_context_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., load_unchanged: _Optional[bool] = ..., prefix_hashes_unchanged: _Optional[bool] = ..., compute_factor: _Optional[float] = ..., running_context_tokens: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("expires_unix_ms",)
@@ -123,7 +125,7 @@ class DeregisterNodeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "location", "model", "kv_capacity_blocks", "transfer_address", "state", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes", "age_s", "last_seen_unix_ms", "heartbeat_ttl_s", "compute_factor", "max_batch_tokens")
+    __slots__ = ("instance_id", "role", "address", "location", "model", "kv_capacity_blocks", "transfer_address", "state", "queue_depth", "queued_work_s", "running_requests", "free_kv_blocks", "resident_prefix_hashes", "age_s", "last_seen_unix_ms", "heartbeat_ttl_s", "compute_factor", "max_batch_tokens", "running_context_tokens")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +144,7 @@ class NodeInfo(_message.Message):
     HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FACTOR_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: _common_pb2.Role
     address: str
@@ -160,7 +163,8 @@ class NodeInfo(_message.Message):
     heartbeat_ttl_s: float
     compute_factor: float
     max_batch_tokens: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., model: _Optional[str] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., age_s: _Optional[float] = ..., last_seen_unix_ms: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., compute_factor: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ...) -> None: ...
+    running_context_tokens: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., model: _Optional[str] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_address: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., queue_depth: _Optional[int] = ..., queued_work_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., resident_prefix_hashes: _Optional[_Iterable[int]] = ..., age_s: _Optional[float] = ..., last_seen_unix_ms: _Optional[int] = ..., heartbeat_ttl_s: _Optional[float] = ..., compute_factor: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., running_context_tokens: _Optional[int] = ...) -> None: ...
 
 class ReportLinkSampleRequest(_message.Message):
     __slots__ = ("request_id", "src_instance_id", "dst_instance_id", "bandwidth_bps", "sample_bandwidth_bps", "rtt_s", "probe_bytes", "samples")

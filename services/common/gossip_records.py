@@ -78,6 +78,8 @@ class NodeLoad:
     """Hashes of the prefix blocks resident on the instance."""
     compute_factor: float = 0.0
     """Measured / profile seconds of its recent forward passes; 0 = not measured."""
+    running_context_tokens: int = 0
+    """Tokens cached by its running decode streams, summed (each step reads them)."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,7 @@ def validate_load(load: NodeLoad) -> None:
     require_non_negative("running_requests", load.running_requests)
     require_non_negative("free_kv_blocks", load.free_kv_blocks)
     require_non_negative("compute_factor", load.compute_factor)
+    require_non_negative("running_context_tokens", load.running_context_tokens)
     if len(load.resident_prefix_hashes) > MAX_PREFIX_HASHES:
         raise InvalidArgument(
             "resident_prefix_hashes",

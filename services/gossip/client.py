@@ -23,6 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -296,6 +297,9 @@ FREE_KV_THRESHOLD = 0.01
 """A change of free KV blocks below this share of the capacity is not worth an update."""
 COMPUTE_FACTOR_THRESHOLD = 0.05
 """A change of `compute_factor` below this share of it is not worth an update."""
+CONTEXT_THRESHOLD = 0.05
+"""A change of `running_context_tokens` below this share of it is not worth an update
+(it grows by one token per stream at every decode step)."""
 FULL_LOAD_EVERY = 10
 """Every this many beats the whole load is sent, whatever changed: what the thresholds
 held back reaches the registry within this many intervals."""
@@ -311,6 +315,8 @@ def load_changed(sent: NodeLoad, load: NodeLoad, kv_capacity_blocks: int) -> boo
         > FREE_KV_THRESHOLD * max(0, kv_capacity_blocks)
         or abs(load.compute_factor - sent.compute_factor)
         > COMPUTE_FACTOR_THRESHOLD * max(1.0, sent.compute_factor)
+        or abs(load.running_context_tokens - sent.running_context_tokens)
+        > CONTEXT_THRESHOLD * sent.running_context_tokens
     )
 
 
@@ -420,18 +426,10 @@ class HeartbeatLoop:
             prefix_hashes_unchanged=prefix_unchanged,
         )
         self._beats_since_full = 0 if full else self._beats_since_full + 1
-        if load_unchanged or prefix_unchanged:
+        if load_unchanged:
+            # What the registry holds now: the load sent before, the prefix set as sent.
             assert sent is not None
-            load = NodeLoad(
-                queue_depth=sent.queue_depth if load_unchanged else load.queue_depth,
-                queued_work_s=sent.queued_work_s if load_unchanged else load.queued_work_s,
-                running_requests=(
-                    sent.running_requests if load_unchanged else load.running_requests
-                ),
-                free_kv_blocks=sent.free_kv_blocks if load_unchanged else load.free_kv_blocks,
-                resident_prefix_hashes=load.resident_prefix_hashes,
-                compute_factor=sent.compute_factor if load_unchanged else load.compute_factor,
-            )
+            load = replace(sent, resident_prefix_hashes=load.resident_prefix_hashes)
         self._sent = load
 
     async def _current_load(self) -> NodeLoad:

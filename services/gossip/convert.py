@@ -106,6 +106,7 @@ def heartbeat_to_pb(
         request.running_requests = load.running_requests
         request.free_kv_blocks = load.free_kv_blocks
         request.compute_factor = load.compute_factor
+        request.running_context_tokens = load.running_context_tokens
     if not prefix_hashes_unchanged:
         request.resident_prefix_hashes.extend(load.resident_prefix_hashes)
     return request
@@ -119,6 +120,7 @@ def load_from_pb(message: gossip_pb2.HeartbeatRequest | gossip_pb2.NodeInfo) -> 
         free_kv_blocks=message.free_kv_blocks,
         resident_prefix_hashes=tuple(message.resident_prefix_hashes),
         compute_factor=message.compute_factor,
+        running_context_tokens=message.running_context_tokens,
     )
 
 
@@ -144,6 +146,7 @@ def node_to_pb(record: NodeRecord) -> gossip_pb2.NodeInfo:
         free_kv_blocks=load.free_kv_blocks,
         resident_prefix_hashes=load.resident_prefix_hashes,
         compute_factor=load.compute_factor,
+        running_context_tokens=load.running_context_tokens,
         age_s=record.age_s,
         last_seen_unix_ms=record.last_seen_unix_ms,
         heartbeat_ttl_s=record.heartbeat_ttl_s,

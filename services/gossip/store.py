@@ -161,7 +161,8 @@ if not live then
   -- A (re)joining instance holds no requests: all of its KV memory is free.
   local capacity = redis.call('HGET', node, 'kv_capacity_blocks') or 0
   redis.call('HSET', node, 'queue_depth', 0, 'queued_work_s', 0, 'running_requests', 0,
-    'free_kv_blocks', capacity, 'resident_prefix_hashes', '[]', 'compute_factor', 0)
+    'free_kv_blocks', capacity, 'resident_prefix_hashes', '[]', 'compute_factor', 0,
+    'running_context_tokens', 0)
 end
 redis.call('HSET', node, 'state', 'alive', 'last_seen_unix_ms', now, 'ttl_ms', ttl_ms)
 redis.call('HDEL', node, 'down_unix_ms', 'suspect_unix_ms')
@@ -439,6 +440,7 @@ _LOAD_FIELDS = (
     "running_requests",
     "free_kv_blocks",
     "compute_factor",
+    "running_context_tokens",
 )
 SWEEP_BATCH = 500
 PROBE_TIMEOUT_S = 0.5
@@ -497,6 +499,7 @@ def _node_record(fields: dict[str, str], now_ms: int) -> NodeRecord:
         free_kv_blocks=int(fields.get("free_kv_blocks", 0)),
         resident_prefix_hashes=tuple(json.loads(fields.get("resident_prefix_hashes", "[]"))),
         compute_factor=float(fields.get("compute_factor", 0)),
+        running_context_tokens=int(fields.get("running_context_tokens", 0)),
     )
     last_seen_ms = int(fields["last_seen_unix_ms"])
     return NodeRecord(

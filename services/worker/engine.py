@@ -131,6 +131,8 @@ class WorkerStats:
     """Measured / profile seconds of the recent forward passes (`services.worker.pace`)."""
     queue_depth: int
     running_requests: int
+    running_context_tokens: int
+    """Tokens cached by the running decode streams, summed: what each step reads."""
     evicted_requests: int
     expired_requests: int
     resident_prefix_hashes: list[int]
@@ -174,7 +176,8 @@ class WorkerEngine:
         self._lease_s = lease_s
         self._send_kv_deadline_s = send_kv_deadline_s
         self._pacing_bps = pacing_bps
-        self._running_decodes = 0
+        self._decoding: list[Resident] = []
+        """The requests whose Decode stream is open (one entry per stream)."""
         config = model.config
         self.layout = KvLayout(config.layers, config.kv_heads, config.head_dim, model.dtype)
 
@@ -327,7 +330,7 @@ class WorkerEngine:
         if max_new_tokens <= 0:
             raise InvalidArgument("max_new_tokens", f"must be > 0, got {max_new_tokens}")
         entry = self.store.get(request_id)
-        self._running_decodes += 1
+        self._decoding.append(entry)
         try:
             async with self._using(entry):
                 if sampling is not None:
@@ -354,7 +357,7 @@ class WorkerEngine:
                     # request's KV is gone by then, not a moment later or never.
                     self.store.release(request_id)
         finally:
-            self._running_decodes -= 1
+            self._decoding.remove(entry)
         yield DecodedToken(token, index + produced, step_s, last=True)
 
     async def _catch_up(self, entry: Resident, generated: list[int]) -> tuple[int, float]:
@@ -745,7 +748,8 @@ class WorkerEngine:
             queued_work_s=self.compute.queued_work_s,
             compute_factor=self.compute.pace.factor if self.compute.pace.measured else 0.0,
             queue_depth=self.compute.depth,
-            running_requests=self._running_decodes,
+            running_requests=len(self._decoding),
+            running_context_tokens=sum(entry.resident_tokens for entry in self._decoding),
             evicted_requests=store.evicted,
             expired_requests=store.expired,
             resident_prefix_hashes=store.prefix_hashes(),

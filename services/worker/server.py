@@ -270,6 +270,7 @@ async def _join_gossip(
             free_kv_blocks=stats.free_kv_blocks,
             resident_prefix_hashes=tuple(stats.resident_prefix_hashes),
             compute_factor=stats.compute_factor,
+            running_context_tokens=stats.running_context_tokens,
         )
 
     def forget_requests(declared_failed: bool) -> None:

@@ -119,3 +119,47 @@ async def test_a_stream_left_mid_way_resumes_exactly_where_its_reader_stopped(al
         await channel.close()
         await worker.stop(0)
     assert received[:3] + rest == alone[0]
+
+
+async def test_a_worker_reports_the_context_its_open_streams_hold():
+    """Each decode step reads every open stream's cache: the worker reports their tokens
+    summed (gossip carries it to the batch planner), and none once the streams close."""
+    worker = await build_server(
+        Config(
+            instance_id="decode-context",
+            role="decode",
+            listen_addr="127.0.0.1:0",
+            transfer_host="127.0.0.1",
+            canary_interval_s=30.0,
+        ),
+        setup_tracing("test", exporter=InMemorySpanExporter()),
+    )
+    channel = open_channel(f"127.0.0.1:{worker.port}", GrpcSettings())
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    streams = []
+    try:
+        for i in (0, 1):
+            request_id = f"r-context-{i}"
+            await stub.Prefill(
+                pb.PrefillRequest(request_id=request_id, prompt_token_ids=PROMPTS[i])
+            )
+            stream = stub.Decode(pb.DecodeRequest(request_id=request_id, max_new_tokens=NEW_TOKENS))
+            for _ in range(3):
+                await stream.read()
+            streams.append(stream)
+        open_stats = worker.engine.stats()
+        resident = sum(worker.engine.store.get(f"r-context-{i}").resident_tokens for i in (0, 1))
+        for stream in streams:
+            stream.cancel()
+        for _ in range(100):
+            if worker.engine.stats().running_requests == 0:
+                break
+            await asyncio.sleep(0.02)
+        closed_stats = worker.engine.stats()
+    finally:
+        await channel.close()
+        await worker.stop(0)
+    assert open_stats.running_requests == 2
+    assert open_stats.running_context_tokens >= len(PROMPTS[0]) + len(PROMPTS[1]) + 2 * 3
+    assert open_stats.running_context_tokens <= resident
+    assert closed_stats.running_context_tokens == 0

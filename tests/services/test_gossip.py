@@ -147,6 +147,8 @@ async def test_register_heartbeat_and_list(client):
         running_requests=2,
         free_kv_blocks=40,
         resident_prefix_hashes=(7, 2**64 - 1),
+        compute_factor=1.5,
+        running_context_tokens=900,
     )
     expires_ms = await client.heartbeat("decode-0", load)
     nodes = {node.registration.instance_id: node for node in await client.list_nodes()}

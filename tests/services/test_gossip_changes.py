@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ LOAD = NodeLoad(
     running_requests=2,
     free_kv_blocks=40,
     resident_prefix_hashes=(7, 2**64 - 1),
+    running_context_tokens=900,
 )
 
 
@@ -170,11 +172,9 @@ async def test_heartbeat_loop_sends_the_load_only_when_it_changed(client, monkey
     try:
         while len(sent) < 3:
             await asyncio.sleep(0.01)
-        current["load"] = NodeLoad(
-            queue_depth=LOAD.queue_depth,
+        current["load"] = replace(
+            LOAD,
             queued_work_s=LOAD.queued_work_s + 0.0001,  # below the threshold
-            running_requests=LOAD.running_requests,
-            free_kv_blocks=LOAD.free_kv_blocks,
             resident_prefix_hashes=(1, 2, 3),
         )
         mark = len(sent)
@@ -215,3 +215,10 @@ async def test_concurrent_heartbeats_share_pipelines_not_connections(redis_url, 
             await asyncio.gather(store.heartbeat("decode-0", LOAD), store.heartbeat("ghost", LOAD))
     finally:
         await redis.aclose()
+
+
+def test_a_streams_context_is_sent_once_it_grew_by_its_threshold():
+    """Every decode step adds a token per stream: not worth a beat's load each time."""
+    grown = int(LOAD.running_context_tokens * (1 + gossip_client.CONTEXT_THRESHOLD))
+    assert not gossip_client.load_changed(LOAD, replace(LOAD, running_context_tokens=grown), 64)
+    assert gossip_client.load_changed(LOAD, replace(LOAD, running_context_tokens=grown + 1), 64)
