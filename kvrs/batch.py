@@ -23,11 +23,14 @@ and its share of the links. Their
 extends then join the target's batched forward passes (`ComputeProfile.batch_s`), and
 RECOMPUTE's prefills their prefill instance's, before that. An instance that reports its
 token budget per pass runs them as its loop will (`kvrs.passes`): in the order their KV
-arrives, in passes of at most that many tokens beside its running streams, so the
-recoveries end one pass after another; there a HYBRID's recomputed prefix is work of its
-own in those passes (the worker queues it as the pull starts), and its extend follows
-both the prefix and the transfer. One that reports none is priced as running them all in
-one pass, each HYBRID's prefix beside its transfer.
+arrives, in passes of at most that many tokens beside its running streams (each
+holding its share of the context they report), so the recoveries end one pass after
+another; there a HYBRID's recomputed prefix is work of its own in those passes (the
+worker queues it as the pull starts), and its extend follows both the prefix and the
+transfer. One that reports none is priced as running them all in one pass, each
+HYBRID's prefix beside its transfer. Every instance's passes are priced at the pace it
+reports, its recent passes timed against the profile (a loaded host runs them slower
+than the quiet one the profile was measured on).
 """
 
 from __future__ import annotations
@@ -178,9 +181,9 @@ def _shared(
         work = [(0.0, 0, sum(segment[i])) for i in jobs]
         ends = _ends_s(source, work, computes, cost)
         # Never sooner than the prefill alone, after what the instance has queued.
-        wait_s = source.wait_s if source is not None else 0.0
+        wait_s, pace = (source.wait_s, source.compute_factor) if source else (0.0, 1.0)
         for i, end_s, compute_s in zip(jobs, ends, computes, strict=True):
-            prefilled[i] = max(end_s, wait_s + compute_s)
+            prefilled[i] = max(end_s, wait_s + pace * compute_s)
 
     priced = list(decisions)
     for target_id, jobs in on_target.items():
@@ -262,10 +265,11 @@ def _ends_s(
     if instance is not None and instance.max_batch_tokens > 0:
         return _pass_ends_s(instance, work, cost)
     wait_s = instance.wait_s if instance is not None else 0.0
+    pace = instance.compute_factor if instance is not None else 1.0
     segments = [(cached, new) for _, cached, new in work if new > 0]
     shared_s = cost.compute.batch_s(segments) if len(segments) > 1 else None
     return [
-        wait_s + ready_s + (shared_s if shared_s is not None else alone)
+        wait_s + ready_s + pace * (shared_s if shared_s is not None else alone)
         for (ready_s, _, _), alone in zip(work, alone_s, strict=True)
     ]
 
@@ -296,14 +300,18 @@ def _pass_ends_s(
     cost: CostModel,
     after: Sequence[int | None] = (),
 ) -> list[float]:
-    """`kvrs.passes.pass_ends_s` on an instance that reports its pass budget."""
+    """`kvrs.passes.pass_ends_s` on an instance that reports its pass budget, each pass
+    at the pace its recent passes ran."""
+    pace = instance.compute_factor
+    profile = cost.compute
     return pass_ends_s(
         work,
         instance.max_batch_tokens,
-        cost.compute.pass_s,
+        profile.pass_s if pace == 1.0 else lambda segments: pace * profile.pass_s(segments),
         instance.wait_s,
         instance.running_requests,
         after,
+        instance.running_context_tokens,
     )
 
 

@@ -24,6 +24,8 @@ class InstanceState:
     """W(x): seconds of work queued ahead of a new request."""
     queue_depth: int = 0
     running_requests: int = 0
+    running_context_tokens: int = 0
+    """Tokens cached by its running decode streams, summed (each step reads them)."""
     free_kv_tokens: int = 2**62
     """Free KV memory, in tokens of the served model."""
     resident_blocks: frozenset[int] = frozenset()
@@ -36,6 +38,9 @@ class InstanceState:
     max_batch_tokens: int = 0
     """Most new tokens one of its forward passes takes (the worker's token budget,
     `kvrs.passes`); 0: not reported, its queued work priced as one pass."""
+    compute_factor: float = 1.0
+    """How many times longer its forward passes run now than the decisions' compute
+    profile prices them (its own recent passes timed against it); 1: as priced."""
 
 
 class InstanceList(list[InstanceState]):

@@ -51,6 +51,7 @@ def pass_ends_s(
     free_s: float = 0.0,
     streams: int = 0,
     after: Sequence[int | None] = (),
+    stream_context_tokens: int = 0,
 ) -> list[float]:
     """When each piece of `work` — (ready_s, cached_tokens, new_tokens), ready when its
     KV has arrived — has its last token computed, in seconds from now.
@@ -58,7 +59,9 @@ def pass_ends_s(
     The worker's loop as it runs: it is busy until `free_s`; then each pass takes the
     pieces ready by its start, in the order of their ready time (ties in the given order),
     one chunk each, while the budget lasts. `streams` decoding streams already running
-    there put one token each into every pass. `pass_s` prices a pass's segments.
+    there put one token each into every pass, on top of the `stream_context_tokens` they
+    hold between them (a step reads every stream's cache: 32 streams of 1,500 tokens cost
+    several times 32 of none). `pass_s` prices a pass's segments.
     `after[i]`, when given and not None, is the index of a piece that must be computed
     before piece i is ready (a HYBRID's extend follows the recompute of its prefix).
 
@@ -70,6 +73,8 @@ def pass_ends_s(
     _check_budget(budget_tokens)
     if streams < 0:
         raise InvalidArgument("streams", f"must be >= 0, got {streams}")
+    if stream_context_tokens < 0:
+        raise InvalidArgument("stream_context_tokens", f"must be >= 0, got {stream_context_tokens}")
     if after and len(after) != len(work):
         raise InvalidArgument("after", f"needs one entry per piece, got {len(after)}")
     ready_at = [ready_s for ready_s, _, _ in work]
@@ -91,7 +96,9 @@ def pass_ends_s(
         (i for i in range(len(work)) if left[i] > 0 and i not in held),
         key=lambda i: (ready_at[i], i),
     )
-    running = [(0, 1)] * streams
+    # The context split evenly: a pass's price is linear in each sequence's cached tokens.
+    share, extra = divmod(stream_context_tokens, streams) if streams else (0, 0)
+    running = [(share + 1, 1)] * extra + [(share, 1)] * (streams - extra)
     room_per_pass = max(1, budget_tokens - streams)
     step_s = pass_s(running) if running else 0.0
     now = free_s

@@ -559,6 +559,7 @@ class ViewCache:
             wait_s=wait_s,
             queue_depth=load.queue_depth,
             running_requests=load.running_requests,
+            running_context_tokens=load.running_context_tokens,
             free_kv_tokens=free_kv_tokens,
             resident_blocks=frozenset(load.resident_prefix_hashes),
             age_s=node.age_s,
@@ -566,6 +567,11 @@ class ViewCache:
             transfer_address=registration.transfer_address,
             alive=node.state == ALIVE,
             max_batch_tokens=registration.max_batch_tokens,
+            # The worker times its passes against the base profile; decisions price with
+            # it corrected by the outcomes (`corrections.compute_factor`).
+            compute_factor=(
+                load.compute_factor / corrections.compute_factor if load.compute_factor else 1.0
+            ),
         )
 
     def _in_topology_pair(self, pair: tuple[str, str]) -> bool:

@@ -242,6 +242,21 @@ async def test_router_membership_shares_one_refresh_among_a_burst_of_joined_even
     assert 1 <= listings - started < 30, listings - started
 
 
+async def test_a_view_carries_each_instances_pace_and_the_context_of_its_streams(gossip):
+    """What the batch planner prices an instance's passes with: how much slower than the
+    profile they run there, and the context its running streams read at every step."""
+    await gossip.register(decode("decode-0", ttl_s=30.0))
+    await gossip.register(decode("decode-1", ttl_s=30.0))
+    await gossip.heartbeat(
+        "decode-0", NodeLoad(running_requests=2, compute_factor=2.5, running_context_tokens=3000)
+    )
+    view, _ = view_over(gossip, resync_s=3600.0)
+    assert await view.refresh()
+    busy, quiet = (view.state.cluster.instances[f"decode-{i}"] for i in (0, 1))
+    assert (busy.compute_factor, busy.running_context_tokens) == (2.5, 3000)
+    assert (quiet.compute_factor, quiet.running_context_tokens) == (1.0, 0), "not measured"
+
+
 async def test_work_assigned_since_the_last_heartbeat_moves_w_on_a_delta_refresh(gossip):
     await gossip.register(decode("decode-0", ttl_s=30.0))
     await gossip.register(decode("decode-1", ttl_s=30.0))

@@ -243,6 +243,30 @@ def test_recoveries_on_a_target_with_a_pass_budget_end_pass_by_pass() -> None:
     assert len({d.cost_s for d in flat.decisions}) == 1
 
 
+def test_a_target_whose_passes_run_slower_than_its_profile_is_priced_at_its_pace() -> None:
+    """A worker reports how many times longer than the profile its recent passes ran
+    (a loaded host, other processes on its cores): the plan prices that target's passes
+    at that pace, not at the quiet machine's."""
+    cost, _ = cluster(nodes=2)
+    topology = cost.network.topology
+    items = [
+        RecoveryRequest(f"r{i}", 64, 1100, "prefill-0", exclude_ids=frozenset({"decode-0"}))
+        for i in range(2)
+    ]
+    policy = make_recovery_policy("always_migrate")
+    ends = {}
+    for pace in (1.0, 3.0):
+        states = {
+            i: InstanceState(i, spec.role, max_batch_tokens=4096, compute_factor=pace)
+            for i, spec in topology.instances.items()
+        }
+        plan = plan_batch(items, ClusterView(states, now_s=0.0), cost, 0.0, policy, 32)
+        ends[pace] = max(d.cost_s for d in plan.decisions)
+    # Both extends land together and share one pass.
+    pass_s = cost.compute.pass_s([(64, 1100), (64, 1100)])
+    assert ends[3.0] - ends[1.0] == pytest.approx(2 * pass_s)
+
+
 def test_set_ups_of_recoveries_started_together_share_their_target() -> None:
     """Eight small recoveries onto one target whose path has a large fixed cost: the
     target drives each pull's calls and receive itself, so their set-ups share it like

@@ -56,6 +56,22 @@ def test_a_pass_is_priced_with_each_pieces_cached_tokens() -> None:
     assert seen == [[(0, 1)], [(0, 1), (500, 2047)], [(0, 1), (2547, 953)]]
 
 
+def test_running_streams_are_priced_with_the_context_they_hold() -> None:
+    """Each decode step reads every running stream's cache: the streams' context, split
+    evenly (a pass's price is linear in it), is in every pass they are part of."""
+    seen: list[list[tuple[int, int]]] = []
+
+    def price(segments: list[tuple[int, int]]) -> float:
+        seen.append(list(segments))
+        return 1.0
+
+    pass_ends_s([(0.0, 0, 10)], 2048, price, streams=3, stream_context_tokens=3001)
+    streams = [(1001, 1), (1000, 1), (1000, 1)]
+    assert seen == [streams, [*streams, (0, 10)]]
+    with pytest.raises(InvalidArgument, match="stream_context_tokens"):
+        pass_ends_s([(0.0, 0, 10)], 2048, price, streams=1, stream_context_tokens=-1)
+
+
 @pytest.mark.parametrize("budget", [0, -1])
 def test_a_budget_must_be_positive(budget: int) -> None:
     with pytest.raises(InvalidArgument, match="budget_tokens"):
