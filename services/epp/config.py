@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -42,6 +43,14 @@ class Config:
     `x-gateway-destination-endpoint` (`ip:port,ip:port,...`, in order: the scheduler's
     runner-up first), for a gateway that retries down the list (protocol v0.4.0+); 0 =
     the pick alone, which an Envoy original-destination cluster needs (one address)."""
+    prefiller_header: str = ""
+    """EPP_PREFILLER_HEADER: the request header that names where the prompt prefills,
+    `ip:port` of a prefill instance, for a P/D sidecar in front of each decode instance
+    (llm-d's reads `x-prefiller-host-port`); with it the scheduler chooses the prefill
+    instance with the decode one (kvrs policy). Empty = not sent."""
+    prefill_target_port: int = 0
+    """EPP_PREFILL_TARGET_PORT: the port the sidecar reaches a prefill instance at on its
+    host (its model server's); 0 = the port the instance registered in gossip."""
     model: str = DEFAULT_MODEL
     """KVRS_MODEL: model preset; its block size cuts prompts into prefix-hash blocks, and
     its compute profile prices prefill when choosing the prefill instance."""
@@ -79,6 +88,8 @@ class Config:
             target_port=env_int("EPP_TARGET_PORT", 0, env),
             endpoints=parse_endpoints(env_str("EPP_ENDPOINTS", "", env)),
             fallback_endpoints=env_int("EPP_FALLBACK_ENDPOINTS", 0, env),
+            prefiller_header=env_str("EPP_PREFILLER_HEADER", "", env).strip().lower(),
+            prefill_target_port=env_int("EPP_PREFILL_TARGET_PORT", 0, env),
             model=env_str("KVRS_MODEL", DEFAULT_MODEL, env),
             profile_file=env_str("KVRS_PROFILE_FILE", "", env),
             endpoints_refresh_s=env_float("EPP_ENDPOINTS_REFRESH_S", 0.5, env),
@@ -97,12 +108,24 @@ class Config:
         )
         if self.fallback_endpoints < 0:
             raise ConfigError(f"EPP_FALLBACK_ENDPOINTS must be >= 0, got {self.fallback_endpoints}")
-        if not 0 <= self.target_port <= 65535:
-            raise ConfigError(f"EPP_TARGET_PORT must be a port (0-65535), got {self.target_port}")
+        for name, port in (
+            ("EPP_TARGET_PORT", self.target_port),
+            ("EPP_PREFILL_TARGET_PORT", self.prefill_target_port),
+        ):
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{name} must be a port (0-65535), got {port}")
+        if self.prefiller_header and not _HEADER_NAME.fullmatch(self.prefiller_header):
+            raise ConfigError(
+                f"EPP_PREFILLER_HEADER must be an HTTP header name, got {self.prefiller_header!r}"
+            )
         try:
             model_spec(self.model)
         except KvrsError as exc:
             raise ConfigError(f"KVRS_MODEL: {exc}") from None
+
+
+_HEADER_NAME = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
+"""An HTTP header name (a token, lower case as HTTP/2 sends it)."""
 
 
 def parse_endpoints(text: str) -> dict[str, str]:

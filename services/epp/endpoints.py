@@ -24,7 +24,7 @@ from typing import Protocol
 
 from kvrs.costmodel import prefix_hit_tokens
 from kvrs.errors import KvrsError, Unavailable
-from kvrs.prefill import choose_prefill
+from kvrs.prefill import PrefillOption, prefill_finishes, soonest
 from kvrs.profile import ComputeProfile
 from kvrs.v1 import common_pb2, gossip_pb2
 
@@ -45,6 +45,18 @@ class PrefillInstance:
     queued_work_s: float
     queue_depth: int
     resident_prefix_hashes: frozenset[int] = frozenset()
+    endpoint: str = ""
+    """`ip:port` where the gateway's side (llm-d's P/D sidecar) reaches it; "" when its
+    address does not resolve."""
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    """Where the prefill rule would prefill a prompt, and every alive prefill instance
+    as an option for a policy that chooses prefill and decode together."""
+
+    instance_id: str
+    options: tuple[PrefillOption, ...]
 
 
 @dataclass(frozen=True)
@@ -65,11 +77,13 @@ class Endpoints:
         prefix_hashes: Sequence[int],
         block_tokens: int,
         profile: ComputeProfile,
-    ) -> str:
+    ) -> PrefillChoice | None:
         """The prefill instance the router would choose (`kvrs.prefill`: queued work plus
-        the prefill of the tokens it does not hold); "" when there is none."""
+        the prefill of the tokens it does not hold), with every one's predicted finish;
+        None when there is none."""
         if not self.prefill:
-            return ""
+            return None
+        prompt_tokens = max(1, prompt_tokens)
         hits = {
             index: prefix_hit_tokens(
                 prefix_hashes, instance.resident_prefix_hashes, block_tokens, prompt_tokens
@@ -77,14 +91,19 @@ class Endpoints:
             for index, instance in enumerate(self.prefill)
             if instance.resident_prefix_hashes
         }
-        index, _ = choose_prefill(
-            [instance.queued_work_s for instance in self.prefill],
-            max(1, prompt_tokens),
-            profile,
-            hit_tokens=hits,
-            queue_depth=[instance.queue_depth for instance in self.prefill],
+        finish = prefill_finishes(
+            [instance.queued_work_s for instance in self.prefill], prompt_tokens, profile, hits
         )
-        return self.prefill[index].instance_id
+        best = soonest(finish, [instance.queue_depth for instance in self.prefill])
+        options = tuple(
+            PrefillOption(instance.instance_id, float(finish_s), hits.get(index, 0))
+            for index, (instance, finish_s) in enumerate(zip(self.prefill, finish, strict=True))
+        )
+        return PrefillChoice(self.prefill[best].instance_id, options)
+
+    def prefill_endpoint(self, instance_id: str) -> str:
+        """`ip:port` of a prefill instance; "" when unknown or unresolved."""
+        return next((p.endpoint for p in self.prefill if p.instance_id == instance_id), "")
 
 
 def format_endpoint(ip: str, port: int) -> str:
@@ -122,13 +141,17 @@ class EndpointDirectory:
         endpoints: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        prefill_target_port: int = 0,
     ) -> None:
         self._source = source
         self.refresh_s = refresh_s
         self.target_port = target_port
         self.endpoints = dict(endpoints or {})
         """Decode instance id -> host:port the gateway reaches it at; when set, instances
-        it does not name are not routed to."""
+        it does not name are not routed to. A prefill instance it names is reached there
+        too."""
+        self.prefill_target_port = prefill_target_port
+        """The port prefill instances are reached at on their hosts; 0 = the registered one."""
         self._timeout_s = timeout_s
         self._clock = clock
         self._current: Endpoints | None = None
@@ -161,6 +184,18 @@ class EndpointDirectory:
                 exc,
                 self._clock() - self._current.fetched_at_s,
             )
+
+    async def _prefill_endpoint(self, node: gossip_pb2.NodeInfo) -> str:
+        """`ip:port` of a prefill instance (its `endpoints` entry, else its registered
+        host at `prefill_target_port` or its own port); "" when that does not resolve."""
+        named = node.instance_id in self.endpoints
+        try:
+            host, port = split_address(self.endpoints.get(node.instance_id, node.address))
+            ip = await _resolve(host)
+        except (ValueError, OSError) as exc:
+            log.warning("prefill instance %s has no usable address: %s", node.instance_id, exc)
+            return ""
+        return format_endpoint(ip, port if named else self.prefill_target_port or port)
 
     async def _build(self, nodes: Sequence[gossip_pb2.NodeInfo]) -> Endpoints:
         alive = [node for node in nodes if node.state == gossip_pb2.NODE_STATE_ALIVE]
@@ -201,19 +236,23 @@ class EndpointDirectory:
                 continue
             by_endpoint[endpoint] = instance_id
             by_instance[instance_id] = endpoint
-        prefill = sorted(
-            (
-                PrefillInstance(
-                    node.instance_id,
-                    node.queued_work_s,
-                    node.queue_depth,
-                    frozenset(node.resident_prefix_hashes),
-                )
-                for node in alive
-                if node.role == common_pb2.ROLE_PREFILL
-            ),
-            key=lambda p: p.instance_id,
+        prefill_nodes = sorted(
+            (node for node in alive if node.role == common_pb2.ROLE_PREFILL),
+            key=lambda node: node.instance_id,
         )
+        prefill_endpoints = await asyncio.gather(
+            *(self._prefill_endpoint(node) for node in prefill_nodes)
+        )
+        prefill = [
+            PrefillInstance(
+                node.instance_id,
+                node.queued_work_s,
+                node.queue_depth,
+                frozenset(node.resident_prefix_hashes),
+                endpoint,
+            )
+            for node, endpoint in zip(prefill_nodes, prefill_endpoints, strict=True)
+        ]
         return Endpoints(
             instance_by_endpoint=by_endpoint,
             endpoint_by_instance=by_instance,

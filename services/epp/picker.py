@@ -35,6 +35,7 @@ from kvrs.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvrs.prefill import PrefillOption
 from kvrs.profile import ComputeProfile
 from kvrs.v1 import scheduler_pb2
 from services.common import openai_chat as chat
@@ -59,6 +60,7 @@ class Scheduler(Protocol):
         policy: str = "",
         candidate_instance_ids: Iterable[str] = (),
         request_id: str = "",
+        prefill_options: Iterable[PrefillOption] = (),
     ) -> scheduler_pb2.SelectDecodeResponse: ...
 
 
@@ -89,6 +91,9 @@ class Pick:
     predicted_ttft_s: float
     fallbacks: tuple[str, ...] = ()
     """Endpoints to try, in order, when `endpoint` cannot take the request."""
+    prefill_endpoint: str = ""
+    """`ip:port` of the prefill instance, for the gateway's P/D sidecar; "" when the
+    picker names none (no `Picker.prefiller_header`)."""
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -160,10 +165,14 @@ class Picker:
         prefill_instance_id: str = "",
         policy: str = "",
         fallback_endpoints: int = 0,
+        prefiller_header: str = "",
         metrics: Metrics | None = None,
     ) -> None:
         """`profile` prices prefill when choosing the prefill instance (as the router
-        does); `block_tokens` is the prefix-hash block of the served model."""
+        does); `block_tokens` is the prefix-hash block of the served model. With
+        `prefiller_header` each pick names where the prompt prefills in that header
+        (`Pick.prefill_endpoint`, for a P/D sidecar), and a policy that chooses prefill
+        and decode together may choose it among every alive prefill instance."""
         self.directory = directory
         self.scheduler = scheduler
         self.tracer = tracer
@@ -172,6 +181,7 @@ class Picker:
         self.prefill_instance_id = prefill_instance_id
         self.policy = policy
         self.fallback_endpoints = fallback_endpoints
+        self.prefiller_header = prefiller_header
         self.metrics = metrics
 
     async def pick(self, request: PickRequest, context: Context | None = None) -> Pick:
@@ -219,12 +229,21 @@ class Picker:
                 f"({', '.join(request.subset[:4])}{', ...' if len(request.subset) > 4 else ''})"
                 f" is an alive decode instance ({len(known)} known)"
             )
-        prefill_id = self.prefill_instance_id or endpoints.choose_prefill(
-            request.prompt.prompt_tokens,
-            request.prompt.prefix_hashes,
-            self.block_tokens,
-            self.profile,
-        )
+        options: tuple[PrefillOption, ...] = ()
+        if self.prefill_instance_id:
+            prefill_id = self.prefill_instance_id
+        else:
+            choice = endpoints.choose_prefill(
+                request.prompt.prompt_tokens,
+                request.prompt.prefix_hashes,
+                self.block_tokens,
+                self.profile,
+            )
+            prefill_id = choice.instance_id if choice is not None else ""
+            # The scheduler may move the prompt only where the sidecar will be told to
+            # prefill it.
+            if choice is not None and self.prefiller_header and len(choice.options) > 1:
+                options = choice.options
         span.set_attributes(
             {
                 "kvrs.prefill_instance_id": prefill_id,
@@ -246,6 +265,7 @@ class Picker:
                 policy=self.policy,
                 candidate_instance_ids=sorted(eligible.values()),
                 request_id=request.request_id,
+                prefill_options=options,
             )
         except (NotFound, FailedPrecondition) as exc:
             # The scheduler's view lags or lacks what gossip just listed: for the
@@ -273,6 +293,18 @@ class Picker:
             raise Unavailable(
                 f"scheduler chose {reply.decode_instance_id!r}, which is not an eligible endpoint"
             )
+        prefill_id = reply.prefill_instance_id or prefill_id
+        prefill_endpoint = ""
+        if self.prefiller_header:
+            prefill_endpoint = endpoints.prefill_endpoint(prefill_id)
+            if not prefill_endpoint:
+                raise Unavailable(f"prefill instance {prefill_id!r} has no reachable address")
+            span.set_attributes(
+                {
+                    "kvrs.prefill_instance_id": prefill_id,
+                    "kvrs.epp.prefill_endpoint": prefill_endpoint,
+                }
+            )
         fallbacks = self._fallbacks(endpoint, reply.runner_up_instance_id, endpoints, eligible)
         span.set_attribute("kvrs.epp.fallbacks", ",".join(fallbacks))
         return Pick(
@@ -281,6 +313,7 @@ class Picker:
             prefill_instance_id=prefill_id,
             predicted_ttft_s=reply.predicted_ttft_s,
             fallbacks=fallbacks,
+            prefill_endpoint=prefill_endpoint,
         )
 
     def _fallbacks(

@@ -65,6 +65,7 @@ async def build_server(
         target_port=config.target_port,
         endpoints=config.endpoints,
         timeout_s=config.scheduler_timeout_s,
+        prefill_target_port=config.prefill_target_port,
     )
     picker = Picker(
         directory,
@@ -75,6 +76,7 @@ async def build_server(
         prefill_instance_id=config.prefill_instance_id,
         policy=config.policy,
         fallback_endpoints=config.fallback_endpoints,
+        prefiller_header=config.prefiller_header,
         metrics=metrics,
     )
 

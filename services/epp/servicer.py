@@ -102,16 +102,20 @@ def served_endpoint(metadata: base_pb2.Metadata) -> str:
     return namespace.fields[SERVED_KEY].string_value.strip()
 
 
-def destination(endpoints: Sequence[str]) -> tuple[ext_proc_pb2.CommonResponse, struct_pb2.Struct]:
+def destination(
+    endpoints: Sequence[str], headers: Sequence[tuple[str, str]] = ()
+) -> tuple[ext_proc_pb2.CommonResponse, struct_pb2.Struct]:
     """The header mutation and dynamic metadata that send the request to `endpoints`
-    (the first, then the rest in order); the same value in both, as the protocol asks."""
+    (the first, then the rest in order); the same value in both, as the protocol asks.
+    `headers` are set on the request too (a client's own values are overwritten)."""
     endpoint = ",".join(endpoints)
     mutation = ext_proc_pb2.HeaderMutation(
         set_headers=[
             base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoint.encode()),
+                header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
                 append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
             )
+            for key, value in ((DESTINATION_HEADER, endpoint), *headers)
         ]
     )
     metadata = struct_pb2.Struct()
@@ -291,7 +295,10 @@ class _Exchange:
                 log.info("request %s not placed (%d): %s", request_id, status, exc)
             return [immediate(status, body, f"kvrs_epp_{exc.code.lower()}")]
         self.pick = pick
-        common, metadata = destination(pick.endpoints)
+        prefiller = self.picker.prefiller_header
+        common, metadata = destination(
+            pick.endpoints, [(prefiller, pick.prefill_endpoint)] if pick.prefill_endpoint else []
+        )
         if in_body:
             return [
                 ext_proc_pb2.ProcessingResponse(

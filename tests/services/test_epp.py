@@ -45,6 +45,8 @@ BLOCK_TOKENS = 512
 PROMPT_HELD = "the cached system prompt; " * 100  # 2600 bytes: 5 full blocks
 PROMPT_OTHER = "a fresh, uncached prompt! " * 100
 BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
+PREFILLER_HEADER = "x-prefiller-host-port"
+"""Where llm-d's P/D sidecar reads the prefill instance from."""
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -160,6 +162,7 @@ async def cluster(redis_url, redis_prefix):
             model="tiny",
             endpoints_refresh_s=0.05,
             scheduler_timeout_s=2.0,
+            prefiller_header=PREFILLER_HEADER,
         ),
         provider,
         metrics,
@@ -218,12 +221,15 @@ def body_message(body: bytes, end_of_stream: bool = True) -> ext_proc_pb2.Proces
     )
 
 
+def set_headers(response: ext_proc_pb2.ProcessingResponse, phase: str) -> dict[str, str]:
+    """The request headers the answer to `phase` sets."""
+    mutation = getattr(response, phase).response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
 def destination_of(response: ext_proc_pb2.ProcessingResponse, phase: str) -> str:
     """The endpoint set by the answer to `phase`, checked equal in header and metadata."""
-    common = getattr(response, phase).response
-    (header,) = common.header_mutation.set_headers
-    assert header.header.key == "x-gateway-destination-endpoint"
-    endpoint = header.header.raw_value.decode()
+    endpoint = set_headers(response, phase)["x-gateway-destination-endpoint"]
     metadata = response.dynamic_metadata.fields["envoy.lb"].struct_value
     assert metadata.fields["x-gateway-destination-endpoint"].string_value == endpoint
     return endpoint
@@ -271,6 +277,51 @@ async def test_the_prompt_in_the_body_decides_the_endpoint(cluster):
         "kvrs_decisions_total", {"decision": "epp_pick", "action": "picked"}
     )
     assert sample == 2
+
+
+async def test_the_prefiller_header_names_the_prefill_instance_chosen(cluster, redis_url):
+    """With two prefill instances the picker offers both to the scheduler and names the
+    one the prompt prefills on, at the address a P/D sidecar reaches it: its
+    EPP_ENDPOINTS entry, else its registered host at EPP_PREFILL_TARGET_PORT."""
+    members, upstreams = cluster["members"], cluster["upstreams"]
+    await members.register(
+        Registration("prefill-1", "prefill", "127.0.0.1:2", node="n3", rack="r0", pod="p0")
+    )
+    exporter = InMemorySpanExporter()
+    epp = await build_server(
+        Config(
+            listen_addr="127.0.0.1:0",
+            scheduler_addrs=(cluster["scheduler_addr"],),
+            gossip_addr=cluster["gossip_addr"],
+            model="tiny",
+            endpoints_refresh_s=0.05,
+            scheduler_timeout_s=2.0,
+            prefiller_header=PREFILLER_HEADER,
+            prefill_target_port=8200,
+            endpoints={
+                **{name: upstream.address for name, upstream in upstreams.items()},
+                "prefill-1": "localhost:8301",
+            },
+        ),
+        setup_tracing("test-epp-prefiller", exporter=exporter),
+    )
+    channel = open_channel(f"127.0.0.1:{epp.port}", GrpcSettings())
+    stub = ext_proc_pb2_grpc.ExternalProcessorStub(channel)
+    prefilled_on = {}
+    try:
+        for busy, idle in (("prefill-0", "prefill-1"), ("prefill-1", "prefill-0")):
+            await members.heartbeat(busy, NodeLoad(queued_work_s=5.0, queue_depth=3))
+            await members.heartbeat(idle, NodeLoad())
+            await asyncio.sleep(0.1)  # past the endpoint map's refresh
+            answer = await buffered_exchange(stub, completion(PROMPT_OTHER))
+            prefilled_on[idle] = set_headers(answer, "request_body")[PREFILLER_HEADER]
+    finally:
+        await channel.close()
+        await epp.stop(0)
+    assert prefilled_on == {"prefill-1": "127.0.0.1:8301", "prefill-0": "127.0.0.1:8200"}
+    spans = picks(exporter)
+    assert [s.attributes["kvrs.prefill_instance_id"] for s in spans] == ["prefill-1", "prefill-0"]
+    assert spans[0].attributes["kvrs.epp.prefill_endpoint"] == "127.0.0.1:8301"
 
 
 async def test_the_subset_hint_restricts_the_candidates(cluster):
@@ -407,8 +458,11 @@ async def test_a_clients_own_destination_header_cannot_steer_the_request(cluster
     answer = await call.read()
     await call.done_writing()
     assert destination_of(answer, "request_body") == upstreams["decode-a"].address
-    (option,) = answer.request_body.response.header_mutation.set_headers
-    assert option.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    # Every header the picker sets (the prefiller's too) replaces the client's own.
+    options = answer.request_body.response.header_mutation.set_headers
+    assert {o.append_action for o in options} == {
+        base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    }
 
 
 async def test_no_kv_memory_left_anywhere_is_an_immediate_429(cluster):
@@ -619,6 +673,7 @@ async def test_envoy_sends_each_request_to_the_endpoint_kvrs_picked(cluster, gat
     assert (status, reply) == (200, {"served_by": "decode-a"})
     (seen,) = upstreams["decode-b"].seen
     assert seen["headers"]["x-gateway-destination-endpoint"] == upstreams["decode-b"].address
+    assert seen["headers"][PREFILLER_HEADER] == "127.0.0.1:1", "prefill-0 as registered"
     assert seen["body"] == completion(PROMPT_HELD)
     assert [span.attributes["kvrs.epp.endpoint"] for span in picks(cluster["exporter"])] == [
         upstreams["decode-b"].address,
@@ -677,8 +732,15 @@ def test_config_reads_the_environment_and_names_bad_values():
         8000,
         512,
     )
+    pd = Config.from_env(
+        {"EPP_PREFILLER_HEADER": " X-Prefiller-Host-Port", "EPP_PREFILL_TARGET_PORT": "8200"}
+    )
+    assert (pd.prefiller_header, pd.prefill_target_port) == ("x-prefiller-host-port", 8200)
+    assert Config.from_env({}).prefiller_header == "", "off unless asked for"
     for env, name in (
         ({"EPP_TARGET_PORT": "70000"}, "EPP_TARGET_PORT"),
+        ({"EPP_PREFILL_TARGET_PORT": "-1"}, "EPP_PREFILL_TARGET_PORT"),
+        ({"EPP_PREFILLER_HEADER": "x prefiller"}, "EPP_PREFILLER_HEADER"),
         ({"EPP_ENDPOINTS_REFRESH_S": "0"}, "EPP_ENDPOINTS_REFRESH_S"),
         ({"KVRS_MODEL": "gpt-9"}, "KVRS_MODEL"),
         ({"SCHEDULER_ADDRS": "nohost"}, "SCHEDULER_ADDRS"),
