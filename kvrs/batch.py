@@ -181,7 +181,7 @@ def _shared(
         work = [(0.0, 0, sum(segment[i])) for i in jobs]
         ends = _ends_s(source, work, computes, cost)
         # Never sooner than the prefill alone, after what the instance has queued.
-        wait_s, pace = (source.wait_s, source.compute_factor) if source else (0.0, 1.0)
+        wait_s, pace = (0.0, 1.0) if source is None else (source.wait_s, source.compute_factor)
         for i, end_s, compute_s in zip(jobs, ends, computes, strict=True):
             prefilled[i] = max(end_s, wait_s + pace * compute_s)
 

@@ -384,6 +384,7 @@ def _node(node: Any) -> dict[str, Any]:
         "queued_work_s": round(node.queued_work_s, 6),
         "compute_factor": round(node.compute_factor, 3),
         "running_requests": node.running_requests,
+        "running_context_tokens": node.running_context_tokens,
         "free_kv_blocks": node.free_kv_blocks,
         "kv_capacity_blocks": node.kv_capacity_blocks,
         "node": node.location.node,
@@ -524,6 +525,7 @@ def _render(report: dict[str, Any]) -> str:
                 f"{n['queued_work_s']:.3f}",
                 f"{n['compute_factor']:.2f}" if n["compute_factor"] else "-",
                 str(n["running_requests"]),
+                str(n["running_context_tokens"]),
                 f"{n['free_kv_blocks']}/{n['kv_capacity_blocks']}",
             ]
             for n in report["instances"]
@@ -541,6 +543,7 @@ def _render(report: dict[str, Any]) -> str:
                     "QUEUED_WORK_S",
                     "PACE",
                     "RUNNING",
+                    "CONTEXT",
                     "FREE_KV_BLOCKS",
                 ],
                 rows,

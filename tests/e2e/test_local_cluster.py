@@ -90,13 +90,14 @@ def test_up_status_down(tmp_path, redis_url, redis_prefix):
             assert instances[name]["role"] == name.split("-")[0]
             assert instances[name]["address"] == state.address(name)
             assert instances[name]["age_s"] < 5
+            assert instances[name]["running_context_tokens"] == 0, "nothing decoding yet"
         assert report["slots"]["slots_in_use"] == 0
         assert report["slots"]["cluster_cap"] > 0
         assert all(p["running"] for p in report["processes"])
 
         tables = kvrs("status", "--dir", str(run_dir), timeout_s=30)
         assert tables.returncode == 0, tables.stderr
-        for heading in ("instances", "links", "slots"):
+        for heading in ("instances", "links", "slots", "PACE", "CONTEXT"):
             assert heading in tables.stdout
         assert "decode-1" in tables.stdout
 
