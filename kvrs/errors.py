@@ -42,6 +42,19 @@ class KvrsError(Exception):
         self.message = message
         super().__init__(f"{field}: {message}" if field else message)
 
+    def __reduce__(self) -> tuple:
+        # Pickled as its class and the two values every subclass carries, whatever order
+        # its constructor takes them in (`InvalidArgument(field, message)`): an error
+        # raised in a child process (a simulator run under -j) reaches the parent as
+        # itself, not as a broken process pool.
+        return _rebuild, (type(self), self.message, self.field)
+
+
+def _rebuild(cls: type[KvrsError], message: str, field: str) -> KvrsError:
+    error = cls.__new__(cls)
+    KvrsError.__init__(error, message, field=field)
+    return error
+
 
 class InvalidArgument(KvrsError):
     """An input is malformed or out of range; `field` says which one."""

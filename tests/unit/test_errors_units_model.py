@@ -30,6 +30,25 @@ def test_invalid_argument_names_the_field() -> None:
     assert str(err) == "prompt_tokens: must be >= 0"
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        errors.InvalidArgument("policy", "bad parameters"),
+        errors.Unavailable("redis is down", field="redis_url"),
+        errors.KvrsError("plain"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_an_error_crosses_a_process_boundary_as_itself(error) -> None:
+    """A simulator run in a child process (-j) that fails hands its parent the error,
+    which pickling must rebuild whatever the subclass's constructor takes."""
+    import pickle
+
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error)
+    assert (again.field, again.message, str(again)) == (error.field, error.message, str(error))
+
+
 def test_unit_conversions_round_trip() -> None:
     assert gbps_to_bps(25) == 25e9
     assert bps_to_gbps(25e9) == 25
