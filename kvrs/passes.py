@@ -57,11 +57,12 @@ def pass_ends_s(
     KV has arrived — has its last token computed, in seconds from now.
 
     The worker's loop as it runs: it is busy until `free_s`; then each pass takes the
-    pieces ready by its start, in the order of their ready time (ties in the given order),
-    one chunk each, while the budget lasts. `streams` decoding streams already running
-    there put one token each into every pass, on top of the `stream_context_tokens` they
-    hold between them (a step reads every stream's cache: 32 streams of 1,500 tokens cost
-    several times 32 of none). `pass_s` prices a pass's segments.
+    pieces ready by its start, in the order of their ready time (ties in the order their
+    KV arrived, then in the given order), one chunk each, while the budget lasts.
+    `streams` decoding streams already running there put one token each into every pass,
+    on top of the `stream_context_tokens` they hold between them (a step reads every
+    stream's cache: 32 streams of 1,500 tokens cost several times 32 of none). `pass_s`
+    prices a pass's segments.
     `after[i]`, when given and not None, is the index of a piece that must be computed
     before piece i is ready (a HYBRID's extend follows the recompute of its prefix).
 
@@ -78,6 +79,9 @@ def pass_ends_s(
     if after and len(after) != len(work):
         raise InvalidArgument("after", f"needs one entry per piece, got {len(after)}")
     ready_at = [ready_s for ready_s, _, _ in work]
+    # Pieces ready together are queued in the order their KV arrived: a piece held for
+    # another is submitted when its own KV is in, and waits in the queue from then.
+    arrival = [(ready_s, i) for i, (ready_s, _, _) in enumerate(work)]
     cached = [c for _, c, _ in work]
     left = [new for _, _, new in work]
     ends = [max(0.0, ready_s) if new <= 0 else 0.0 for ready_s, _, new in work]
@@ -94,7 +98,7 @@ def pass_ends_s(
     held = {i for dependents in waiting.values() for i in dependents}
     pending = sorted(
         (i for i in range(len(work)) if left[i] > 0 and i not in held),
-        key=lambda i: (ready_at[i], i),
+        key=lambda i: (ready_at[i], arrival[i]),
     )
     # The context split evenly: a pass's price is linear in each sequence's cached tokens.
     share, extra = divmod(stream_context_tokens, streams) if streams else (0, 0)
@@ -132,7 +136,7 @@ def pass_ends_s(
                     released.append(j)
         pending = [i for i in pending if left[i] > 0]
         if released:
-            pending = sorted([*pending, *released], key=lambda i: (ready_at[i], i))
+            pending = sorted([*pending, *released], key=lambda i: (ready_at[i], arrival[i]))
     return ends
 
 

@@ -30,6 +30,22 @@ def alone() -> dict[int, list[int]]:
     return {i: model.complete(prompt, NEW_TOKENS) for i, prompt in enumerate(prompts)}
 
 
+async def decode_worker(instance_id: str):
+    """A decode worker serving in this process, a channel to it and its stub."""
+    worker = await build_server(
+        Config(
+            instance_id=instance_id,
+            role="decode",
+            listen_addr="127.0.0.1:0",
+            transfer_host="127.0.0.1",
+            canary_interval_s=30.0,
+        ),
+        setup_tracing("test", exporter=InMemorySpanExporter()),
+    )
+    channel = open_channel(f"127.0.0.1:{worker.port}", GrpcSettings())
+    return worker, channel, worker_pb2_grpc.WorkerServiceStub(channel)
+
+
 async def test_concurrent_streams_get_their_single_request_tokens(alone):
     metrics = Metrics()
     worker = await build_server(
@@ -84,18 +100,7 @@ async def test_a_stream_left_mid_way_resumes_exactly_where_its_reader_stopped(al
     """Each stream queues its next step before handing out a token, so its KV may run
     ahead of what its reader got: a new Decode with fewer generated tokens than are
     resident (here 3 of the 5 read, at least 4 fed) continues exactly from them."""
-    worker = await build_server(
-        Config(
-            instance_id="decode-resume",
-            role="decode",
-            listen_addr="127.0.0.1:0",
-            transfer_host="127.0.0.1",
-            canary_interval_s=30.0,
-        ),
-        setup_tracing("test", exporter=InMemorySpanExporter()),
-    )
-    channel = open_channel(f"127.0.0.1:{worker.port}", GrpcSettings())
-    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    worker, channel, stub = await decode_worker("decode-resume")
     try:
         await stub.Prefill(pb.PrefillRequest(request_id="r-resume", prompt_token_ids=PROMPTS[0]))
         stream = stub.Decode(pb.DecodeRequest(request_id="r-resume", max_new_tokens=NEW_TOKENS))
@@ -124,18 +129,7 @@ async def test_a_stream_left_mid_way_resumes_exactly_where_its_reader_stopped(al
 async def test_a_worker_reports_the_context_its_open_streams_hold():
     """Each decode step reads every open stream's cache: the worker reports their tokens
     summed (gossip carries it to the batch planner), and none once the streams close."""
-    worker = await build_server(
-        Config(
-            instance_id="decode-context",
-            role="decode",
-            listen_addr="127.0.0.1:0",
-            transfer_host="127.0.0.1",
-            canary_interval_s=30.0,
-        ),
-        setup_tracing("test", exporter=InMemorySpanExporter()),
-    )
-    channel = open_channel(f"127.0.0.1:{worker.port}", GrpcSettings())
-    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    worker, channel, stub = await decode_worker("decode-context")
     streams = []
     try:
         for i in (0, 1):

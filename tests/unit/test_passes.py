@@ -72,6 +72,16 @@ def test_running_streams_are_priced_with_the_context_they_hold() -> None:
         pass_ends_s([(0.0, 0, 10)], 2048, price, streams=1, stream_context_tokens=-1)
 
 
+def test_pieces_released_together_queue_in_the_order_their_kv_arrived() -> None:
+    """Two extends wait for one recomputed prefix; the short one's KV came in first, so
+    the worker queued it first: it shares the first pass after the prefix with the long
+    one's first chunk instead of waiting behind the whole of it."""
+    work = [(0.0, 0, 100), (0.5, 0, 2000), (0.2, 0, 10)]
+    ends = pass_ends_s(work, 1024, tokens, after=[None, 0, 0])
+    # Passes: the prefix (100); the short one and 1,014 of the long; its other 986.
+    assert ends == [100.0, 2110.0, 1124.0]
+
+
 @pytest.mark.parametrize("budget", [0, -1])
 def test_a_budget_must_be_positive(budget: int) -> None:
     with pytest.raises(InvalidArgument, match="budget_tokens"):
