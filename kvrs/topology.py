@@ -143,8 +143,10 @@ class Topology:
         """Load the YAML format of docs/topology.md."""
         import yaml  # only files need it; `kvrs cost` builds its topology in code
 
+        from kvrs.yamlfile import load_yaml
+
         try:
-            data = yaml.safe_load(Path(path).read_text())
+            data = load_yaml(path)
         except yaml.YAMLError as exc:
             raise InvalidArgument("topology", f"{path}: not YAML ({exc})") from None
         return cls.from_dict(data)

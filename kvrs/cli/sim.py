@@ -16,11 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kvrs.errors import InvalidArgument, KvrsError
 from kvrs.sim.experiments import EXPERIMENTS, PARALLEL_EXPERIMENTS, experiment
 from kvrs.sim.telemetry import NETWORK_VIEWS
+from kvrs.yamlfile import load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params: dict[str, Any] = {}
     if args.config is not None:
-        params = yaml.safe_load(args.config.read_text()) or {}
+        params = load_yaml(args.config) or {}
     try:
         if args.experiment == "run":
             return _single_run(args, params)

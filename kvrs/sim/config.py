@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kvrs.errors import InvalidArgument
 from kvrs.model import ModelSpec, model_spec
 from kvrs.profile import ComputeProfile, DecodeProfile, compute_profile, decode_profile
@@ -25,6 +23,7 @@ from kvrs.sim.metrics import SloSpec
 from kvrs.sim.telemetry import NETWORK_VIEWS, TelemetrySpec
 from kvrs.topology import InstanceSpec, Location, Role, Tier, TierSpec, Topology
 from kvrs.units import gbps_to_bps
+from kvrs.yamlfile import load_yaml
 
 LAYOUTS = ("interleaved", "segregated")
 PREFILL_ROUTERS = ("cache_aware", "least_loaded", "round_robin", "weighted")
@@ -250,7 +249,7 @@ class SimConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> SimConfig:
-        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+        return cls.from_dict(load_yaml(path) or {})
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
