@@ -21,15 +21,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvrs.costmodel import prefix_hit_tokens
 from kvrs.errors import FailedPrecondition, InvalidArgument
 from kvrs.profile import ComputeProfile
 
 __all__ = [
     "PrefillOption",
+    "PrefillRanking",
     "choose_prefill",
     "computed_hit_tokens",
     "prefill_finish_s",
     "prefill_finishes",
+    "rank_prefills",
     "soonest",
 ]
 
@@ -119,3 +122,47 @@ def choose_prefill(
     finish = prefill_finishes(wait_s, prompt_tokens, profile, hit_tokens)
     best = soonest(finish, queue_depth)
     return best, float(finish[best])
+
+
+@dataclass(frozen=True)
+class PrefillRanking:
+    """The rule applied to a caller's candidates: the one chosen, and each one's
+    predicted finish and prefix hit (in the candidates' order)."""
+
+    best: int
+    finish_s: tuple[float, ...]
+    hit_tokens: tuple[int, ...]
+
+    def options(self, instance_ids: Sequence[str]) -> tuple[PrefillOption, ...]:
+        """Every candidate as a `PrefillOption`, `instance_ids` naming them in order."""
+        return tuple(
+            PrefillOption(instance_id, finish_s, hit)
+            for instance_id, finish_s, hit in zip(
+                instance_ids, self.finish_s, self.hit_tokens, strict=True
+            )
+        )
+
+
+def rank_prefills(
+    wait_s: Sequence[float],
+    queue_depth: Sequence[int],
+    resident_blocks: Sequence[frozenset[int]],
+    prompt_tokens: int,
+    prefix_hashes: Sequence[int],
+    block_tokens: int,
+    profile: ComputeProfile,
+) -> PrefillRanking:
+    """The rule over candidates as a caller knows them: W (`wait_s`), queue depth and the
+    prefix blocks each holds (`resident_blocks`), for a prompt of `prompt_tokens` whose
+    blocks hash to `prefix_hashes`. The router and the endpoint picker both choose here."""
+    hits = {
+        index: prefix_hit_tokens(prefix_hashes, blocks, block_tokens, prompt_tokens)
+        for index, blocks in enumerate(resident_blocks)
+        if blocks
+    }
+    finish = prefill_finishes(wait_s, prompt_tokens, profile, hits)
+    return PrefillRanking(
+        best=soonest(finish, queue_depth),
+        finish_s=tuple(finish.tolist()),
+        hit_tokens=tuple(hits.get(index, 0) for index in range(len(resident_blocks))),
+    )

@@ -22,9 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvrs.costmodel import prefix_hit_tokens
 from kvrs.errors import KvrsError, Unavailable
-from kvrs.prefill import PrefillOption, prefill_finishes, soonest
+from kvrs.prefill import PrefillOption, rank_prefills
 from kvrs.profile import ComputeProfile
 from kvrs.v1 import common_pb2, gossip_pb2
 
@@ -83,23 +82,19 @@ class Endpoints:
         None when there is none."""
         if not self.prefill:
             return None
-        prompt_tokens = max(1, prompt_tokens)
-        hits = {
-            index: prefix_hit_tokens(
-                prefix_hashes, instance.resident_prefix_hashes, block_tokens, prompt_tokens
-            )
-            for index, instance in enumerate(self.prefill)
-            if instance.resident_prefix_hashes
-        }
-        finish = prefill_finishes(
-            [instance.queued_work_s for instance in self.prefill], prompt_tokens, profile, hits
+        ranking = rank_prefills(
+            [instance.queued_work_s for instance in self.prefill],
+            [instance.queue_depth for instance in self.prefill],
+            [instance.resident_prefix_hashes for instance in self.prefill],
+            max(1, prompt_tokens),
+            prefix_hashes,
+            block_tokens,
+            profile,
         )
-        best = soonest(finish, [instance.queue_depth for instance in self.prefill])
-        options = tuple(
-            PrefillOption(instance.instance_id, float(finish_s), hits.get(index, 0))
-            for index, (instance, finish_s) in enumerate(zip(self.prefill, finish, strict=True))
+        return PrefillChoice(
+            self.prefill[ranking.best].instance_id,
+            ranking.options([instance.instance_id for instance in self.prefill]),
         )
-        return PrefillChoice(self.prefill[best].instance_id, options)
 
     def prefill_endpoint(self, instance_id: str) -> str:
         """`ip:port` of a prefill instance; "" when unknown or unresolved."""

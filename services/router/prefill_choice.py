@@ -1,6 +1,6 @@
 """The router's prefill choice: its view of the prefill instances, given to the core rule.
 
-`kvrs.prefill.choose_prefill` decides; this module only says what the router knows of
+`kvrs.prefill.rank_prefills` decides; this module only says what the router knows of
 each instance: W(p) is the queued work p last reported to gossip plus the prefill work
 this router sent p since (gossip lags by a heartbeat, so without it a burst would all
 land on the instance that looked idle), and hit(p) the prompt tokens whose KV p already
@@ -21,7 +21,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvrs import prefill
-from kvrs.costmodel import prefix_hit_tokens
 from kvrs.errors import FailedPrecondition
 from kvrs.prefill import PrefillOption
 from kvrs.profile import ComputeProfile
@@ -51,24 +50,19 @@ def choose_prefill(
     if not candidates:
         raise FailedPrecondition("no alive prefill instance", field="prefill_instances")
     ordered = sorted(candidates, key=lambda instance: instance.instance_id)
-    hits = {
-        index: prefix_hit_tokens(
-            prefix_hashes, instance.resident_prefix_hashes, block_tokens, prompt_tokens
-        )
-        for index, instance in enumerate(ordered)
-        if instance.resident_prefix_hashes
-    }
-    waits = [i.queued_work_s + inflight_s.get(i.instance_id, 0.0) for i in ordered]
-    finishes = prefill.prefill_finishes(waits, prompt_tokens, profile, hits)
-    index = prefill.soonest(finishes, [i.queue_depth for i in ordered])
-    work_s = prefill.prefill_finish_s(profile, prompt_tokens, 0.0, hits.get(index, 0))
-    if not options:
-        return PrefillChoice(ordered[index], work_s)
+    ranking = prefill.rank_prefills(
+        [i.queued_work_s + inflight_s.get(i.instance_id, 0.0) for i in ordered],
+        [i.queue_depth for i in ordered],
+        [i.resident_prefix_hashes for i in ordered],
+        prompt_tokens,
+        prefix_hashes,
+        block_tokens,
+        profile,
+    )
+    best = ranking.best
+    work_s = prefill.prefill_finish_s(profile, prompt_tokens, 0.0, ranking.hit_tokens[best])
     return PrefillChoice(
-        ordered[index],
+        ordered[best],
         work_s,
-        tuple(
-            PrefillOption(instance.instance_id, finish_s, hits.get(k, 0))
-            for k, (instance, finish_s) in enumerate(zip(ordered, finishes.tolist(), strict=True))
-        ),
+        ranking.options([i.instance_id for i in ordered]) if options else (),
     )

@@ -43,3 +43,20 @@ def test_no_candidate_or_no_prompt_is_refused():
         choose_prefill([], 512, PROFILE)
     with pytest.raises(InvalidArgument, match="prompt_tokens"):
         choose_prefill([0.0], 0, PROFILE)
+
+
+def test_a_ranking_reads_each_candidates_held_blocks_and_lists_every_option():
+    """What the router and the endpoint picker both call: hits from the blocks each
+    candidate holds, the rule's choice, and every candidate as an option in order."""
+    from kvrs.prefill import rank_prefills
+    from kvrs.tokenizer import prefix_block_hashes
+
+    prompt = list(range(4096))
+    hashes = prefix_block_hashes(prompt, 512)
+    held = frozenset(hashes[:7])  # 3,584 tokens
+    ranking = rank_prefills([0.0, 0.05], [0, 0], [frozenset(), held], 4096, hashes, 512, PROFILE)
+    assert ranking.best == choose_prefill([0.0, 0.05], 4096, PROFILE, {1: 3584})[0] == 1
+    assert ranking.hit_tokens == (0, 3584)
+    options = ranking.options(["p0", "p1"])
+    assert [(o.instance_id, o.prefix_hit_tokens) for o in options] == [("p0", 0), ("p1", 3584)]
+    assert options[1].finish_s == pytest.approx(prefill_finish_s(PROFILE, 4096, 0.05, 3584))
