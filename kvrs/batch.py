@@ -302,12 +302,10 @@ def _pass_ends_s(
 ) -> list[float]:
     """`kvrs.passes.pass_ends_s` on an instance that reports its pass budget, each pass
     at the pace its recent passes ran."""
-    pace = instance.compute_factor
-    profile = cost.compute
     return pass_ends_s(
         work,
         instance.max_batch_tokens,
-        profile.pass_s if pace == 1.0 else lambda segments: pace * profile.pass_s(segments),
+        cost.compute.scaled(instance.compute_factor).pass_s,
         instance.wait_s,
         instance.running_requests,
         after,
