@@ -567,7 +567,7 @@ class Kvrs:
         were busy again when their KV was ready: +9 % mean TTFT at 2× load), while a
         path's tier, its congestion trend and the control plane's own flows on it still
         hold. `routed` is the index the prefill rule alone picks
-        (`kvrs.prefill.choose_prefill`); it is kept unless the joint best beats it by
+        (`kvrs.prefill.soonest`); it is kept unless the joint best beats it by
         more than `joint_margin`. `request.prefill_id` is ignored. A prefill node whose
         uplinks carry many of the control plane's own flows, or whose near decode
         instances are full, loses to one a little slower to prefill: what the decode

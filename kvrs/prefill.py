@@ -28,7 +28,6 @@ from kvrs.profile import ComputeProfile
 __all__ = [
     "PrefillOption",
     "PrefillRanking",
-    "choose_prefill",
     "computed_hit_tokens",
     "prefill_finish_s",
     "prefill_finishes",
@@ -70,9 +69,8 @@ def prefill_finishes(
     profile: ComputeProfile,
     hit_tokens: Mapping[int, int] | None = None,
 ) -> np.ndarray:
-    """Every candidate's predicted finish (seconds from now), as `choose_prefill` ranks
-    them; for a caller that weighs them against more than the prefill (kvrs placement's
-    joint choice)."""
+    """Every candidate's predicted finish (seconds from now), the rule's ranking (`soonest`
+    picks from it; kvrs placement's joint choice weighs it against the decode side)."""
     if prompt_tokens < 1:
         raise InvalidArgument("prompt_tokens", f"must be >= 1, got {prompt_tokens}")
     waits = np.maximum(np.asarray(wait_s, dtype=float), 0.0)
@@ -104,24 +102,6 @@ def soonest(finish: np.ndarray, queue_depth: Sequence[int] | np.ndarray | None =
             depths = np.asarray(queue_depth)
             best = int(tied[depths[tied].argmin()])
     return best
-
-
-def choose_prefill(
-    wait_s: Sequence[float] | np.ndarray,
-    prompt_tokens: int,
-    profile: ComputeProfile,
-    hit_tokens: Mapping[int, int] | None = None,
-    queue_depth: Sequence[int] | np.ndarray | None = None,
-) -> tuple[int, float]:
-    """The index of the candidate that finishes soonest, and that finish (seconds).
-
-    `wait_s[i]` is candidate i's W (negative values count as 0); `hit_tokens` maps the
-    index of each candidate holding a prefix of the prompt to its hit (candidates not
-    listed hold none); `queue_depth`, when given, breaks ties before the order does.
-    """
-    finish = prefill_finishes(wait_s, prompt_tokens, profile, hit_tokens)
-    best = soonest(finish, queue_depth)
-    return best, float(finish[best])
 
 
 @dataclass(frozen=True)
