@@ -41,6 +41,8 @@ class Config:
     pacing_bps: float = 0.0
     """PROBER_PACING_BPS: cap on the probes' send rate (emulated links); 0 = the sources'
     own setting (WORKER_TRANSFER_PACING_BPS)."""
+    max_probes_per_s: float = 20.0
+    """PROBER_MAX_PROBES_PER_S: most probes started a second, however fast they fail."""
     worker_timeout_s: float = 30.0
     """PROBER_WORKER_TIMEOUT_S: deadline of each worker call."""
     refresh_s: float = 1.0
@@ -64,6 +66,7 @@ class Config:
             payload_lease_s=env_float("PROBER_PAYLOAD_LEASE_S", 3600.0, env),
             ewma_alpha=env_float("PROBER_EWMA_ALPHA", 0.2, env),
             pacing_bps=env_float("PROBER_PACING_BPS", 0.0, env),
+            max_probes_per_s=env_float("PROBER_MAX_PROBES_PER_S", 20.0, env),
             worker_timeout_s=env_float("PROBER_WORKER_TIMEOUT_S", 30.0, env),
             refresh_s=env_float("PROBER_REFRESH_S", 1.0, env),
             metrics_addr=env_str("KVRS_METRICS_ADDR", "", env),
@@ -88,6 +91,7 @@ class Config:
             ("PROBER_PAYLOAD_TOKENS", self.payload_tokens),
             ("PROBER_MAX_PULLS", self.max_pulls),
             ("PROBER_PAYLOAD_LEASE_S", self.payload_lease_s),
+            ("PROBER_MAX_PROBES_PER_S", self.max_probes_per_s),
             ("PROBER_WORKER_TIMEOUT_S", self.worker_timeout_s),
             ("PROBER_REFRESH_S", self.refresh_s),
         )

@@ -18,7 +18,10 @@ the wire on the receiver:
 Each sample feeds the link's EWMA (`kvrs.estimator.EwmaEstimator`), published to gossip.
 A link is probed again only after `duration / budget_fraction - duration` (and never
 sooner than `interval_s`), so probes take at most `budget_fraction` of its time. Links
-are probed one at a time, so probes never share a path with each other.
+are probed one at a time, so probes never share a path with each other, and at most
+`max_probes_per_s` start a second: a probe that fails at once (an instance that accepts
+and hangs up, or one gone) would otherwise start the next one at once, and a prober
+facing thousands of such links would spin a core.
 
 A probe that fails publishes the link as down (`DOWN_BANDWIDTH_BPS`): keeping its last
 good sample would let placements go on choosing a cut link. The EWMA keeps its good
@@ -30,11 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -85,6 +87,23 @@ class ProbeSettings:
     payload_lease_s: float = 3600.0
     ewma_alpha: float = 0.2
     pacing_bps: float = 0.0
+    max_probes_per_s: float = 20.0
+
+
+@dataclass(frozen=True)
+class ProbePairs:
+    """The links to measure: each source to each target other than itself, in that order
+    (source by source). At thousands of instances they are millions: a pass walks them
+    only until it has found the few it probes."""
+
+    sources: Sequence[Endpoint]
+    targets: Sequence[Endpoint]
+
+    def __iter__(self) -> Iterator[tuple[Endpoint, Endpoint]]:
+        for src in self.sources:
+            for dst in self.targets:
+                if src.instance_id != dst.instance_id:
+                    yield src, dst
 
 
 @dataclass
@@ -330,19 +349,21 @@ class LinkProber:
         """A source restarted or left: its payload must be placed again."""
         self._payload_bytes.pop(src_id, None)
 
-    async def run(self, links: Callable[[], Iterable[tuple[Endpoint, Endpoint]]]) -> None:
-        """Probes the links `links()` names when they are due, one at a time, forever.
+    async def run(self, pairs: Callable[[], ProbePairs]) -> None:
+        """Probes the links `pairs()` names when they are due, one at a time, forever.
 
         A pass probes the `PASS_LINKS` links due longest (those never probed first), then
-        asks `links()` again, so instances that joined or left count from the next pass.
-        Only a probed link holds state: at thousands of instances `links()` names millions
-        of pairs, of which a pass takes a few.
+        asks `pairs()` again, so instances that joined or left count from the next pass.
+        Only a probed link holds state, and a pass reads the pairs only until it has
+        found the links it probes.
         """
+        spacing_s = 1.0 / self.settings.max_probes_per_s
+        next_start_s = self._clock()
         while True:
-            due = heapq.nsmallest(
-                PASS_LINKS, self._due(links(), self._clock()), key=lambda item: item[0]
-            )
-            for _, src, dst in due:
+            due = self._due(pairs(), self._clock())
+            for src, dst in due:
+                await asyncio.sleep(max(0.0, next_start_s - self._clock()))
+                next_start_s = self._clock() + spacing_s
                 try:
                     await self.probe(src, dst)
                 except KvrsError as exc:
@@ -354,12 +375,21 @@ class LinkProber:
                 wait_s = 0.0  # more may be due already
             await asyncio.sleep(max(0.05, min(wait_s, self.settings.interval_s)))
 
-    def _due(
-        self, links: Iterable[tuple[Endpoint, Endpoint]], now_s: float
-    ) -> Iterator[tuple[float, Endpoint, Endpoint]]:
-        """(when due, src, dst) of each of `links` due by `now_s`; 0 for one never probed."""
-        for src, dst in links:
-            state = self.links.get((src.instance_id, dst.instance_id))
-            due_s = 0.0 if state is None else state.next_due_s
-            if due_s <= now_s:
-                yield due_s, src, dst
+    def _due(self, pairs: ProbePairs, now_s: float) -> list[tuple[Endpoint, Endpoint]]:
+        """The links of this pass: up to `PASS_LINKS` of `pairs` due by `now_s`, those
+        never probed first (in the pairs' order), then the probed ones due longest."""
+        chosen: list[tuple[Endpoint, Endpoint]] = []
+        for src, dst in pairs:
+            if (src.instance_id, dst.instance_id) not in self.links:
+                chosen.append((src, dst))
+                if len(chosen) == PASS_LINKS:
+                    return chosen
+        sources = {src.instance_id: src for src in pairs.sources}
+        targets = {dst.instance_id: dst for dst in pairs.targets}
+        probed = []
+        for (src_id, dst_id), state in self.links.items():
+            if state.next_due_s <= now_s and src_id in sources and dst_id in targets:
+                probed.append((state.next_due_s, sources[src_id], targets[dst_id]))
+        probed.sort(key=lambda item: item[0])
+        chosen.extend((src, dst) for _, src, dst in probed[: PASS_LINKS - len(chosen)])
+        return chosen

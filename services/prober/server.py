@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 import grpc
@@ -16,7 +15,7 @@ from services.common import Metrics, ServerHandle, run_until_signal, serve_metri
 from services.common.membership import Membership
 from services.gossip.client import GossipClient
 from services.prober.config import Config
-from services.prober.probing import LinkProber, ProbeSettings
+from services.prober.probing import LinkProber, ProbePairs, ProbeSettings
 from services.prober.servicer import ProberServicer
 from services.prober.transport import WorkerTransport
 from services.worker.client import Endpoint, WorkerPool
@@ -34,17 +33,13 @@ class ProberServerHandle(ServerHandle):
     membership: Membership | None = None
 
 
-def probe_pairs(membership: Membership, mode: str) -> Iterator[tuple[Endpoint, Endpoint]]:
-    """The links to measure: prefill -> decode pairs, or every ordered pair ("all"),
-    one at a time (at thousands of instances they are millions)."""
+def probe_pairs(membership: Membership, mode: str) -> ProbePairs:
+    """The links to measure: prefill -> decode pairs, or every ordered pair ("all")."""
     prefill = [Endpoint(i.instance_id, i.address) for i in membership.alive("prefill")]
     decode = [Endpoint(i.instance_id, i.address) for i in membership.alive("decode")]
-    sources = prefill if mode == "prefill-decode" else prefill + decode
-    targets = decode if mode == "prefill-decode" else prefill + decode
-    for src in sources:
-        for dst in targets:
-            if src.instance_id != dst.instance_id:
-                yield src, dst
+    if mode == "prefill-decode":
+        return ProbePairs(prefill, decode)
+    return ProbePairs(prefill + decode, prefill + decode)
 
 
 def probe_settings(config: Config) -> ProbeSettings:
@@ -57,6 +52,7 @@ def probe_settings(config: Config) -> ProbeSettings:
         payload_lease_s=config.payload_lease_s,
         ewma_alpha=config.ewma_alpha,
         pacing_bps=config.pacing_bps,
+        max_probes_per_s=config.max_probes_per_s,
     )
 
 

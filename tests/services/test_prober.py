@@ -4,15 +4,23 @@ ProberService against real tiny-model workers and a real gossip store."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import time
 
 import grpc
 import pytest
 
-from kvrs.errors import NotFound
+from kvrs.errors import NotFound, Unavailable
 from kvrs.v1 import prober_pb2, prober_pb2_grpc
 from services.prober.config import Config
-from services.prober.probing import PASS_LINKS, LinkProber, ProbeSettings, payload_id
+from services.prober.probing import (
+    PASS_LINKS,
+    LinkProber,
+    ProbePairs,
+    ProbeSettings,
+    payload_id,
+)
 from services.prober.server import build_server
 from services.worker.client import Endpoint, Pulled
 from tests.services.router_plane import Plane
@@ -105,7 +113,7 @@ async def test_a_pass_probes_a_few_links_never_probed_first_and_only_they_hold_s
     probe, gossip = prober(link)
     sources = [Endpoint(f"prefill-{i}", f"p{i}:1") for i in range(20)]
     sinks = [Endpoint(f"decode-{j}", f"d{j}:1") for j in range(20)]
-    pairs = [(s, d) for s in sources for d in sinks]
+    pairs = list(ProbePairs(sources, sinks))
     held_at_each_pass: list[list[tuple[str, str]]] = []
     samples_at_each_pass: list[int] = []
     third_pass = asyncio.Event()
@@ -115,7 +123,7 @@ async def test_a_pass_probes_a_few_links_never_probed_first_and_only_they_hold_s
         samples_at_each_pass.append(len(gossip.samples))
         if len(held_at_each_pass) == 3:
             third_pass.set()
-        return iter(pairs)
+        return ProbePairs(sources, sinks)
 
     running = asyncio.create_task(probe.run(links))
     try:
@@ -126,6 +134,42 @@ async def test_a_pass_probes_a_few_links_never_probed_first_and_only_they_hold_s
     probed = [(s.instance_id, d.instance_id) for s, d in pairs[: 2 * PASS_LINKS]]
     assert held_at_each_pass[2] == probed, "the pairs never probed go first, in order"
     assert samples_at_each_pass[:3] == [0, PASS_LINKS, 2 * PASS_LINKS]
+
+
+class DeadEnds:
+    """Every pull fails at once, as to an address that accepts and hangs up."""
+
+    def __init__(self) -> None:
+        self.pulls = 0
+
+    async def place_payload(self, src, kv_id, tokens, lease_s) -> int:
+        return tokens * BYTES_PER_TOKEN
+
+    async def pull(self, dst, src, kv_id, tokens, pacing_bps) -> Pulled:
+        self.pulls += 1
+        raise Unavailable(f"{dst.address}: connection reset")
+
+    async def drop(self, at, kv_id) -> None:
+        pass
+
+
+async def test_probes_that_fail_at_once_start_no_faster_than_the_cap():
+    """Thousands of instances that fail their probe at once: the prober paces itself
+    instead of spinning through them."""
+    dead = DeadEnds()
+    settings = dataclasses.replace(SETTINGS, max_probes_per_s=50.0)
+    probe = LinkProber(dead, Gossip(), settings)
+    sources = [Endpoint(f"prefill-{i}", f"p{i}:1") for i in range(40)]
+    sinks = [Endpoint(f"decode-{j}", f"d{j}:1") for j in range(100)]
+    started = time.monotonic()
+    running = asyncio.create_task(probe.run(lambda: ProbePairs(sources, sinks)))
+    await asyncio.sleep(0.5)
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    elapsed_s = time.monotonic() - started
+    assert 5 <= probe.stats.probes_total <= elapsed_s * 50 + 1
+    assert probe.stats.probe_failures_total == probe.stats.probes_total
 
 
 async def test_the_estimate_is_an_ewma_and_probes_stay_within_the_time_budget():
