@@ -11,16 +11,22 @@ A full listing replaces the copy at the first poll, whenever gossip answers `ful
 change history no longer reaches back to the copy's change id: trimmed, or Redis lost
 it), and every `resync_s` regardless: that drops instances the registry forgot (their
 hash expired after the down retention), which no delta reports, and bounds how long any
-change missed for an unforeseen reason can linger.
+change missed for an unforeseen reason can linger. The registry's periodic listing runs
+beside the polls, not in one: at 4,096 instances it takes gossip a second or more, and
+a poll waiting for it would leave the view that old (the views' age at p99 was the
+resyncs'). Each copy's period is drawn around `resync_s` (±10 %), so views started
+together do not all ask gossip for everything at the same moment.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
+import random
 import time
 from collections.abc import Callable
 
-from services.common.gossip_records import GossipReader, LinkRecord, NodeRecord
+from services.common.gossip_records import GossipReader, LinkRecord, NodeChanges, NodeRecord
 
 DEFAULT_RESYNC_S = 30.0
 """Seconds between full listings of a view that follows the change feed."""
@@ -60,22 +66,72 @@ class RegistryCopy(_Resynced):
         self._change_id = ""
         self.full_listings = 0
         """How many polls were answered with a full listing (start, gaps, resyncs)."""
+        self._listing: asyncio.Future[NodeChanges] | None = None
+        self._changed_since_listing: set[str] = set()
+        """Instances a delta brought while the listing under way was read."""
+        self._period_s = resync_s * random.uniform(0.9, 1.1)
+
+    def _resync_due(self, now_s: float) -> bool:
+        return self.resync_s <= 0 or now_s - self._full_at_s >= self._period_s
 
     async def poll(self, reader: GossipReader) -> tuple[NodeRecord, ...] | None:
         """Applies what changed; returns the changed records, or None when the copy was
         replaced by a full listing. Errors of the reader propagate (the copy is kept)."""
         now_s = self._clock()
-        after = "" if self._resync_due(now_s) else self._change_id
-        changes = await reader.list_changes(after)
-        self._change_id = changes.change_id
-        if changes.full:
-            self.nodes = {node.registration.instance_id: node for node in changes.nodes}
-            self._full_at_s = now_s
-            self.full_listings += 1
+        if self.resync_s <= 0 or self._full_at_s == -math.inf:
+            self._replace(await reader.list_changes(""), now_s)
             return None
+        if self._listing is None and self._resync_due(now_s):
+            self._listing = asyncio.ensure_future(reader.list_changes(""))
+            self._changed_since_listing = set()
+            self._full_at_s = now_s
+        changes = await reader.list_changes(self._change_id)
+        if changes.full:
+            self.cancel_listing()
+            self._replace(changes, now_s)
+            return None
+        self._change_id = changes.change_id
         for node in changes.nodes:
-            self.nodes[node.registration.instance_id] = node
+            instance_id = node.registration.instance_id
+            self.nodes[instance_id] = node
+            self._changed_since_listing.add(instance_id)
+        listing = self._listing
+        if listing is not None and listing.done():
+            self._listing = None
+            if listing.exception() is None:
+                self._merge(listing.result())
+                return None
+            self._full_at_s = now_s - self._period_s  # due again at the next poll
         return changes.nodes
+
+    def _replace(self, changes: NodeChanges, now_s: float) -> None:
+        self._change_id = changes.change_id
+        self.nodes = {node.registration.instance_id: node for node in changes.nodes}
+        self._full_at_s = now_s
+        self.full_listings += 1
+
+    def _merge(self, listing: NodeChanges) -> None:
+        """A listing read beside the polls: each instance as it lists it, but those a
+        delta brought since it began as the delta did (they are newer), and none it
+        lacks unless a delta brought them (the registry forgot them)."""
+        fresh = self._changed_since_listing
+        merged = {
+            node.registration.instance_id: node
+            for node in listing.nodes
+            if node.registration.instance_id not in fresh
+        }
+        merged.update((instance_id, self.nodes[instance_id]) for instance_id in fresh)
+        self.nodes = merged
+        self.full_listings += 1
+
+    def cancel_listing(self) -> None:
+        """Drops a listing under way (the copy is being closed, or replaced anyway)."""
+        listing, self._listing = self._listing, None
+        if listing is None:
+            return
+        if listing.done() and not listing.cancelled():
+            listing.exception()  # retrieved: a failed listing replaced anyway is no news
+        listing.cancel()
 
 
 class LinkCopy(_Resynced):

@@ -129,6 +129,7 @@ class GossipSource:
             await asyncio.sleep(view.refresh_s)
 
     async def close(self) -> None:
+        self.registry.cancel_listing()
         await self.client.close()
         for task in list(self._closing):
             with contextlib.suppress(asyncio.CancelledError):

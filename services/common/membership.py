@@ -118,6 +118,7 @@ class Membership:
         ]
 
     async def close(self) -> None:
+        self._registry.cancel_listing()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

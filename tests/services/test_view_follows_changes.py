@@ -12,6 +12,7 @@ import redis
 from kvrs.errors import DeadlineExceeded, Unavailable
 from kvrs.learning import AssignedWork
 from services.common.decision_inputs import InputsConfig, load_inputs
+from services.common.gossip_follow import RegistryCopy
 from services.common.gossip_records import LinkSample, NodeLoad
 from services.common.gossip_source import GossipSource
 from services.common.gossip_view import ViewCache
@@ -169,6 +170,59 @@ async def test_a_full_resync_drops_what_the_registry_forgot(gossip, redis_url, r
     source.registry.resync_s = 0.0
     assert await view.refresh()
     assert "decode-1" not in view.state.cluster.instances
+
+
+class GatedListings:
+    """The real gossip client, whose full listings read Redis at once but answer only
+    when the test opens the gate (a registry of thousands takes gossip seconds)."""
+
+    def __init__(self, gossip: GossipClient) -> None:
+        self.gossip = gossip
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.listing_read = asyncio.Event()
+
+    async def list_changes(self, after_change_id: str):
+        changes = await self.gossip.list_changes(after_change_id)
+        if not after_change_id:
+            self.listing_read.set()
+            await self.gate.wait()
+        return changes
+
+
+async def test_a_resync_runs_beside_the_polls_and_keeps_what_they_brought(
+    gossip, redis_url, redis_prefix
+):
+    """A due resync does not hold up the poll that starts it; once in, it drops what the
+    registry forgot and keeps what the polls brought while it was read."""
+    import redis.asyncio as redis_async
+
+    for i in range(3):
+        await gossip.register(decode(f"decode-{i}", ttl_s=30.0))
+    now_s = [0.0]
+    copy = RegistryCopy(resync_s=10.0, clock=lambda: now_s[0])
+    reader = GatedListings(gossip)
+    assert await copy.poll(reader) is None, "the first poll is a full listing"
+    redis = redis_async.from_url(redis_url)
+    try:  # what the down retention does when it expires the hash
+        await redis.delete(f"{redis_prefix}gossip:node:decode-2")
+    finally:
+        await redis.aclose()
+    reader.gate.clear()
+    reader.listing_read.clear()
+    now_s[0] = 20.0
+    assert await asyncio.wait_for(copy.poll(reader), timeout=5) == ()
+    await asyncio.wait_for(reader.listing_read.wait(), timeout=5)
+    await gossip.heartbeat("decode-0", NodeLoad(queue_depth=7))
+    (changed,) = await asyncio.wait_for(copy.poll(reader), timeout=5)
+    assert changed.registration.instance_id == "decode-0"
+    assert "decode-2" in copy.nodes, "no delta reports a forgotten instance"
+    reader.gate.set()
+    await asyncio.sleep(0.05)
+    assert await copy.poll(reader) is None, "the resync's listing is in"
+    assert sorted(copy.nodes) == ["decode-0", "decode-1"]
+    assert copy.nodes["decode-0"].load.queue_depth == 7, "newer than the listing's"
+    assert copy.full_listings == 2
 
 
 async def test_router_membership_follows_changes(gossip):
