@@ -179,15 +179,6 @@ def node_from_pb(info: gossip_pb2.NodeInfo) -> NodeRecord:
     )
 
 
-def changes_to_pb(listing: NodeChanges) -> gossip_pb2.ListChangesResponse:
-    return gossip_pb2.ListChangesResponse(
-        nodes=[node_to_pb(record) for record in listing.nodes],
-        change_id=listing.change_id,
-        full=listing.full,
-        server_unix_ms=listing.now_ms,
-    )
-
-
 def changes_from_pb(reply: gossip_pb2.ListChangesResponse) -> NodeChanges:
     return NodeChanges(
         nodes=tuple(node_from_pb(info) for info in reply.nodes),

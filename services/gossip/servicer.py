@@ -24,7 +24,7 @@ from services.common.gossip_records import ALIVE, ROLES, NodeRecord
 from services.common.metrics import Metrics
 from services.gossip import convert
 from services.gossip.change_feed import ChangeFeed
-from services.gossip.store import GossipStore
+from services.gossip.store import YIELD_EVERY, GossipStore
 
 WATCH_BLOCK_S = 0.25
 """Longest wait on the event stream before a watcher re-checks for server shutdown."""
@@ -151,9 +151,7 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         records, now_ms = await self._store.list_nodes(role, request.include_down)
         if role is None:
             self._count_alive(records)
-        return gossip_pb2.ListNodesResponse(
-            nodes=[convert.node_to_pb(record) for record in records], server_unix_ms=now_ms
-        )
+        return gossip_pb2.ListNodesResponse(nodes=await _nodes_pb(records), server_unix_ms=now_ms)
 
     async def ListChanges(self, request, context: grpc.aio.ServicerContext):
         reply = await self._feed.answer(request.after_change_id)
@@ -162,7 +160,12 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
         listing = await self._store.list_changes(request.after_change_id)
         if listing.full:
             self._count_alive(listing.nodes)
-        return convert.changes_to_pb(listing)
+        return gossip_pb2.ListChangesResponse(
+            nodes=await _nodes_pb(listing.nodes),
+            change_id=listing.change_id,
+            full=listing.full,
+            server_unix_ms=listing.now_ms,
+        )
 
     async def ListLinks(self, request, context: grpc.aio.ServicerContext):
         if request.measured_after_unix_ms < 0:
@@ -186,3 +189,14 @@ class GossipServicer(gossip_pb2_grpc.GossipServiceServicer):
                     yield convert.event_to_pb(event)
         finally:
             self.active_watchers -= 1
+
+
+async def _nodes_pb(records: Iterable[NodeRecord]) -> list[gossip_pb2.NodeInfo]:
+    """Every record as a NodeInfo, the event loop turned every `YIELD_EVERY` of them
+    (a full listing's encoding would otherwise hold up the replica's other callers)."""
+    nodes = []
+    for index, record in enumerate(records):
+        nodes.append(convert.node_to_pb(record))
+        if index % YIELD_EVERY == YIELD_EVERY - 1:
+            await asyncio.sleep(0)
+    return nodes

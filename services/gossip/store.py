@@ -87,6 +87,11 @@ T = TypeVar("T")
 
 _EVENT_ID = re.compile(r"^[0-9]{1,19}(-[0-9]{1,19})?$")  # ASCII, within the uint64 Redis takes
 
+YIELD_EVERY = 256
+"""Records a listing decodes (or encodes) between two turns of the event loop: at 4,096
+instances a full listing is ~0.1 s of Python, and one chunk of it would hold up every
+other view's poll and every heartbeat this replica answers."""
+
 # Shared by the scripts below. ARGV[1] is the node-key prefix, ARGV[2] the event stream's
 # MAXLEN, ARGV[3] how long a down node stays listed, ARGV[4] the change stream's MAXLEN;
 # KEYS[1] is the live set, KEYS[2] the event stream, KEYS[3] the change stream.
@@ -921,11 +926,13 @@ class GossipStore:
             hashes = await pipe.execute()
         records: list[NodeRecord] = []
         forgotten: list[str] = []
-        for instance_id, raw in zip(ids, hashes, strict=True):
+        for index, (instance_id, raw) in enumerate(zip(ids, hashes, strict=True)):
             if raw:
                 records.append(_node_record(_decode_hash(raw), now_ms))
             else:
                 forgotten.append(instance_id)
+            if index % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)
         if forgotten:
             await self._redis.srem(shard.nodes, *forgotten)
         return records
