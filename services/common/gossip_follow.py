@@ -39,16 +39,17 @@ whose nodes' clocks may differ by this much. What it lists twice is applied twic
 
 
 class _Resynced:
-    """When a copy lists everything again: at its first poll, then every `resync_s`
-    (every poll with `resync_s=0`)."""
+    """When a copy lists everything again: at its first poll, then every `resync_s`, or
+    every period drawn within `jitter` of it (every poll with `resync_s=0`)."""
 
-    def __init__(self, resync_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, resync_s: float, clock: Callable[[], float], jitter: float = 0.0) -> None:
         self.resync_s = resync_s
         self._clock = clock
         self._full_at_s = -math.inf
+        self._period_s = resync_s * random.uniform(1.0 - jitter, 1.0 + jitter)
 
     def _resync_due(self, now_s: float) -> bool:
-        return self.resync_s <= 0 or now_s - self._full_at_s >= self.resync_s
+        return self.resync_s <= 0 or now_s - self._full_at_s >= self._period_s
 
 
 class RegistryCopy(_Resynced):
@@ -61,7 +62,7 @@ class RegistryCopy(_Resynced):
     def __init__(
         self, resync_s: float = DEFAULT_RESYNC_S, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        super().__init__(resync_s, clock)
+        super().__init__(resync_s, clock, jitter=0.1)
         self.nodes: dict[str, NodeRecord] = {}
         self._change_id = ""
         self.full_listings = 0
@@ -69,10 +70,6 @@ class RegistryCopy(_Resynced):
         self._listing: asyncio.Future[NodeChanges] | None = None
         self._changed_since_listing: set[str] = set()
         """Instances a delta brought while the listing under way was read."""
-        self._period_s = resync_s * random.uniform(0.9, 1.1)
-
-    def _resync_due(self, now_s: float) -> bool:
-        return self.resync_s <= 0 or now_s - self._full_at_s >= self._period_s
 
     async def poll(self, reader: GossipReader) -> tuple[NodeRecord, ...] | None:
         """Applies what changed; returns the changed records, or None when the copy was
